@@ -1,0 +1,33 @@
+# evenpipe: `make demo` and `make test` set up .venv from scratch when it is missing.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU wheel of torch on this machine's disk; never let pip resolve an unpinned torch.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup demo test typecheck bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TORCH_PIN)"
+	$(VPY) -m pip install -q "$(TORCH_PIN)" -e ".[runtime,plot,dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m evenpipe.demo --out demo_out
+
+typecheck: $(STAMP)
+	$(VPY) -m mypy src/evenpipe/schedule src/evenpipe/sim src/evenpipe/cost src/evenpipe/plan
+
+test: $(STAMP) typecheck
+	$(VPY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(VPY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) demo_out build *.egg-info src/*.egg-info

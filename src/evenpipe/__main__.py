@@ -1,0 +1,5 @@
+import sys
+
+from evenpipe.cli import main
+
+sys.exit(main())

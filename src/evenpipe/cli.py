@@ -1,0 +1,61 @@
+"""Command-line entry point: ``evenpipe SUBCOMMAND ...``. Thin: parse, call, print.
+
+Each subcommand lives in ``evenpipe.commands.<name>`` and provides ``add_arguments(parser)`` and
+``run(args) -> int``. Modules are imported lazily so that planning commands never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from evenpipe.errors import EvenpipeError
+
+__all__ = ["main", "SUBCOMMANDS"]
+
+SUBCOMMANDS: dict[str, str] = {
+    "simulate": "Simulate a schedule: timeline, bubble and per-rank activation memory.",
+    "train": "Train a reference model with a pipeline schedule over torch.distributed.",
+    "estimate": "Predict memory, step time and MFU of one parallel configuration.",
+    "plan": "Search parallel configurations and schedules; explain whether BPipe pays.",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(2, f"evenpipe: error: {message}\n")
+
+
+def _build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, str | None]:
+    parser = _Parser(prog="evenpipe", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, help_text in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:  # only the chosen command's module is imported (keeps torch out of planning)
+            importlib.import_module(f"evenpipe.commands.{name.replace('-', '_')}").add_arguments(p)
+    return parser, chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, chosen = _build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(f"evenpipe.commands.{args.command.replace('-', '_')}")
+    try:
+        return int(module.run(args) or 0)
+    except EvenpipeError as e:
+        first = str(e).splitlines()[0]
+        print(f"evenpipe {args.command}: error: {first}", file=sys.stderr)
+        rest = str(e).splitlines()[1:]
+        if rest:
+            print("\n".join(rest), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

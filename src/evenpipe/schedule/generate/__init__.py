@@ -1,0 +1,1 @@
+"""Schedule generators, one module per family."""

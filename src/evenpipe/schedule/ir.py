@@ -1,0 +1,281 @@
+"""The schedule IR: per-rank lists of actions.
+
+Vocabulary
+----------
+- **rank**: one pipeline process (one GPU). Ranks are numbered ``0 .. num_ranks-1`` within one pipeline replica.
+- **stage**: a contiguous group of layers. With interleaving a rank holds several stages (virtual chunks);
+  ``Schedule.stage_to_rank[s]`` says where stage ``s`` lives. Stage ``s`` feeds stage ``s+1``.
+- **micro-batch**: a slice of the global batch, numbered ``0 .. num_microbatches-1``.
+
+An :class:`Action` is one step of one rank. Its text form is one token, ``{stage}{KIND}{microbatch}`` with an
+optional ``@{peer}`` for transfers, e.g. ``0F3``, ``2I1``, ``1W0``, ``0SEND_F3@1``, ``0EVICT2@3``. The compute
+tokens (``F``, ``B``, ``I``, ``W``) are the same as torch.distributed.pipelining's, so compute-only schedules
+round-trip through its CSV form.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+from evenpipe.errors import ScheduleFormatError
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "COMPUTE_KINDS",
+    "SEND_KINDS",
+    "RECV_KINDS",
+    "parse_action",
+]
+
+
+class ActionKind(enum.Enum):
+    """What an action does. The value is its token in the text form."""
+
+    FORWARD = "F"
+    """Forward pass of one stage on one micro-batch; saves activations for backward."""
+    BACKWARD = "B"
+    """Full backward (input and weight gradients); frees the micro-batch's activations."""
+    BACKWARD_INPUT = "I"
+    """Input-gradient half of the backward (zero-bubble); keeps what the weight gradient needs."""
+    BACKWARD_WEIGHT = "W"
+    """Weight-gradient half of the backward; frees the rest of the activations."""
+    RECOMPUTE = "R"
+    """Re-run the forward from the stashed stage input to rebuild activations before a backward."""
+    SEND_F = "SEND_F"
+    """Send a stage's output activation to the rank of the next stage."""
+    RECV_F = "RECV_F"
+    """Receive the input activation of a stage from the rank of the previous stage."""
+    SEND_B = "SEND_B"
+    """Send the gradient of a stage's input to the rank of the previous stage."""
+    RECV_B = "RECV_B"
+    """Receive the gradient of a stage's output from the rank of the next stage."""
+    EVICT = "EVICT"
+    """BPipe evictor: send the micro-batch's saved activations to the partner rank and free them locally."""
+    ACCEPT = "ACCEPT"
+    """BPipe acceptor: receive and hold a partner's evicted activations."""
+    RETURN = "RETURN"
+    """BPipe acceptor: send held activations back to their owner and free them."""
+    LOAD = "LOAD"
+    """BPipe evictor: receive its evicted activations back before the backward."""
+    OFFLOAD = "OFFLOAD"
+    """Copy the micro-batch's saved activations to host memory and free device memory."""
+    RELOAD = "RELOAD"
+    """Copy offloaded activations back from host memory."""
+
+    @property
+    def token(self) -> str:
+        return self.value
+
+    @property
+    def is_compute(self) -> bool:
+        return self in COMPUTE_KINDS
+
+    @property
+    def is_send(self) -> bool:
+        return self in SEND_KINDS
+
+    @property
+    def is_recv(self) -> bool:
+        return self in RECV_KINDS
+
+    @property
+    def is_transfer(self) -> bool:
+        return self in SEND_KINDS or self in RECV_KINDS
+
+
+COMPUTE_KINDS = frozenset(
+    {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT,
+     ActionKind.RECOMPUTE}
+)
+SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.EVICT, ActionKind.RETURN})
+RECV_KINDS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.ACCEPT, ActionKind.LOAD})
+
+MATCHING_RECV: dict[ActionKind, ActionKind] = {
+    ActionKind.SEND_F: ActionKind.RECV_F,
+    ActionKind.SEND_B: ActionKind.RECV_B,
+    ActionKind.EVICT: ActionKind.ACCEPT,
+    ActionKind.RETURN: ActionKind.LOAD,
+}
+"""Each send kind and the receive kind that completes it on the peer rank."""
+
+_TOKEN_RE = re.compile(r"^(\d+)([A-Z_]+?)(\d+)(?:@(\d+))?$")
+_KIND_BY_TOKEN = {k.value: k for k in ActionKind}
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one rank: ``kind`` on ``stage`` for ``microbatch``; ``peer`` is the other rank of a transfer."""
+
+    kind: ActionKind
+    stage: int
+    microbatch: int
+    peer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage < 0 or self.microbatch < 0:
+            raise ScheduleFormatError(f"action {self.kind.name} has negative stage/microbatch "
+                                      f"({self.stage}, {self.microbatch})")
+        if self.kind.is_transfer and self.peer is None:
+            raise ScheduleFormatError(f"transfer action {self.kind.name} needs a peer rank")
+
+    def __str__(self) -> str:
+        base = f"{self.stage}{self.kind.token}{self.microbatch}"
+        return base if self.peer is None else f"{base}@{self.peer}"
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(stage, microbatch): the unit of work this action belongs to."""
+        return (self.stage, self.microbatch)
+
+
+def parse_action(token: str) -> Action:
+    """Parse one text token such as ``0F3`` or ``1SEND_F2@2``."""
+    m = _TOKEN_RE.match(token.strip())
+    if not m or m.group(2) not in _KIND_BY_TOKEN:
+        allowed = ", ".join(k.value for k in ActionKind)
+        raise ScheduleFormatError(f"bad action token {token!r}: expected STAGE KIND MICROBATCH[@PEER] "
+                                  f"with KIND one of {allowed}")
+    peer = int(m.group(4)) if m.group(4) is not None else None
+    return Action(_KIND_BY_TOKEN[m.group(2)], int(m.group(1)), int(m.group(3)), peer)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Schedule:
+    """A pipeline schedule: the ordered actions of every rank plus the stage layout.
+
+    ``actions[r]`` is what rank ``r`` executes, in order. ``stage_to_rank[s]`` is the rank holding stage ``s``.
+    """
+
+    name: str
+    """Schedule family, e.g. ``1f1b`` or ``bpipe``."""
+    num_ranks: int
+    """Pipeline ranks (p)."""
+    num_microbatches: int
+    """Micro-batches per step (m)."""
+    stage_to_rank: tuple[int, ...]
+    """Rank of each stage; ``len(stage_to_rank)`` is the number of stages (p times the chunks per rank)."""
+    actions: tuple[tuple[Action, ...], ...]
+    """Per-rank action lists."""
+    meta: dict[str, object] = field(default_factory=dict, compare=False)
+    """Free-form facts a generator wants to keep (e.g. the BPipe budget); JSON-serialisable."""
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ScheduleFormatError(f"num_ranks must be >= 1, got {self.num_ranks}")
+        if self.num_microbatches < 1:
+            raise ScheduleFormatError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if len(self.actions) != self.num_ranks:
+            raise ScheduleFormatError(f"schedule has {len(self.actions)} action lists for {self.num_ranks} ranks")
+        for s, r in enumerate(self.stage_to_rank):
+            if not 0 <= r < self.num_ranks:
+                raise ScheduleFormatError(f"stage {s} placed on rank {r}; ranks are 0..{self.num_ranks - 1}")
+
+    # -- layout -------------------------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    @property
+    def num_chunks(self) -> int:
+        """Stages per rank (V); 1 unless interleaved or looped."""
+        return max(1, self.num_stages // self.num_ranks)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    def rank_of(self, stage: int) -> int:
+        return self.stage_to_rank[stage]
+
+    def compute_only(self) -> "Schedule":
+        """The same schedule with transfer actions removed (what torch's compute CSV holds)."""
+        return self.with_actions(tuple(tuple(a for a in acts if a.kind.is_compute) for acts in self.actions))
+
+    def with_actions(self, actions: Sequence[Sequence[Action]], name: str | None = None,
+                     meta: dict[str, object] | None = None) -> "Schedule":
+        return Schedule(name=name or self.name, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
+                        stage_to_rank=self.stage_to_rank, actions=tuple(tuple(a) for a in actions),
+                        meta=dict(self.meta if meta is None else meta))
+
+    def iter_actions(self) -> Iterator[tuple[int, int, Action]]:
+        """Yield ``(rank, index, action)`` for every action."""
+        for r, acts in enumerate(self.actions):
+            for i, a in enumerate(acts):
+                yield r, i, a
+
+    # -- text form ----------------------------------------------------------------------------------------
+    def to_text(self) -> str:
+        """Compact text: a header line, then one line per rank of space-separated tokens."""
+        layout = ",".join(str(r) for r in self.stage_to_rank)
+        lines = [f"# {self.name} ranks={self.num_ranks} microbatches={self.num_microbatches} layout={layout}"]
+        for r, acts in enumerate(self.actions):
+            lines.append(f"{r}: " + " ".join(str(a) for a in acts))
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> "Schedule":
+        lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+        if not lines or not lines[0].startswith("#"):
+            raise ScheduleFormatError("schedule text must start with '# NAME ranks=P microbatches=M layout=...'")
+        header = dict(part.split("=", 1) for part in lines[0][1:].split()[1:] if "=" in part)
+        name = lines[0][1:].split()[0]
+        try:
+            num_ranks, num_mb = int(header["ranks"]), int(header["microbatches"])
+            layout = tuple(int(x) for x in header["layout"].split(","))
+        except (KeyError, ValueError) as e:
+            raise ScheduleFormatError(f"bad schedule header {lines[0]!r}: {e}") from None
+        actions: list[tuple[Action, ...]] = [() for _ in range(num_ranks)]
+        for ln in lines[1:]:
+            rank_s, _, body = ln.partition(":")
+            actions[int(rank_s)] = tuple(parse_action(t) for t in body.split())
+        return cls(name=name, num_ranks=num_ranks, num_microbatches=num_mb, stage_to_rank=layout,
+                   actions=tuple(actions))
+
+    # -- JSON -----------------------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps({
+            "name": self.name, "num_ranks": self.num_ranks, "num_microbatches": self.num_microbatches,
+            "stage_to_rank": list(self.stage_to_rank), "meta": self.meta,
+            "actions": [[str(a) for a in acts] for acts in self.actions],
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        d = json.loads(text)
+        return cls(name=d["name"], num_ranks=d["num_ranks"], num_microbatches=d["num_microbatches"],
+                   stage_to_rank=tuple(d["stage_to_rank"]), meta=d.get("meta", {}),
+                   actions=tuple(tuple(parse_action(t) for t in acts) for acts in d["actions"]))
+
+    # -- torch.distributed.pipelining CSV --------------------------------------------------------------------
+    def to_torch_csv(self) -> str:
+        """Compute actions as torch.distributed.pipelining's CSV: one row per rank, tokens like ``0F0``."""
+        return "\n".join(",".join(str(a) for a in acts if a.kind.is_compute) for acts in self.actions) + "\n"
+
+    @classmethod
+    def from_torch_csv(cls, text: str, *, name: str = "custom", num_microbatches: int | None = None,
+                       stage_to_rank: Sequence[int] | None = None) -> "Schedule":
+        """Read torch's compute CSV. Layout defaults to round-robin stages (``stage % ranks``)."""
+        rows = [ln for ln in text.splitlines() if ln.strip()]
+        actions = tuple(tuple(parse_action(t) for t in row.split(",") if t.strip()) for row in rows)
+        for acts in actions:
+            for a in acts:
+                if not a.kind.is_compute:
+                    raise ScheduleFormatError(f"torch CSV holds compute actions only, got {a}")
+        all_actions = [a for acts in actions for a in acts]
+        num_stages = 1 + max((a.stage for a in all_actions), default=0)
+        mb = num_microbatches or 1 + max((a.microbatch for a in all_actions), default=0)
+        layout = tuple(stage_to_rank) if stage_to_rank is not None else tuple(
+            s % len(actions) for s in range(num_stages))
+        return cls(name=name, num_ranks=len(actions), num_microbatches=mb, stage_to_rank=layout, actions=actions)
+
+
+def count_kinds(actions: Iterable[Action]) -> dict[ActionKind, int]:
+    out: dict[ActionKind, int] = {}
+    for a in actions:
+        out[a.kind] = out.get(a.kind, 0) + 1
+    return out
