@@ -1,0 +1,124 @@
+"""What the simulator needs to know about a run: per-stage durations and bytes, and the links between ranks.
+
+Units: seconds (or any consistent time unit) and bytes. A *stage* here is one entry of
+``Schedule.stage_to_rank``: with interleaving, a chunk holding 1/V of a rank's layers.
+
+Conventions (shared by the simulator, the cost model and the runtime's profiler):
+- full backward ``B`` takes ``backward_input + backward_weight``; the zero-bubble split runs them as ``I`` and ``W``;
+- a forward saves ``activation_bytes`` for backward (``checkpoint_bytes`` instead under recomputation, and the
+  ``RECOMPUTE`` action rebuilds the full ``activation_bytes``);
+- after ``I``, ``weight_grad_bytes`` of them stay alive until ``W``;
+- ``output_bytes`` is the size of the activation sent to the next stage (the gradient sent back has the same size);
+- BPipe evicts and loads ``activation_bytes`` (or ``checkpoint_bytes`` when recomputing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from evenpipe.errors import ConfigError
+
+__all__ = ["Link", "StageCosts", "SimCosts"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Link:
+    """A point-to-point link: fixed latency plus bytes over bandwidth."""
+
+    latency_s: float = 0.0
+    """Seconds before the first byte arrives."""
+    bandwidth_bytes_per_s: float = math.inf
+    """Sustained bytes per second; ``inf`` makes transfers free of size cost."""
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0:
+            raise ConfigError(f"link latency must be >= 0 s, got {self.latency_s}")
+        if not self.bandwidth_bytes_per_s > 0:
+            raise ConfigError(f"link bandwidth must be > 0 bytes/s, got {self.bandwidth_bytes_per_s}")
+
+    def transfer_time(self, num_bytes: float) -> float:
+        if num_bytes <= 0:
+            return self.latency_s
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+
+FREE_LINK = Link()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageCosts:
+    """Durations and bytes of one stage for one micro-batch."""
+
+    forward: float = 1.0
+    """Forward time."""
+    backward_input: float = 2.0
+    """Input-gradient part of the backward (the whole backward when ``backward_weight`` is 0)."""
+    backward_weight: float = 0.0
+    """Weight-gradient part of the backward."""
+    recompute: float | None = None
+    """Time to rebuild activations before backward; defaults to ``forward``."""
+    activation_bytes: float = 1.0
+    """Bytes saved for backward by one forward."""
+    checkpoint_bytes: float = 0.0
+    """Bytes kept per micro-batch when the stage recomputes (its input)."""
+    weight_grad_bytes: float = 0.0
+    """Bytes still alive between ``I`` and ``W``."""
+    output_bytes: float = 0.0
+    """Bytes of the activation message to the next stage (and of the gradient coming back)."""
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward_input", "backward_weight", "activation_bytes", "checkpoint_bytes",
+                     "weight_grad_bytes", "output_bytes"):
+            value = getattr(self, name)
+            if value < 0 or math.isnan(value):
+                raise ConfigError(f"stage cost {name} must be >= 0, got {value}")
+
+    @property
+    def backward(self) -> float:
+        """Full backward time (``B``)."""
+        return self.backward_input + self.backward_weight
+
+    @property
+    def recompute_time(self) -> float:
+        return self.forward if self.recompute is None else self.recompute
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimCosts:
+    """Per-stage costs plus links. ``links[(src, dst)]`` overrides ``default_link`` for one directed rank pair."""
+
+    stages: tuple[StageCosts, ...]
+    """One entry per stage of the schedule."""
+    default_link: Link = FREE_LINK
+    """Link used for every rank pair not in ``links``."""
+    links: Mapping[tuple[int, int], Link] = field(default_factory=dict)
+    """Directed rank-pair overrides (e.g. inter-node pairs)."""
+
+    def link(self, src: int, dst: int) -> Link:
+        return self.links.get((src, dst), self.default_link)
+
+    @classmethod
+    def uniform(cls, *, num_stages: int, num_chunks: int = 1, forward: float = 1.0, backward: float = 2.0,
+                weight: float = 0.0, activation_bytes: float = 1.0, output_bytes: float = 0.0,
+                checkpoint_bytes: float | None = None, weight_grad_bytes: float | None = None,
+                link: Link = FREE_LINK) -> "SimCosts":
+        """Identical stages. Times and bytes are given for a *whole* rank's share of layers and divided by
+        ``num_chunks`` (so interleaving splits each rank's work into V smaller stages). ``backward`` is the
+        input-gradient time ``B``; a full backward takes ``backward + weight``."""
+        if num_stages < 1 or num_chunks < 1:
+            raise ConfigError(f"num_stages and num_chunks must be >= 1, got {num_stages}, {num_chunks}")
+        v = float(num_chunks)
+        stage = StageCosts(
+            forward=forward / v, backward_input=backward / v, backward_weight=weight / v,
+            activation_bytes=activation_bytes / v, output_bytes=output_bytes,
+            checkpoint_bytes=(0.0 if checkpoint_bytes is None else checkpoint_bytes / v),
+            weight_grad_bytes=(activation_bytes / v * 0.5 if weight_grad_bytes is None else weight_grad_bytes / v),
+        )
+        return cls(stages=tuple(stage for _ in range(num_stages)), default_link=link)
+
+    @classmethod
+    def from_stages(cls, stages: Sequence[StageCosts], *, default_link: Link = FREE_LINK,
+                    links: Mapping[tuple[int, int], Link] | None = None) -> "SimCosts":
+        return cls(stages=tuple(stages), default_link=default_link, links=dict(links or {}))
