@@ -1,1 +1,24 @@
+"""Analytic cost model (pure Python): model and hardware specs, memory per pipeline rank, FLOP-based timing,
+and :func:`estimate`, which simulates the configuration's actual schedule.
 
+Layers: ``specs`` (ModelSpec, presets, HF configs), ``hardware`` (GPU presets), ``parallel`` (ParallelConfig and
+its checks), ``flops``, ``memory`` (StageMemory), ``timing`` (Efficiency, stage_sim_costs), ``estimate``.
+"""
+
+from evenpipe.cost.estimate import LIMITS, Estimate, TimeBreakdown, estimate
+from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step
+from evenpipe.cost.hardware import GIB, HARDWARE_PRESETS, Hardware, hardware_preset
+from evenpipe.cost.memory import StageMemory, activation_bytes, layer_activation_bytes, memory_per_stage
+from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, ScheduleFamily, check_config
+from evenpipe.cost.specs import MODEL_PRESETS, Arch, ModelSpec, from_hf_config, model_preset
+from evenpipe.cost.timing import Efficiency, stage_sim_costs
+
+__all__ = [
+    "Arch", "ModelSpec", "MODEL_PRESETS", "model_preset", "from_hf_config",
+    "Hardware", "HARDWARE_PRESETS", "hardware_preset", "GIB",
+    "ParallelConfig", "Recompute", "Attention", "ScheduleFamily", "check_config",
+    "Efficiency", "stage_sim_costs",
+    "StageMemory", "memory_per_stage", "activation_bytes", "layer_activation_bytes",
+    "Estimate", "TimeBreakdown", "estimate", "LIMITS",
+    "model_flops_per_step", "executed_flops_per_step",
+]

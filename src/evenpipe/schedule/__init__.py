@@ -1,1 +1,53 @@
+"""The schedule layer: the IR, generators, communication derivation, the BPipe transform and the validator.
 
+Pure Python (no torch, numpy or matplotlib). The usual entry point is :func:`build_schedule`.
+"""
+
+from evenpipe.schedule.bpipe import (
+    bpipe_partner,
+    bpipe_transform,
+    default_bpipe_budget,
+    held_units,
+    held_units_trace,
+)
+from evenpipe.schedule.build import add_recompute, build_schedule, compute_order
+from evenpipe.schedule.comm import derive_communication
+from evenpipe.schedule.family import ScheduleFamily
+from evenpipe.schedule.grid import format_grid
+from evenpipe.schedule.ir import (
+    COMPUTE_KINDS,
+    RECV_KINDS,
+    SEND_KINDS,
+    Action,
+    ActionKind,
+    Schedule,
+    parse_action,
+)
+from evenpipe.schedule.validate import message_key, validate
+from evenpipe.schedule.witness import WITNESS_DURATIONS, WitnessTiming, witness_timing
+
+__all__ = [
+    "COMPUTE_KINDS",
+    "RECV_KINDS",
+    "SEND_KINDS",
+    "WITNESS_DURATIONS",
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "ScheduleFamily",
+    "WitnessTiming",
+    "add_recompute",
+    "bpipe_partner",
+    "bpipe_transform",
+    "build_schedule",
+    "compute_order",
+    "default_bpipe_budget",
+    "derive_communication",
+    "format_grid",
+    "held_units",
+    "held_units_trace",
+    "message_key",
+    "parse_action",
+    "validate",
+    "witness_timing",
+]

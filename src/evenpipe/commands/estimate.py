@@ -1,0 +1,187 @@
+"""``evenpipe estimate``: predict memory per pipeline rank, step time, MFU and HFU of one configuration.
+
+A configuration that does not fit in memory is still estimated: the output says ``fits: no`` (``"fits": false``
+in JSON) and the exit code is 0, unless ``--require-fit`` is given (then one line on stderr and exit 2).
+Runs without torch; matplotlib is imported only for ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+from evenpipe.cost import (Arch, Attention, Estimate, Hardware, ModelSpec, ParallelConfig, Recompute,
+                           ScheduleFamily, check_config, estimate, from_hf_config, hardware_preset, model_preset)
+from evenpipe.cost.estimate import TimeBreakdown
+from evenpipe.errors import ConfigError
+
+__all__ = ["add_arguments", "run", "model_from_args"]
+
+_SCHEDULES = [f.value for f in ScheduleFamily]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    m = parser.add_argument_group("model (one of --model, --hf-config or --arch with its sizes)")
+    m.add_argument("--model", metavar="PRESET", help="model preset, e.g. gpt3-175b, llama2-70b")
+    m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json")
+    m.add_argument("--arch", metavar="ARCH", help="explicit architecture: gpt or llama")
+    m.add_argument("--layers", type=int, help="transformer layers (with --arch)")
+    m.add_argument("--hidden", type=int, help="hidden size (with --arch)")
+    m.add_argument("--heads", type=int, help="attention heads (with --arch)")
+    m.add_argument("--kv-heads", type=int, help="key/value heads (with --arch; default --heads)")
+    m.add_argument("--ffn-hidden", type=int, help="MLP size (with --arch; default 4·h for gpt, ~8/3·h for llama)")
+    m.add_argument("--vocab", type=int, help="vocabulary size (with --arch)")
+    m.add_argument("--seq-len", type=int, help="sequence length (required with --arch; overrides a preset's)")
+    p = parser.add_argument_group("parallelism")
+    p.add_argument("--gpu", required=True, metavar="PRESET", help="GPU preset: a100-40gb, a100-80gb, h100-80gb, h200")
+    p.add_argument("--gpus", type=int, metavar="N", help="total GPUs; must equal tp·pp·dp (dp defaults to N/(tp·pp))")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    p.add_argument("--dp", type=int, help="data-parallel size (default --gpus/(tp·pp), or 1)")
+    p.add_argument("--chunks", type=int, default=1, help="stages per pipeline rank for interleaved (default 1)")
+    p.add_argument("--microbatch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--recompute", default="none", metavar="MODE", help="none, selective or full (default none)")
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
+    p.add_argument("--attention", default="flash", metavar="KERNEL", help="eager or flash (default flash)")
+    p.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"one of {', '.join(_SCHEDULES)} (default 1f1b)")
+    p.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state over dp")
+    p.add_argument("--bpipe-budget", type=int, metavar="K", help="BPipe activation units per rank (default ⌈(p+1)/2⌉)")
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
+    o.add_argument("--out", metavar="DIR", help="write memory_per_stage.png (stacked bars per rank) into DIR")
+    o.add_argument("--require-fit", action="store_true", help="exit 2 when the configuration does not fit")
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """The ModelSpec named by exactly one of --model, --hf-config, --arch (+ sizes); --seq-len overrides."""
+    chosen = [flag for flag, value in (("--model", args.model), ("--hf-config", args.hf_config),
+                                       ("--arch", args.arch)) if value is not None]
+    if len(chosen) != 1:
+        raise ConfigError(f"give exactly one of --model, --hf-config or --arch (got {', '.join(chosen) or 'none'})")
+    if args.model is not None:
+        spec = model_preset(args.model)
+    elif args.hf_config is not None:
+        spec = from_hf_config(args.hf_config)
+    else:
+        arch = Arch.parse(args.arch)
+        missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "heads", "vocab", "seq_len")
+                   if getattr(args, n) is None]
+        if missing:
+            raise ConfigError(f"--arch {arch.value} needs {', '.join(missing)}")
+        ffn = args.ffn_hidden or (4 * args.hidden if arch is Arch.GPT else _swiglu_ffn(args.hidden))
+        return ModelSpec(name=f"{arch.value}-L{args.layers}-h{args.hidden}", arch=arch, num_layers=args.layers,
+                         hidden=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads or args.heads,
+                         ffn_hidden=ffn, vocab=args.vocab, seq_len=args.seq_len,
+                         tied_embeddings=arch is Arch.GPT)
+    if args.seq_len is not None:
+        from dataclasses import replace
+        spec = replace(spec, seq_len=args.seq_len)
+    return spec
+
+
+def _swiglu_ffn(hidden: int) -> int:
+    """LLaMA's default: 2/3 of 4·h rounded up to a multiple of 256."""
+    return -(-(8 * hidden // 3) // 256) * 256
+
+
+def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
+    tp, pp = args.tp, args.pp
+    dp = args.dp
+    if dp is None:
+        dp = 1
+        if args.gpus is not None:
+            if tp < 1 or pp < 1 or args.gpus % (tp * pp):
+                raise ConfigError(f"--gpus {args.gpus} is not a multiple of tp·pp = {tp}·{pp}")
+            dp = args.gpus // (tp * pp)
+    return ParallelConfig(tp=tp, pp=pp, dp=dp, chunks=args.chunks, microbatch_size=args.microbatch_size,
+                          global_batch=args.global_batch, recompute=Recompute.parse(args.recompute),
+                          sequence_parallel=args.sequence_parallel, attention=Attention.parse(args.attention),
+                          schedule=ScheduleFamily.parse(args.schedule),
+                          distributed_optimizer=args.distributed_optimizer, bpipe_budget=args.bpipe_budget)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = model_from_args(args)
+    hw = hardware_preset(args.gpu)
+    cfg = _config_from_args(args)
+    check_config(model, hw, cfg, num_gpus=args.gpus)
+    est = estimate(model, hw, cfg)
+    picture = None
+    if args.out:
+        from evenpipe.report.memory_bars import save_memory_bars  # matplotlib only when asked
+
+        picture = save_memory_bars(est.stage_memory, pathlib.Path(args.out) / "memory_per_stage.png",
+                                   capacity_gib=hw.memory_gib, usable_gib=hw.usable_memory_gib,
+                                   title=f"{model.name} on {cfg.num_gpus}x {hw.name}\n{cfg.describe()}")
+    if args.json:
+        out = est.to_dict()
+        if picture is not None:
+            out["memory_picture"] = str(picture)
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_estimate(est))
+        if picture is not None:
+            print(f"wrote {picture}")
+    if args.require_fit and not est.fits:
+        raise ConfigError(f"configuration does not fit: peak {est.peak_memory_gib:.1f} GiB on rank "
+                          f"{_peak_rank(est)} > usable {hw.usable_memory_gib:.1f} GiB of {hw.name}")
+    return 0
+
+
+def _peak_rank(est: Estimate) -> int:
+    return max(range(len(est.memory_per_stage_gib)), key=lambda r: est.memory_per_stage_gib[r])
+
+
+def _time_lines(bd: TimeBreakdown, step: float) -> list[str]:
+    lines = []
+    for name, value in bd.to_dict().items():
+        share = 100.0 * value / step if step > 0 else 0.0
+        lines.append(f"  {name:<15} {value:>10.3f} s {share:>6.1f}%")
+    return lines
+
+
+def _memory_lines(est: Estimate, hw: Hardware) -> list[str]:
+    cols = ("weights", "grads", "optimizer", "activations", "hosted", "embedding", "head")
+    head = f"  {'rank':>4} " + " ".join(f"{c:>11}" for c in cols) + f" {'total':>9}"
+    lines = [head]
+    stages = est.stage_memory
+    shown = list(range(len(stages))) if len(stages) <= 16 else sorted(
+        {0, 1, len(stages) // 2, len(stages) - 2, len(stages) - 1, _peak_rank(est)})
+    prev = -1
+    for r in shown:
+        if r != prev + 1:
+            lines.append("   ...")
+        m = stages[r]
+        mark = "  <- over" if m.total > hw.usable_memory_gib else ""
+        lines.append(f"  {r:>4} " + " ".join(f"{getattr(m, c):>11.2f}" for c in cols) + f" {m.total:>9.2f}{mark}")
+        prev = r
+    return lines
+
+
+def format_estimate(est: Estimate) -> str:
+    """The human-readable report printed by ``evenpipe estimate``."""
+    cfg, hw, model = est.config, est.hardware, est.model
+    bd = est.breakdown
+    lines = [
+        f"{model.name} ({model.num_params / 1e9:.1f}B params) on {cfg.num_gpus} x {hw.name}",
+        f"  {cfg.describe()}",
+        "",
+        f"step time       {est.step_time_s:10.3f} s   ({est.tokens_per_s:,.0f} tokens/s)",
+        f"MFU             {100 * est.mfu:10.1f} %   (model FLOPs, no recomputation)",
+        f"HFU             {100 * est.hfu:10.1f} %   ({est.tflops_per_gpu:.1f} TFLOP/s per GPU executed)",
+        f"bubble fraction {100 * est.bubble_fraction:10.1f} %",
+        f"limited by      {est.limited_by:>10}",
+        "",
+        f"time of the critical pipeline rank {est.critical_rank} (sums to the step time):",
+        *_time_lines(bd, est.step_time_s),
+        "",
+        f"peak memory per pipeline rank (GiB; {hw.name} has {hw.memory_gib:g}, usable {hw.usable_memory_gib:g}):",
+        *_memory_lines(est, hw),
+        "",
+        (f"fits: yes (peak {est.peak_memory_gib:.2f} GiB on rank {_peak_rank(est)})" if est.fits else
+         f"fits: NO (peak {est.peak_memory_gib:.2f} GiB on rank {_peak_rank(est)} > usable "
+         f"{hw.usable_memory_gib:g} GiB)"),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""``evenpipe simulate``: build a schedule, simulate one step, print a summary (or JSON) and write pictures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import warnings
+from typing import Any
+
+from evenpipe.errors import ConfigError
+from evenpipe.report.tables import exposed_table, summary_table
+from evenpipe.schedule import ScheduleFamily, build_schedule
+from evenpipe.sim import Link, SimCosts, Trace, simulate
+
+__all__ = ["add_arguments", "run", "trace_from_args", "summary_json"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    names = ", ".join(f.value for f in ScheduleFamily)
+    parser.add_argument("--schedule", required=True, metavar="NAME", help=f"schedule family: {names}")
+    parser.add_argument("--stages", type=int, required=True, metavar="P", help="pipeline ranks P")
+    parser.add_argument("--microbatches", type=int, required=True, metavar="M", help="micro-batches per step M")
+    parser.add_argument("--chunks", type=int, default=None, metavar="V",
+                        help="stages per rank for interleaved / looped-bfs (default 2 there, else 1)")
+    times = parser.add_argument_group("durations per micro-batch of one rank's layers (seconds)")
+    times.add_argument("--forward-time", type=float, default=1.0, metavar="F", help="forward (default 1)")
+    times.add_argument("--backward-time", type=float, default=2.0, metavar="B",
+                       help="input-gradient backward (default 2)")
+    times.add_argument("--weight-time", type=float, default=0.0, metavar="W",
+                       help="weight-gradient backward (default 0); a full backward takes B+W")
+    link = parser.add_argument_group("links and sizes (default: free links)")
+    link.add_argument("--link-latency", type=float, default=0.0, metavar="S", help="seconds per message")
+    link.add_argument("--link-bandwidth", type=float, default=math.inf, metavar="BYTES_PER_S",
+                      help="bytes per second of every rank-to-rank link (default: infinite)")
+    link.add_argument("--activation-bytes", type=float, default=1.0, metavar="N",
+                      help="activation bytes one micro-batch saves on one rank (default 1); BPipe moves these")
+    link.add_argument("--output-bytes", type=float, default=0.0, metavar="N",
+                      help="bytes of the activation / gradient message between stages (default 0)")
+    parser.add_argument("--bpipe-budget", type=int, default=None, metavar="K",
+                        help="BPipe: activation units a rank may hold (default ceil((P+1)/2))")
+    parser.add_argument("--recompute", action="store_true", help="recompute activations before each backward")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    parser.add_argument("--out", metavar="DIR", help="write timeline.png, memory.png, trace.json, schedule.txt")
+
+
+def trace_from_args(args: argparse.Namespace) -> Trace:
+    """Build and simulate the schedule the arguments describe (``ConfigError`` for bad values)."""
+    family = ScheduleFamily.parse(args.schedule)
+    chunks = args.chunks if args.chunks is not None else (2 if family.has_chunks else 1)
+    for name in ("forward_time", "backward_time", "weight_time", "link_latency", "activation_bytes",
+                 "output_bytes"):
+        value = getattr(args, name)
+        if not value >= 0 or math.isnan(value):
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    if not args.link_bandwidth > 0:
+        raise ConfigError(f"--link-bandwidth must be > 0 bytes/s, got {args.link_bandwidth}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        sched = build_schedule(family, num_ranks=args.stages, num_microbatches=args.microbatches,
+                               num_chunks=chunks, bpipe_budget=args.bpipe_budget, recompute=args.recompute)
+    costs = SimCosts.uniform(
+        num_stages=sched.num_stages, num_chunks=sched.num_chunks, forward=args.forward_time,
+        backward=args.backward_time, weight=args.weight_time, activation_bytes=args.activation_bytes,
+        output_bytes=args.output_bytes,
+        checkpoint_bytes=args.activation_bytes / 8 if args.recompute else None,
+        link=Link(latency_s=args.link_latency, bandwidth_bytes_per_s=args.link_bandwidth))
+    return simulate(sched, costs)
+
+
+def summary_json(trace: Trace) -> dict[str, Any]:
+    """The ``--json`` object."""
+    s = trace.schedule
+    return {
+        "schedule": s.name, "stages": s.num_ranks, "microbatches": s.num_microbatches, "chunks": s.num_chunks,
+        "num_stages": s.num_stages, "step_time": trace.step_time, "bubble_fraction": trace.bubble_fraction,
+        "peak_activations": list(trace.peak_activations),
+        "peak_activation_bytes": list(trace.peak_activation_bytes),
+        "actions": trace.num_actions, "transfers": len(trace.transfers),
+        "exposed_transfer_time": trace.exposed_transfer_time,
+        "exposed_transfers": [{"kind": t.kind.name, "stage": t.stage, "microbatch": t.microbatch, "src": t.src,
+                               "dst": t.dst, "start": t.start, "end": t.end, "exposed_s": t.exposed_s}
+                              for t in trace.exposed_transfers[:20]],
+        "meta": s.meta,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    trace = trace_from_args(args)
+    files = []
+    if args.out:
+        from evenpipe.report.bundle import write_bundle  # imports matplotlib
+
+        files = [str(p) for p in write_bundle(trace, args.out)]
+    if args.json:
+        print(json.dumps(dict(summary_json(trace), files=files)))
+        return 0
+    print(summary_table(trace))
+    print()
+    print(exposed_table(trace))
+    if files:
+        print("\nwrote " + ", ".join(files))
+    return 0

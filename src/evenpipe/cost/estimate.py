@@ -1,0 +1,239 @@
+"""Predict one configuration: simulate its schedule with the cost model, add data-parallel reduction and the
+optimizer step, and report time, utilisation and memory.
+
+Step time = simulated pipeline makespan (compute, tensor-parallel collectives inside the stage durations,
+pipeline messages and BPipe transfers over their links, bubbles) + the data-parallel gradient reduction beyond
+each rank's last backward (it overlaps that backward when ``Efficiency.dp_overlap``; a rank that finishes early
+hides its reduction behind the ranks still working) + the optimizer step.
+
+Utilisation conventions: ``mfu`` = model FLOPs (no recomputation; :func:`evenpipe.cost.flops.model_flops_per_step`)
+/ (step time · GPUs · peak); ``hfu`` counts executed FLOPs (recomputation included); ``tflops_per_gpu`` is the
+executed FLOP rate per GPU, the quantity Narayanan et al. 2021 report in Table 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from evenpipe.schedule.ir import ActionKind, Schedule
+from evenpipe.sim import Trace, simulate
+
+from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step
+from evenpipe.cost.hardware import Hardware
+from evenpipe.cost.memory import (StageMemory, build_cost_schedule, layer_params_per_rank, memory_per_stage,
+                                  _head_params_per_rank)
+from evenpipe.cost.parallel import ParallelConfig, check_config
+from evenpipe.cost.specs import Arch, ModelSpec
+from evenpipe.cost.timing import (Efficiency, LayerTimes, dp_allreduce_time, layer_times, optimizer_step_time,
+                                  stage_sim_costs)
+
+__all__ = ["Estimate", "TimeBreakdown", "estimate", "LIMITS"]
+
+LIMITS = ("memory", "bubble", "communication", "compute")
+"""Values of :attr:`Estimate.limited_by`."""
+
+_OVERHEAD_SHARE = 0.10
+"""An overhead (bubble or exposed communication) this large a share of the step names the limit."""
+_MEMORY_NEAR = 0.90
+"""A fitting configuration using this share of usable memory is called memory-limited."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimeBreakdown:
+    """Where the step time of the critical rank goes, in seconds; the parts sum to the step time."""
+
+    compute: float
+    """Forward and backward kernels (GEMMs, attention, element-wise), recomputation excluded."""
+    tp_comm: float
+    """Tensor-parallel collectives (not overlapped)."""
+    recompute: float
+    """Re-run forwards (full recomputation) or attention cores (selective)."""
+    pp_comm: float
+    """Pipeline activation/gradient messages the rank waited on."""
+    bpipe_transfer: float
+    """BPipe evict/load transfers the rank waited on."""
+    bubble: float
+    """Idle time of the rank inside the pipeline (warm-up, cool-down, dependency waits)."""
+    dp_comm: float
+    """Data-parallel gradient reduction beyond the overlapped part."""
+    optimizer: float
+    """Optimizer step."""
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tp_comm + self.recompute + self.pp_comm + self.bpipe_transfer + self.bubble
+                + self.dp_comm + self.optimizer)
+
+    def to_dict(self) -> dict[str, float]:
+        return {name: float(getattr(self, name)) for name in
+                ("compute", "tp_comm", "recompute", "pp_comm", "bpipe_transfer", "bubble", "dp_comm", "optimizer")}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Estimate:
+    """The predicted step of one configuration."""
+
+    model: ModelSpec
+    """The model estimated."""
+    hardware: Hardware
+    """The GPU type."""
+    config: ParallelConfig
+    """The parallel configuration."""
+    step_time_s: float
+    """Seconds per optimizer step."""
+    mfu: float
+    """Model FLOPs utilisation (no recomputation counted)."""
+    hfu: float
+    """Hardware FLOPs utilisation (recomputation counted)."""
+    tflops_per_gpu: float
+    """Executed TFLOP/s per GPU (hfu · peak)."""
+    bubble_fraction: float
+    """Idle share of the pipeline ranks' simulated time."""
+    memory_per_stage_gib: tuple[float, ...]
+    """Peak memory of each pipeline rank, GiB."""
+    peak_memory_gib: float
+    """Largest entry of ``memory_per_stage_gib``."""
+    fits: bool
+    """Whether every rank fits in the GPU's usable memory (``Hardware.usable_memory_gib``)."""
+    breakdown: TimeBreakdown
+    """Step time of the critical rank by component."""
+    stage_memory: tuple[StageMemory, ...]
+    """Per-rank memory by component, GiB."""
+    critical_rank: int
+    """Pipeline rank that finishes last."""
+    limited_by: str
+    """What limits the configuration: one of :data:`LIMITS` (see :func:`_limit`)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.config.global_batch * self.model.seq_len / self.step_time_s
+
+    def to_dict(self) -> dict[str, object]:
+        c = self.config
+        return {
+            "model": self.model.name, "gpu": self.hardware.name, "gpus": c.num_gpus,
+            "config": {"tp": c.tp, "pp": c.pp, "dp": c.dp, "chunks": c.chunks, "microbatch_size": c.microbatch_size,
+                       "global_batch": c.global_batch, "num_microbatches": c.num_microbatches,
+                       "recompute": c.recompute.value, "sequence_parallel": c.sequence_parallel,
+                       "attention": c.attention.value, "schedule": c.schedule.value,
+                       "distributed_optimizer": c.distributed_optimizer, "bpipe_budget": c.bpipe_budget},
+            "step_time_s": self.step_time_s, "mfu": self.mfu, "hfu": self.hfu,
+            "tflops_per_gpu": self.tflops_per_gpu, "tokens_per_s": self.tokens_per_s,
+            "bubble_fraction": self.bubble_fraction,
+            "memory_per_stage_gib": list(self.memory_per_stage_gib), "peak_memory_gib": self.peak_memory_gib,
+            "usable_memory_gib": self.hardware.usable_memory_gib, "fits": self.fits,
+            "limited_by": self.limited_by, "critical_rank": self.critical_rank,
+            "time_breakdown_s": self.breakdown.to_dict(),
+            "stage_memory_gib": [m.to_dict() for m in self.stage_memory],
+        }
+
+
+def _params_on_rank(model: ModelSpec, cfg: ParallelConfig, rank: int) -> float:
+    layers = model.num_layers // cfg.pp
+    n = layer_params_per_rank(model, cfg.tp) * layers
+    if rank == 0:
+        n += -(-model.vocab // cfg.tp) * model.hidden + (
+            model.seq_len * model.hidden if model.arch is Arch.GPT and model.count_norm_and_bias else 0)
+    if rank == cfg.pp - 1:
+        n += _head_params_per_rank(model, cfg)
+    return n
+
+
+_BACKWARD_KINDS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT,
+                             ActionKind.RECOMPUTE})
+
+
+def _rank_finish(trace: Trace, rank: int) -> tuple[float, float]:
+    """(end of the rank's last compute, time of the backward work of its last micro-batch): gradient buckets of
+    the last micro-batch are reduced while its backward runs, so that work can hide the reduction."""
+    end = 0.0
+    last_mb = -1
+    records = [rec for rec in trace.records(rank) if rec.action.kind.is_compute]
+    for rec in records:
+        end = max(end, rec.end)
+        if rec.action.kind in _BACKWARD_KINDS:
+            last_mb = rec.action.microbatch
+    window = sum(rec.end - rec.start for rec in records
+                 if rec.action.microbatch == last_mb and rec.action.kind in _BACKWARD_KINDS)
+    return end, window
+
+
+def _exposed_wait(trace: Trace, rank: int) -> tuple[float, float]:
+    """(pipeline message wait, BPipe transfer wait) the rank's computes spent on incoming messages."""
+    pp = bp = 0.0
+    for t in trace.transfers:
+        if t.dst != rank or t.exposed_s <= 0:
+            continue
+        if t.kind in (ActionKind.EVICT, ActionKind.RETURN):
+            bp += t.exposed_s
+        else:
+            pp += t.exposed_s
+    return pp, bp
+
+
+def _count(schedule: Schedule, rank: int, kind: ActionKind) -> int:
+    return sum(1 for a in schedule.actions[rank] if a.kind is kind)
+
+
+def _breakdown(model: ModelSpec, cfg: ParallelConfig, trace: Trace, rank: int, lt: LayerTimes,
+               dp_exposed: float, optimizer: float) -> TimeBreakdown:
+    schedule = trace.schedule
+    layers = model.num_layers // schedule.num_stages
+    n_fwd = _count(schedule, rank, ActionKind.FORWARD)
+    n_rec = _count(schedule, rank, ActionKind.RECOMPUTE)
+    busy = trace.busy_time(rank)
+    tp = layers * (n_fwd * (lt.tp_forward + lt.tp_backward) + n_rec * lt.tp_forward)
+    recompute = layers * (n_rec * lt.forward + n_fwd * lt.selective_recompute)
+    pp_wait, bp_wait = _exposed_wait(trace, rank)
+    end, _ = _rank_finish(trace, rank)
+    bubble = max(0.0, trace.step_time - busy - pp_wait - bp_wait)
+    return TimeBreakdown(compute=max(0.0, busy - tp - recompute), tp_comm=tp, recompute=recompute,
+                         pp_comm=pp_wait, bpipe_transfer=bp_wait, bubble=bubble, dp_comm=dp_exposed,
+                         optimizer=optimizer)
+
+
+def _limit(fits: bool, peak_gib: float, usable_gib: float, bd: TimeBreakdown, step: float) -> str:
+    """``memory`` if it does not fit; else the larger of bubble and exposed communication when it is at least
+    10% of the step; else ``memory`` when within 90% of usable memory; else ``compute``."""
+    if not fits:
+        return "memory"
+    comm = bd.tp_comm + bd.pp_comm + bd.bpipe_transfer + bd.dp_comm
+    if max(bd.bubble, comm) >= _OVERHEAD_SHARE * step:
+        return "bubble" if bd.bubble >= comm else "communication"
+    if peak_gib >= _MEMORY_NEAR * usable_gib:
+        return "memory"
+    return "compute"
+
+
+def estimate(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
+             efficiency: Efficiency | None = None) -> Estimate:
+    """Simulate ``cfg``'s schedule under the cost model and return the predicted step (see the module doc)."""
+    check_config(model, hw, cfg)
+    eff = efficiency or Efficiency()
+    schedule = build_cost_schedule(cfg)
+    trace = simulate(schedule, stage_sim_costs(model, hw, cfg, eff))
+    lt = layer_times(model, hw, cfg, eff)
+    finish = []
+    for r in range(cfg.pp):
+        end, last = _rank_finish(trace, r)
+        dp = dp_allreduce_time(_params_on_rank(model, cfg, r), cfg, hw, eff)
+        finish.append(end + max(0.0, dp - (last if eff.dp_overlap else 0.0)))
+    critical = max(range(cfg.pp), key=lambda r: finish[r])
+    dp_exposed = max(0.0, finish[critical] - trace.step_time)
+    opt = max(optimizer_step_time(_params_on_rank(model, cfg, r), cfg, hw, eff) for r in range(cfg.pp))
+    step = trace.step_time + dp_exposed + opt
+    mem = memory_per_stage(model, hw, cfg)
+    totals = tuple(m.total for m in mem)
+    peak = max(totals)
+    fits = peak <= hw.usable_memory_gib
+    peak_flops = hw.peak_tflops * 1e12 * cfg.num_gpus * step
+    executed = executed_flops_per_step(model, cfg)
+    bd = _breakdown(model, cfg, trace, critical, lt, dp_exposed, opt)
+    return Estimate(
+        model=model, hardware=hw, config=cfg, step_time_s=step,
+        mfu=model_flops_per_step(model, cfg.global_batch) / peak_flops, hfu=executed / peak_flops,
+        tflops_per_gpu=executed / (step * cfg.num_gpus) / 1e12, bubble_fraction=trace.bubble_fraction,
+        memory_per_stage_gib=totals, peak_memory_gib=peak, fits=fits, breakdown=bd, stage_memory=mem,
+        critical_rank=critical, limited_by=_limit(fits, peak, hw.usable_memory_gib, bd, step),
+    )
+

@@ -1,0 +1,288 @@
+"""Memory per pipeline rank: model states, saved activations (own and BPipe-hosted), embedding and head.
+
+Model states (mixed-precision Adam, Megatron's layout; reference README and Rajbhandari et al. 2020): bf16
+weights 2 bytes, fp32 gradients 4 bytes, fp32 master weights and two Adam moments 12 bytes, i.e. 18 bytes per
+parameter; the distributed optimizer shards the 12 bytes over data parallelism (6 + 12/d).
+
+Activations of one transformer layer for one micro-batch on one tensor-parallel rank, in bytes (bf16 = 2 bytes,
+dropout masks 1 byte; Korthikanti et al. 2022, section 4). For a GPT layer with f = 4h they are
+
+    s·b·h·(10 + 24/t + 5·a·s/(h·t))   with tensor parallelism only,
+    s·b·h·(34/t + 5·a·s/(h·t))        with sequence parallelism,
+
+where the 10·s·b·h replicated over tensor ranks (split by sequence parallelism) are the two norm inputs (4), the
+QKV and MLP inputs (2 + 2) and the two dropout masks (1 + 1); the 24·s·b·h/t split ones are Q and K (4), V (2),
+the output-projection input (2), the GeLU input (8) and the second MLP GEMM's input (8); the score terms are the
+softmax output (2), its dropout mask (1) and the dropout output (2), 5·a·s²·b/t. Written for any block:
+
+    replicated = 4·sbh (norms) + 4·sbh (QKV and MLP inputs) + 2·sbh if the block has dropout
+    split      = 2·sbh (Q) + 4·sb·h_kv (K, V) + 2·sbh (projection input) + mlp
+    mlp        = 4·sbf for GeLU (its input and the second GEMM's input), 6·sbf for SwiGLU (the gate and up
+                 outputs, which a fused SwiGLU saves, and the down-projection input)
+    scores     = 5·a·s²·b (eager with dropout), 2·a·s²·b (eager without dropout: the softmax output only)
+
+A LLaMA block (RMSNorm, SwiGLU, grouped-query attention with h_kv = kv_heads·h/a, no dropout) therefore keeps
+s·b·(8·h + (4·h + 4·h_kv + 6·f)/t) + 2·a·s²·b/t bytes. K and V are split over min(t, kv_heads) ranks.
+Selective recomputation and flash attention both drop the score terms (flash keeps only the softmax statistics,
+4·a·s·b/t bytes, which we neglect: < 0.2% for a/h <= 1/64). Full recomputation keeps the layer input only,
+2·s·b·h bytes (2·s·b·h/t with sequence parallelism), plus one layer's full activations while it is recomputed.
+
+The number of micro-batches in flight comes from the schedule itself: :func:`memory_per_stage` builds it and
+walks every rank's actions in program order (forward adds a stage's activations, backward frees them, BPipe's
+EVICT/LOAD move them off and back, ACCEPT/RETURN add and free them on the acceptor). Program order is time
+order on one rank, so the peak is exact. Embedding (first stage) and head (last stage) activations are counted
+with their stage's micro-batches but reported under ``embedding`` and ``head``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from evenpipe.schedule import ActionKind, Schedule, bpipe_transform, build_schedule, compute_order
+
+from evenpipe.cost.hardware import GIB, Hardware
+from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, ScheduleFamily
+from evenpipe.cost.specs import Arch, ModelSpec
+
+__all__ = ["StageMemory", "memory_per_stage", "layer_activation_bytes", "layer_params_per_rank",
+           "BYTES_WEIGHT", "BYTES_GRAD", "BYTES_OPTIMIZER", "build_cost_schedule", "counting_schedule", "ActivationBytes",
+           "activation_bytes"]
+
+BYTES_WEIGHT = 2
+"""bf16 weights."""
+BYTES_GRAD = 4
+"""fp32 gradient accumulation buffers (Megatron's ``main_grad``)."""
+BYTES_OPTIMIZER = 12
+"""fp32 master weights + Adam first and second moments."""
+
+_TRUNCATE_FACTOR = 2
+"""In-flight peaks are counted on a schedule of at most this many times p micro-batches (GPipe excepted)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageMemory:
+    """Peak memory of one pipeline rank in GiB, by component."""
+
+    rank: int
+    """Pipeline rank."""
+    weights: float
+    """bf16 weights of the rank's transformer layers."""
+    grads: float
+    """fp32 gradients of the rank's transformer layers."""
+    optimizer: float
+    """Master weights and Adam moments of the rank's layers (sharded over dp with the distributed optimizer)."""
+    activations: float
+    """The rank's own saved layer activations at its peak."""
+    hosted: float
+    """Activations accepted from the BPipe partner at the same moment."""
+    embedding: float
+    """Embedding parameters, gradients and optimizer state, and its activations (first stage)."""
+    head: float
+    """Output layer (untied head, or Megatron's copy of tied embeddings when pp > 1) and logits (last stage)."""
+
+    @property
+    def model_states(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.grads + self.optimizer + self.activations + self.hosted
+                + self.embedding + self.head)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"rank": self.rank, "weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "hosted": self.hosted, "embedding": self.embedding,
+                "head": self.head, "total": self.total}
+
+
+def layer_params_per_rank(model: ModelSpec, tp: int) -> float:
+    """Parameters of one transformer layer held by one tensor-parallel rank."""
+    h = model.hidden
+    kv_split = min(tp, model.num_kv_heads)
+    matrices = (2 * h * h + (model.num_mlp_matrices * h * model.ffn_hidden)) / tp \
+        + 2 * h * model.kv_hidden / kv_split
+    if not model.count_norm_and_bias:
+        return matrices
+    if model.arch is Arch.LLAMA:
+        return matrices + 2 * h  # RMSNorm weights, replicated
+    split_bias = (h + model.ffn_hidden) / tp + 2 * model.kv_hidden / kv_split  # column-parallel biases
+    return matrices + split_bias + 2 * h + 4 * h  # row-parallel biases and LayerNorms, replicated
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActivationBytes:
+    """Bytes one micro-batch leaves behind on one tensor-parallel rank."""
+
+    layer_full: float
+    """One layer's saved activations without full recomputation."""
+    layer_saved: float
+    """What a layer keeps until its backward (``layer_full``, or its input under full recomputation)."""
+    layer_weight_grad: float
+    """What a layer keeps between the input-gradient and weight-gradient halves (the GEMM inputs)."""
+    embedding: float
+    """Embedding-stage extra (dropout mask)."""
+    head: float
+    """Last-stage extra: final norm input, head input, fp32 logits for the loss."""
+
+
+def layer_activation_bytes(model: ModelSpec, cfg: ParallelConfig) -> float:
+    """Saved bytes of one layer for one micro-batch on one tensor-parallel rank (see the module docstring)."""
+    return activation_bytes(model, cfg).layer_saved
+
+
+def activation_bytes(model: ModelSpec, cfg: ParallelConfig) -> ActivationBytes:
+    """All the per-micro-batch activation sizes of ``model`` under ``cfg`` (see the module docstring)."""
+    s, b, h, t = model.seq_len, cfg.microbatch_size, model.hidden, cfg.tp
+    sbh = float(s * b * h)
+    sp_div = t if cfg.sequence_parallel else 1
+    dropout = model.arch is Arch.GPT
+    replicated = (8.0 + (2.0 if dropout else 0.0)) * sbh
+    kv = 4.0 * s * b * model.kv_hidden / min(t, model.num_kv_heads)
+    mlp = (6.0 if model.arch is Arch.LLAMA else 4.0) * s * b * model.ffn_hidden
+    split = 4.0 * sbh + mlp
+    scores = (5.0 if dropout else 2.0) * model.num_heads * s * s * b
+    keeps_scores = cfg.recompute is Recompute.NONE and cfg.attention is Attention.EAGER
+    full = replicated / sp_div + split / t + kv + (scores / t if keeps_scores else 0.0)
+    layer_input = 2.0 * sbh / sp_div
+    saved = layer_input if cfg.recompute is Recompute.FULL else full
+    # GEMM inputs (needed for weight gradients): norm outputs feeding QKV and MLP, projection and MLP-out inputs.
+    gemm_inputs = 4.0 * sbh / sp_div + 2.0 * sbh / t + (
+        (4.0 if model.arch is Arch.LLAMA else 2.0) * s * b * model.ffn_hidden / t)
+    weight_grad = min(saved, gemm_inputs)
+    embedding = (sbh if dropout else 0.0) / sp_div
+    head = 4.0 * sbh / sp_div + 4.0 * s * b * model.vocab / t
+    return ActivationBytes(layer_full=full, layer_saved=saved, layer_weight_grad=weight_grad,
+                           embedding=embedding, head=head)
+
+
+def build_cost_schedule(cfg: ParallelConfig) -> Schedule:
+    """The complete, validated schedule ``cfg`` runs (cached on its shape)."""
+    return _cached_schedule(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks, cfg.bpipe_budget,
+                            cfg.recompute is Recompute.FULL)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int | None,
+                     recompute: bool) -> Schedule:
+    return build_schedule(family, num_ranks=p, num_microbatches=m, num_chunks=v, bpipe_budget=budget,
+                          recompute=recompute)
+
+
+def counting_schedule(cfg: ParallelConfig) -> Schedule:
+    """What in-flight counting needs, cheaply: the compute order (plus BPipe's evict/load actions) of at most
+    2·p micro-batches (all of them for GPipe and looped BFS, whose peaks grow with m). Every family's per-rank peak saturates by
+    m = 2·p (1F1B: min(p - r, m); interleaved: min(v·p + p - 1, v·m) chunks; ZB-H1 at most 1F1B's; BPipe at
+    its budget), so the truncated schedule has the same peaks; a unit test checks this against the full one."""
+    m = cfg.num_microbatches
+    if cfg.schedule in _SATURATING and m > _TRUNCATE_FACTOR * cfg.pp:
+        m = _TRUNCATE_FACTOR * cfg.pp
+    return _cached_counting_schedule(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.bpipe_budget)
+
+
+_SATURATING = frozenset({ScheduleFamily.ONE_F_ONE_B, ScheduleFamily.INTERLEAVED, ScheduleFamily.ZB_H1,
+                         ScheduleFamily.BPIPE})
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_counting_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int | None) -> Schedule:
+    compute = compute_order(family, num_ranks=p, num_microbatches=m, num_chunks=v)
+    return bpipe_transform(compute, budget=budget) if family is ScheduleFamily.BPIPE else compute
+
+
+@dataclass(frozen=True, slots=True)
+class _Peak:
+    own_layers: float
+    own_extra_embedding: float
+    own_extra_head: float
+    hosted: float
+
+
+def _peak_activations(schedule: Schedule, rank: int, unit: list[float], extra_first: float, extra_last: float,
+                      weight_grad_unit: list[float], transient: float) -> _Peak:
+    """Walk one rank's actions; return the components at the moment of its largest total (bytes)."""
+    last = schedule.num_stages - 1
+    own = emb = head = hosted = 0.0
+    best = _Peak(0.0, 0.0, 0.0, 0.0)
+    best_total = -1.0
+
+    def extras(stage: int, sign: float) -> tuple[float, float]:
+        return (sign * extra_first if stage == 0 else 0.0, sign * extra_last if stage == last else 0.0)
+
+    def record(spike: float) -> None:
+        nonlocal best, best_total
+        total = own + emb + head + hosted + spike
+        if total > best_total:
+            best_total = total
+            best = _Peak(own + spike, emb, head, hosted)
+
+    for a in schedule.actions[rank]:
+        k, s = a.kind, a.stage
+        if k in _DURING_BACKWARD:
+            record(transient)  # the micro-batch's activations plus the layer being recomputed/back-propagated
+        if k is ActionKind.FORWARD or k is ActionKind.LOAD:
+            own += unit[s]
+            de, dh = extras(s, 1.0)
+            emb, head = emb + de, head + dh
+        elif k is ActionKind.BACKWARD or k is ActionKind.EVICT or k is ActionKind.BACKWARD_INPUT:
+            own -= unit[s] - (weight_grad_unit[s] if k is ActionKind.BACKWARD_INPUT else 0.0)
+            de, dh = extras(s, -1.0)
+            emb, head = emb + de, head + dh
+        elif k is ActionKind.BACKWARD_WEIGHT:
+            own -= weight_grad_unit[s]
+        elif k is ActionKind.ACCEPT:
+            hosted += unit[s]
+        elif k is ActionKind.RETURN:
+            hosted -= unit[s]
+        record(0.0)
+    return best
+
+
+_DURING_BACKWARD = frozenset({ActionKind.RECOMPUTE, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT})
+
+
+def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig) -> tuple[StageMemory, ...]:
+    """Peak memory of every pipeline rank, by component (GiB). Cheap: builds (a truncated copy of) the
+    schedule and counts in program order; no simulation. ``hw`` is unused today (kept for per-GPU workspaces)."""
+    del hw
+    p, v = cfg.pp, cfg.chunks
+    layers_per_stage = model.num_layers // (p * v)
+    act = activation_bytes(model, cfg)
+    schedule = counting_schedule(cfg)
+    num_stages = schedule.num_stages
+    unit = [layers_per_stage * act.layer_saved] * num_stages
+    wg_unit = [layers_per_stage * act.layer_weight_grad] * num_stages
+    # Full recomputation: one layer's full activations exist while it is recomputed and back-propagated.
+    transient = act.layer_full if cfg.recompute is Recompute.FULL else 0.0
+    params_layer = layer_params_per_rank(model, cfg.tp)
+    opt_bytes = BYTES_OPTIMIZER / (cfg.dp if cfg.distributed_optimizer else 1)
+    state_bytes = BYTES_WEIGHT + BYTES_GRAD + opt_bytes
+    embed_params = -(-model.vocab // cfg.tp) * model.hidden + (
+        model.seq_len * model.hidden if model.arch is Arch.GPT and model.count_norm_and_bias else 0)
+    head_params = _head_params_per_rank(model, cfg)
+    out: list[StageMemory] = []
+    for r in range(p):
+        n_params = params_layer * layers_per_stage * v
+        peak = _peak_activations(schedule, r, unit, act.embedding, act.head, wg_unit, transient)
+        emb_state = embed_params * state_bytes if r == 0 else 0.0
+        head_state = head_params * state_bytes if r == p - 1 else 0.0
+        out.append(StageMemory(
+            rank=r,
+            weights=n_params * BYTES_WEIGHT / GIB,
+            grads=n_params * BYTES_GRAD / GIB,
+            optimizer=n_params * opt_bytes / GIB,
+            activations=peak.own_layers / GIB,
+            hosted=peak.hosted / GIB,
+            embedding=(emb_state + peak.own_extra_embedding) / GIB,
+            head=(head_state + peak.own_extra_head) / GIB,
+        ))
+    return tuple(out)
+
+
+def _head_params_per_rank(model: ModelSpec, cfg: ParallelConfig) -> float:
+    """Output-layer parameters on the last rank: untied head, or Megatron's tied copy when pp > 1."""
+    norm = 0.0
+    if model.count_norm_and_bias:
+        norm = float(model.hidden if model.arch is Arch.LLAMA else 2 * model.hidden)
+    needs_matrix = not model.tied_embeddings or cfg.pp > 1
+    return norm + (-(-model.vocab // cfg.tp) * model.hidden if needs_matrix else 0.0)

@@ -1,0 +1,100 @@
+"""Building blocks shared by the reference models: causal self-attention (eager or SDPA, with optional
+grouped-query heads and rotary positions) and the rotary table.
+
+Shapes: ``B`` batch, ``T`` sequence, ``H`` query heads, ``K`` key/value heads, ``D`` head width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from evenpipe.errors import ConfigError
+from evenpipe.models.config import Attention, ModelConfig
+
+__all__ = ["CausalSelfAttention", "rotary_table", "apply_rotary", "check_seq_len"]
+
+
+def check_seq_len(seq: int, cfg: ModelConfig) -> None:
+    """Refuse an input longer than the model's position table."""
+    if seq > cfg.seq_len:
+        raise ConfigError(f"input sequence length {seq} exceeds the model's seq_len {cfg.seq_len}")
+
+
+def rotary_table(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[seq_len, D]`` float32, in the rotate-half layout (Su et al. 2021; the layout of
+    Hugging Face's LLaMA), frequencies ``theta ** (-2i / D)``."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64), inv_freq)  # [T, D/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [T, D]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, H, T, D]`` by the first ``T`` rows of the table."""
+    seq = x.shape[-2]
+    cos, sin = cos[:seq].to(x.dtype), sin[:seq].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # query head i reads key/value head i // groups (as SDPA's enable_gqa)
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    seq = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [B, H, T, T]
+    future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    return probs @ v
+
+
+def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    if q.shape[1] != k.shape[1]:
+        try:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=True)
+        except TypeError:  # torch < 2.5 has no enable_gqa
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head (or grouped-query) causal self-attention with one fused q/k/v projection."""
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig, *, bias: bool, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=bias)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=bias)
+        self.proj.residual_out = True  # type: ignore[assignment]  # scaled init (see models.lm)
+        self.dropout = cfg.dropout
+        self.attend = _eager_attention if cfg.attention is Attention.EAGER else _sdpa_attention
+        self.rotary = rotary is not None
+        if rotary is not None:  # constant tables: buffers, so the stash recognises them as non-activations
+            self.register_buffer("rope_cos", rotary[0], persistent=False)
+            self.register_buffer("rope_sin", rotary[1], persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
+            dim=-1)
+        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, T, D]
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.rotary:
+            q, k = apply_rotary(q, self.rope_cos, self.rope_sin), apply_rotary(k, self.rope_cos, self.rope_sin)
+        out = self.attend(q, k, v, self.dropout if self.training else 0.0)  # [B, H, T, D]
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))

@@ -1,0 +1,96 @@
+"""Cheap lower bounds on a configuration's step time, used to skip simulations that cannot win.
+
+Vocabulary follows :mod:`evenpipe.sim.costs`: per stage ``forward``, ``backward_input`` (I), ``backward_weight`` (W,
+separate only in split-backward schedules such as ZB-H1), and ``recompute`` (an extra forward, only under full
+recomputation). ``work`` of a rank is the compute it must run for all ``m`` micro-batches.
+
+The bound of a configuration (:func:`step_time_lower_bound`) mirrors how :func:`evenpipe.cost.estimate` composes the
+step: simulated makespan, then the data-parallel reduction each rank starts after its last compute (hidden behind
+that compute when overlapped), then the optimizer step. Every term below is a lower bound of the matching term
+there; ``tests/unit/plan`` checks the result against ``estimate`` on many configurations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from evenpipe.cost import Efficiency, Hardware, ModelSpec, ParallelConfig, Recompute, stage_sim_costs
+from evenpipe.cost.memory import layer_params_per_rank
+from evenpipe.cost.timing import dp_allreduce_time, optimizer_step_time
+from evenpipe.schedule import ScheduleFamily
+from evenpipe.sim.costs import SimCosts
+
+__all__ = ["PipelineBounds", "pipeline_bounds", "step_time_lower_bound", "stage_layout"]
+
+_SPLIT_BACKWARD = frozenset({ScheduleFamily.ZB_H1})
+"""Families that run the backward as separate I and W actions (W may trail the last I)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineBounds:
+    """Lower bounds (seconds) on one simulated step."""
+
+    makespan: float
+    """On the simulated step time (the last compute of any rank)."""
+    first_rank_end: float
+    """On the end of rank 0's last compute."""
+    first_rank_last_action: float
+    """An upper bound on the duration of rank 0's last compute (what an overlapped reduction can hide behind)."""
+
+
+def stage_layout(pp: int, chunks: int) -> tuple[int, ...]:
+    """Rank of each stage: stage s on rank s mod p (every planned family; interleaved chunk c of rank r is c·p+r)."""
+    return tuple(s % pp for s in range(pp * chunks))
+
+
+def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microbatches: int, *,
+                    recompute: bool, split_backward: bool) -> PipelineBounds:
+    """Bounds valid for any schedule with this layout, these costs and transfers of any speed.
+
+    For a rank r whose lowest stage is s: micro-batch 0 must pass the forwards of stages 0..s-1 before r can start
+    (``prefix_f[s]``); r then runs all its work; the micro-batch of r's last backward must still pass the input
+    gradients of stages s-1..0 (``prefix_i[s]``), which end on rank 0. So both the makespan and rank 0's end are at
+    least ``prefix_f[s] + m·work_r + prefix_i[s]``, except that in split-backward schedules weight gradients may run
+    after the last input gradient: rank 0's end then counts r's work without W. Tight for uniform 1F1B, where it is
+    (m + p − 1)(F + B).
+    """
+    m = num_microbatches
+    num_ranks = 1 + max(stage_to_rank)
+    work = [0.0] * num_ranks
+    work_to_last_i = [0.0] * num_ranks
+    lowest = [len(stage_to_rank)] * num_ranks
+    longest0 = 0.0
+    for s, r in enumerate(stage_to_rank):
+        st = costs.stages[s]
+        extra = st.recompute_time if recompute else 0.0
+        work[r] += st.forward + st.backward + extra
+        work_to_last_i[r] += st.forward + extra + (st.backward_input if split_backward else st.backward)
+        lowest[r] = min(lowest[r], s)
+        if r == 0:
+            longest0 = max(longest0, st.forward, st.backward, extra)
+    prefix_f, prefix_i = [0.0], [0.0]
+    for st in costs.stages:
+        prefix_f.append(prefix_f[-1] + st.forward)
+        prefix_i.append(prefix_i[-1] + st.backward_input)
+    ends = [prefix_f[lowest[r]] + prefix_i[lowest[r]] for r in range(num_ranks)]
+    makespan = max(ends[r] + m * work[r] for r in range(num_ranks))
+    first_end = max(m * work[0], max(ends[r] + m * work_to_last_i[r] for r in range(num_ranks)))
+    return PipelineBounds(makespan=makespan, first_rank_end=first_end, first_rank_last_action=longest0)
+
+
+def step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
+                          efficiency: Efficiency | None = None) -> float:
+    """A lower bound on ``estimate(model, hw, cfg).step_time_s`` from stage costs alone (no schedule, no simulation).
+
+    ``max(makespan, rank 0's end + its exposed data-parallel reduction) + optimizer step``, where the reduction and
+    the optimizer step count the transformer layers' parameters only (not embedding or head).
+    """
+    eff = efficiency or Efficiency()
+    costs = stage_sim_costs(model, hw, cfg, eff)
+    b = pipeline_bounds(costs, stage_layout(cfg.pp, cfg.chunks), cfg.num_microbatches,
+                        recompute=cfg.recompute is Recompute.FULL, split_backward=cfg.schedule in _SPLIT_BACKWARD)
+    layer_params = layer_params_per_rank(model, cfg.tp) * (model.num_layers // cfg.pp)
+    dp = dp_allreduce_time(layer_params, cfg, hw, eff)
+    hidden = b.first_rank_last_action if eff.dp_overlap else 0.0
+    pipeline = max(b.makespan, b.first_rank_end + max(0.0, dp - hidden))
+    return pipeline + optimizer_step_time(layer_params, cfg, hw, eff)

@@ -1,0 +1,428 @@
+"""Search parallel configurations: enumerate, prune by memory and by a step-time lower bound, then estimate.
+
+The search is branch and bound over a finite space:
+
+1. **enumerate** every (tp, pp, dp, chunks, micro-batch size, recomputation, schedule) that is structurally valid
+   for the model, the GPU count and the global batch (``check_config`` has the last word);
+2. **prune by memory** with :func:`evenpipe.cost.memory_per_stage` (closed form, no simulation);
+3. **bound**: a step-time lower bound from the stage costs alone (:func:`step_time_lower_bound`); candidates are
+   visited in increasing bound order and a candidate is estimated (simulated) only if its bound could still beat
+   the ones already kept, so the kept top ``k`` are exactly the top ``k`` of the whole space;
+4. **estimate** the survivors with :func:`evenpipe.cost.estimate` (which simulates the schedule); estimates are
+   cached on the configuration, so a configuration is never simulated twice in one :class:`Searcher`.
+
+Step time ranks candidates (for a fixed model, GPU count and global batch, MFU is inversely proportional to it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from evenpipe.cost import (
+    Attention,
+    Efficiency,
+    Estimate,
+    Hardware,
+    ModelSpec,
+    ParallelConfig,
+    Recompute,
+    check_config,
+    estimate,
+    memory_per_stage,
+)
+from evenpipe.errors import ConfigError, EvenpipeError
+from evenpipe.plan.bounds import step_time_lower_bound
+from evenpipe.schedule import ScheduleFamily
+
+__all__ = [
+    "SearchSpace",
+    "Candidate",
+    "SearchStats",
+    "PlanResult",
+    "Searcher",
+    "search",
+    "enumerate_configs",
+    "PLANNED_SCHEDULES",
+]
+
+log = logging.getLogger(__name__)
+
+PLANNED_SCHEDULES: tuple[ScheduleFamily, ...] = (
+    ScheduleFamily.ONE_F_ONE_B, ScheduleFamily.INTERLEAVED, ScheduleFamily.ZB_H1, ScheduleFamily.BPIPE)
+"""The schedule families the planner compares by default."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchSpace:
+    """Which values the planner tries besides the (tp, pp, dp) factorisations of the GPU count."""
+
+    schedules: tuple[ScheduleFamily, ...] = PLANNED_SCHEDULES
+    """Schedule families to try."""
+    recomputes: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+    """Activation recomputation policies to try."""
+    max_microbatch_size: int = 16
+    """Largest micro-batch size tried (every divisor of the per-replica batch up to it is tried)."""
+    max_chunks: int = 8
+    """Largest number of chunks per rank tried for the interleaved schedule."""
+    max_tp: int | None = None
+    """Largest tensor-parallel size; ``None`` means the GPUs of one node."""
+    attention: Attention = Attention.FLASH
+    """Attention kernel (not searched: it is a property of the training code)."""
+    sequence_parallel: bool = True
+    """Use sequence parallelism whenever tp > 1."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over data parallelism (Megatron's distributed optimizer)."""
+    bpipe_budget: int | None = None
+    """BPipe's per-rank activation budget; ``None`` uses the schedule default ceil((p+1)/2)."""
+
+    def __post_init__(self) -> None:
+        if not self.schedules:
+            raise ConfigError("the search space needs at least one schedule")
+        if not self.recomputes:
+            raise ConfigError("the search space needs at least one recomputation policy")
+        if self.max_microbatch_size < 1:
+            raise ConfigError(f"max micro-batch size must be >= 1, got {self.max_microbatch_size}")
+        if self.max_chunks < 2 and ScheduleFamily.INTERLEAVED in self.schedules:
+            raise ConfigError(f"max chunks must be >= 2 for the interleaved schedule, got {self.max_chunks}")
+        if self.max_tp is not None and self.max_tp < 1:
+            raise ConfigError(f"max tp must be >= 1, got {self.max_tp}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    """One configuration that fits in memory, with its estimate."""
+
+    config: ParallelConfig
+    """The parallel configuration."""
+    estimate: Estimate
+    """Predicted time, MFU and memory."""
+
+    @property
+    def step_time_s(self) -> float:
+        return self.estimate.step_time_s
+
+    @property
+    def mfu(self) -> float:
+        return self.estimate.mfu
+
+    @property
+    def peak_memory_gib(self) -> float:
+        return self.estimate.peak_memory_gib
+
+    @property
+    def limited_by(self) -> str:
+        """What holds this configuration back: ``memory``, ``bubble``, ``communication`` or ``compute``."""
+        return self.estimate.limited_by
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON record of ``evenpipe plan --json``."""
+        c = self.config
+        return {
+            "tp": c.tp, "pp": c.pp, "dp": c.dp, "chunks": c.chunks, "microbatch_size": c.microbatch_size,
+            "num_microbatches": c.num_microbatches, "recompute": c.recompute.value, "schedule": c.schedule.value,
+            "sequence_parallel": c.sequence_parallel, "attention": c.attention.value,
+            "step_time_s": self.step_time_s, "mfu": self.mfu, "peak_memory_gib": self.peak_memory_gib,
+            "bubble_fraction": self.estimate.bubble_fraction, "limited_by": self.limited_by,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchStats:
+    """How many configurations each step of the search kept or dropped."""
+
+    num_enumerated: int
+    """Configurations produced by the enumeration."""
+    num_invalid: int
+    """Rejected by ``check_config`` (e.g. layers not divisible as the schedule needs)."""
+    num_over_memory: int
+    """Rejected because some stage does not fit in GPU memory."""
+    num_dominated: int
+    """Skipped because the same configuration with lighter recomputation fits (recomputation only adds time)."""
+    num_bounded: int
+    """Skipped because their step-time lower bound could not beat the kept candidates."""
+    num_estimated: int
+    """Estimated (simulated); each distinct configuration once."""
+
+    @property
+    def num_fitting(self) -> int:
+        """Valid configurations that fit in memory (dominated ones included)."""
+        return self.num_enumerated - self.num_invalid - self.num_over_memory
+
+
+@dataclass(slots=True)
+class _Counts:
+    enumerated: int = 0
+    invalid: int = 0
+    over_memory: int = 0
+    dominated: int = 0
+    last_error: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanResult:
+    """The outcome of one search."""
+
+    candidates: tuple[Candidate, ...]
+    """The best configurations, fastest first."""
+    best_by_schedule: dict[ScheduleFamily, Candidate]
+    """With ``best_per_schedule``, the fastest fitting configuration of each family (families with none are
+    absent); otherwise the fastest of each family among the configurations simulated."""
+    stats: SearchStats
+    """Counts at each pruning step."""
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _chunk_options(model: ModelSpec, pp: int, family: ScheduleFamily, space: SearchSpace) -> list[int]:
+    if family is not ScheduleFamily.INTERLEAVED:
+        return [1]
+    if pp < 2 or model.num_layers % pp:
+        return []
+    per_rank = model.num_layers // pp
+    return [v for v in range(2, space.max_chunks + 1) if per_rank % v == 0]
+
+
+def enumerate_configs(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_batch: int,
+                      space: SearchSpace) -> Iterator[ParallelConfig]:
+    """Every structurally plausible configuration of ``num_gpus`` GPUs (``check_config`` may still reject some).
+
+    tp divides the GPU count, the attention heads and is at most one node; pp is at most the layer count;
+    dp divides the global batch; every micro-batch size dividing the per-replica batch is tried up to the cap.
+    With pp = 1 all schedules coincide, so only 1F1B is produced; BPipe needs pp >= 3 to have a partner to evict to.
+    """
+    max_tp = space.max_tp if space.max_tp is not None else hw.gpus_per_node
+    for tp in _divisors(num_gpus):
+        if tp > max_tp or model.num_heads % tp:
+            continue
+        for pp in _divisors(num_gpus // tp):
+            dp = num_gpus // (tp * pp)
+            if pp > model.num_layers or global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            for mbs in _divisors(per_replica):
+                if mbs > space.max_microbatch_size:
+                    break
+                for family in space.schedules:
+                    if pp == 1 and family is not ScheduleFamily.ONE_F_ONE_B:
+                        continue
+                    if family is ScheduleFamily.BPIPE and pp < 3:
+                        continue
+                    for chunks in _chunk_options(model, pp, family, space):
+                        for recompute in space.recomputes:
+                            yield ParallelConfig(
+                                tp=tp, pp=pp, dp=dp, chunks=chunks, microbatch_size=mbs,
+                                global_batch=global_batch, recompute=recompute,
+                                sequence_parallel=space.sequence_parallel and tp > 1,
+                                attention=space.attention, schedule=family,
+                                distributed_optimizer=space.distributed_optimizer,
+                                bpipe_budget=space.bpipe_budget if family is ScheduleFamily.BPIPE else None)
+
+
+_LIGHTER_RECOMPUTE: dict[Recompute, tuple[Recompute, ...]] = {
+    Recompute.NONE: (), Recompute.SELECTIVE: (Recompute.NONE,), Recompute.FULL: (Recompute.NONE, Recompute.SELECTIVE)}
+"""Recomputation policies that save less memory and cost less time than each policy."""
+
+
+@dataclass(order=True, slots=True)
+class _Pending:
+    bound: float
+    order: int
+    config: ParallelConfig = field(compare=False)
+
+
+class Searcher:
+    """Runs searches for one model, hardware and efficiency, caching estimates across searches.
+
+    The cache makes ``evenpipe plan --explain bpipe`` cheap: the twin configurations it asks about are usually
+    already estimated by the search.
+    """
+
+    def __init__(self, model: ModelSpec, hw: Hardware, *, efficiency: Efficiency | None = None) -> None:
+        self.model = model
+        self.hw = hw
+        self.efficiency = efficiency
+        self._estimates: dict[ParallelConfig, Estimate] = {}
+        self._peaks: dict[ParallelConfig, float] = {}
+        self._bounds: dict[ParallelConfig, float] = {}
+
+    @property
+    def num_estimated(self) -> int:
+        """Distinct configurations estimated (simulated) so far."""
+        return len(self._estimates)
+
+    def estimate(self, cfg: ParallelConfig) -> Estimate:
+        """The (cached) estimate of one configuration."""
+        est = self._estimates.get(cfg)
+        if est is None:
+            est = estimate(self.model, self.hw, cfg, efficiency=self.efficiency)
+            self._estimates[cfg] = est
+        return est
+
+    def peak_memory_gib(self, cfg: ParallelConfig) -> float:
+        """The largest stage memory of ``cfg`` in GiB (closed form, no simulation; cached)."""
+        peak = self._peaks.get(cfg)
+        if peak is None:
+            peak = self._peaks[cfg] = max(s.total for s in memory_per_stage(self.model, self.hw, cfg))
+        return peak
+
+    def fits(self, cfg: ParallelConfig) -> bool:
+        """Whether every stage of ``cfg`` fits in GPU memory."""
+        return self.peak_memory_gib(cfg) <= self.hw.usable_memory_gib
+
+    def lower_bound(self, cfg: ParallelConfig) -> float:
+        """Step-time lower bound of ``cfg`` (see :func:`evenpipe.plan.bounds.step_time_lower_bound`; cached)."""
+        bound = self._bounds.get(cfg)
+        if bound is None:
+            bound = self._bounds[cfg] = step_time_lower_bound(self.model, self.hw, cfg, self.efficiency)
+        return bound
+
+    def search(self, *, num_gpus: int, global_batch: int, space: SearchSpace | None = None, top_k: int = 10,
+               best_per_schedule: bool = False,
+               where: Callable[[ParallelConfig], bool] | None = None) -> PlanResult:
+        """The ``top_k`` fastest fitting configurations, and with ``best_per_schedule`` the fastest of each
+        schedule family too (which costs more simulations: each family's neighbourhood must be explored).
+
+        ``where`` restricts the space further. Raises :class:`ConfigError` when nothing fits.
+        """
+        space = space or SearchSpace()
+        if num_gpus < 1:
+            raise ConfigError(f"--gpus must be >= 1, got {num_gpus}")
+        if global_batch < 1:
+            raise ConfigError(f"--global-batch must be >= 1, got {global_batch}")
+        if top_k < 1:
+            raise ConfigError(f"--top must be >= 1, got {top_k}")
+        counts = _Counts()
+        pending = self._prune(num_gpus, global_batch, space, where, counts)
+        if not pending:
+            raise self._nothing_fits(num_gpus, global_batch, counts)
+        num_candidates = len(pending)
+        top, best_by_family, num_bounded = self._branch_and_bound(pending, top_k, best_per_schedule)
+        stats = SearchStats(num_enumerated=counts.enumerated, num_invalid=counts.invalid,
+                            num_over_memory=counts.over_memory, num_dominated=counts.dominated,
+                            num_bounded=num_bounded, num_estimated=num_candidates - num_bounded)
+        log.debug("plan search: %s", stats)
+        return PlanResult(candidates=tuple(top), best_by_schedule=best_by_family, stats=stats)
+
+    # -- steps ----------------------------------------------------------------------------------------------
+    def _prune(self, num_gpus: int, global_batch: int, space: SearchSpace,
+               where: Callable[[ParallelConfig], bool] | None, counts: _Counts) -> list[_Pending]:
+        """Enumerate, check, memory-prune and drop dominated configurations; bound the rest.
+
+        Shortcuts keep ``memory_per_stage`` calls few. Model states (weights, gradients, optimizer) depend only
+        on (tp, pp, dp): when they alone overflow a rank, the whole group is over memory. Activations grow with the
+        micro-batch size (b sequences times a number of micro-batches in flight that never falls faster than 1/b),
+        so once a micro-batch size overflows, larger ones with the same other choices are over memory too. And a
+        configuration whose lighter-recomputation twin fits is dominated: recomputation adds time and saves only
+        memory (BPipe excepted, where full recomputation also shrinks the evicted bytes).
+        """
+        pending: list[_Pending] = []
+        states_fit: dict[tuple[int, int, int], bool] = {}
+        overflow_at: dict[tuple[object, ...], int] = {}  # choices except b -> smallest b that overflowed
+        fitting: set[ParallelConfig] = set()
+        for cfg in enumerate_configs(self.model, self.hw, num_gpus=num_gpus, global_batch=global_batch,
+                                     space=space):
+            if where is not None and not where(cfg):
+                continue
+            counts.enumerated += 1
+            if self._dominated(cfg, fitting):
+                counts.dominated += 1
+                continue
+            try:
+                check_config(self.model, self.hw, cfg, num_gpus)
+                group = (cfg.tp, cfg.pp, cfg.dp)
+                if group not in states_fit:
+                    states_fit[group] = self._states_fit(cfg)
+                key = (group, cfg.schedule, cfg.chunks, cfg.recompute)
+                fits = states_fit[group] and cfg.microbatch_size < overflow_at.get(key, cfg.microbatch_size + 1) \
+                    and self.fits(cfg)  # builds the schedule, whose generator may reject the shape too
+            except EvenpipeError as e:
+                counts.invalid += 1
+                counts.last_error = str(e).splitlines()[0]
+                continue
+            if not fits:
+                counts.over_memory += 1
+                if states_fit[group]:
+                    overflow_at[key] = min(overflow_at.get(key, cfg.microbatch_size), cfg.microbatch_size)
+                continue
+            fitting.add(cfg)
+            pending.append(_Pending(self.lower_bound(cfg), len(pending), cfg))
+        return pending
+
+    @staticmethod
+    def _dominated(cfg: ParallelConfig, fitting: set[ParallelConfig]) -> bool:
+        if cfg.schedule is ScheduleFamily.BPIPE:
+            return False
+        lighter = _LIGHTER_RECOMPUTE[cfg.recompute]
+        return any(replace_config(cfg, recompute=r) in fitting for r in lighter)
+
+    def _states_fit(self, cfg: ParallelConfig) -> bool:
+        """Whether the model states of ``cfg``'s (tp, pp, dp) leave room on every rank (activations aside)."""
+        probe = replace_config(cfg, schedule=ScheduleFamily.ONE_F_ONE_B, chunks=1, bpipe_budget=None,
+                               microbatch_size=1, recompute=Recompute.FULL)
+        try:
+            stages = memory_per_stage(self.model, self.hw, probe)
+        except EvenpipeError:
+            return True  # cannot probe this shape; let each configuration decide
+        return max(sm.model_states for sm in stages) <= self.hw.usable_memory_gib
+
+    def _branch_and_bound(self, pending: list[_Pending], top_k: int, per_family: bool
+                          ) -> tuple[list[Candidate], dict[ScheduleFamily, Candidate], int]:
+        heapq.heapify(pending)
+        top: list[Candidate] = []  # sorted fastest first, at most top_k
+        best: dict[ScheduleFamily, Candidate] = {}
+        num_bounded = 0
+        while pending:
+            item = heapq.heappop(pending)
+            cfg = item.config
+            kth = top[-1].step_time_s if len(top) >= top_k else float("inf")
+            fam = best.get(cfg.schedule)
+            fam_best = fam.step_time_s if fam is not None else float("inf")
+            if item.bound > kth and (not per_family or item.bound > fam_best):
+                num_bounded += 1
+                continue
+            cand = Candidate(config=cfg, estimate=self.estimate(cfg))
+            if not cand.estimate.fits:  # memory_per_stage said it fits; keep the two views consistent
+                continue
+            if cand.step_time_s < kth:
+                top.append(cand)
+                top.sort(key=lambda c: c.step_time_s)
+                del top[top_k:]
+            if cand.step_time_s < fam_best:
+                best[cfg.schedule] = cand
+        return top, best, num_bounded
+
+    def _nothing_fits(self, num_gpus: int, global_batch: int, counts: _Counts) -> ConfigError:
+        if counts.enumerated == 0:
+            return ConfigError(
+                f"no (tp, pp, dp) factorisation of --gpus {num_gpus} suits {self.model.name} "
+                f"({self.model.num_heads} heads, {self.model.num_layers} layers) and --global-batch {global_batch}"
+                f"; dp must divide the global batch and tp the heads (tp <= {self.hw.gpus_per_node})")
+        if counts.over_memory == 0:
+            return ConfigError(f"no valid configuration of {num_gpus} GPUs for {self.model.name}: "
+                               f"{counts.last_error}")
+        return ConfigError(
+            f"no configuration of {self.model.name} fits in {num_gpus} x {self.hw.name} "
+            f"({self.hw.memory_gib:g} GiB each): all {counts.over_memory} valid ones exceed memory; use more GPUs or a "
+            f"smaller model")
+
+
+def search(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_batch: int, space: SearchSpace | None = None,
+           top_k: int = 10, efficiency: Efficiency | None = None) -> PlanResult:
+    """Search the whole space once; see :class:`Searcher`."""
+    return Searcher(model, hw, efficiency=efficiency).search(num_gpus=num_gpus, global_batch=global_batch,
+                                                             space=space, top_k=top_k)
+
+
+def replace_config(cfg: ParallelConfig, **changes: object) -> ParallelConfig:
+    """``dataclasses.replace`` for a configuration (kept here so callers need not know it is a dataclass)."""
+    return dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,32 @@
+"""Write the standard files of one trace into a folder: timeline.png, memory.png, trace.json, schedule.txt."""
+
+from __future__ import annotations
+
+import pathlib
+
+from evenpipe.report.chrome_trace import write_chrome_trace
+from evenpipe.sim.trace import Trace
+
+__all__ = ["write_bundle", "BUNDLE_FILES"]
+
+BUNDLE_FILES = ("timeline.png", "memory.png", "trace.json", "schedule.txt")
+
+
+def write_bundle(trace: Trace, out_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    """Write :data:`BUNDLE_FILES` for ``trace`` under ``out_dir`` (created if needed); return their paths.
+
+    The memory picture draws the BPipe budget when the schedule's ``meta`` carries one.
+    """
+    from evenpipe.report.memory import save_memory  # matplotlib only when pictures are asked for
+    from evenpipe.report.timeline import save_timeline
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    budget = trace.schedule.meta.get("budget")
+    paths = [save_timeline(trace, out / "timeline.png"),
+             save_memory(trace, out / "memory.png", budget=float(budget) if isinstance(budget, (int, float)) else None),
+             write_chrome_trace(trace, out / "trace.json")]
+    schedule_txt = out / "schedule.txt"
+    schedule_txt.write_text(trace.schedule.to_text())
+    paths.append(schedule_txt)
+    return paths

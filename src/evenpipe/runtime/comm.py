@@ -1,0 +1,178 @@
+"""Process groups and point-to-point transfers for the pipeline executor.
+
+Vocabulary: the *world* holds ``pp x dp`` processes (maybe more when tests run several cases inside one world).
+Global rank ``base + d * pp + r`` is pipeline rank ``r`` of data-parallel replica ``d``. Each replica gets a
+pipeline group (activations and gradients), a separate BPipe group (evicted activations, so they never reorder
+with pipeline messages) and every pipeline rank a data-parallel group across replicas (gradient all-reduce).
+
+All waits go through :func:`wait_all`, which turns a timeout or a dead peer into a :class:`PeerFailure` naming
+the transfer that failed, so a rank whose peer raised fails with a clear message instead of hanging forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "PeerFailure",
+    "ParallelGroups",
+    "Transfer",
+    "PendingBatch",
+    "init_from_env",
+    "build_groups",
+    "post_batch",
+    "wait_all",
+    "DEFAULT_TIMEOUT_S",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Process-group timeout: the longest any rank waits for a peer before failing."""
+
+
+class PeerFailure(RuntimeError):
+    """A transfer or collective did not complete: a peer failed, exited or timed out."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelGroups:
+    """This process's place in a ``pp x dp`` layout and the process groups it talks through."""
+
+    pp: int
+    """Pipeline ranks per replica."""
+    dp: int
+    """Data-parallel replicas."""
+    pp_rank: int
+    """This process's rank inside its pipeline replica."""
+    dp_rank: int
+    """This process's replica index."""
+    pp_ranks: tuple[int, ...]
+    """Global ranks of this replica's pipeline ranks, indexed by pipeline rank."""
+    dp_ranks: tuple[int, ...]
+    """Global ranks of this pipeline rank in every replica, indexed by replica."""
+    pp_group: object = field(repr=False)
+    """Process group of the replica: activations and gradients."""
+    bpipe_group: object = field(repr=False)
+    """Second process group of the replica: BPipe evict/accept/return/load."""
+    dp_group: object = field(repr=False)
+    """Process group across replicas for this pipeline rank (gradient all-reduce); ``None`` when dp == 1."""
+
+    def global_rank(self, pp_rank: int) -> int:
+        """Global rank of pipeline rank ``pp_rank`` of this replica."""
+        return self.pp_ranks[pp_rank]
+
+    @property
+    def is_last_pp_rank(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def init_from_env(backend: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...)."""
+    if dist.is_initialized():
+        return
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+_GROUP_CACHE: dict[tuple[int, int, int, float], dict[int, ParallelGroups]] = {}
+
+
+def build_groups(pp: int, dp: int, *, base: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelGroups | None:
+    """Create (or reuse) the groups of a ``pp x dp`` layout on global ranks ``base .. base + pp*dp - 1``.
+
+    Collective over the whole world: every process must call it with the same arguments, including those
+    outside the layout, which get ``None``. Groups are cached, so tests can run many cases in one world.
+    """
+    world, me = dist.get_world_size(), dist.get_rank()
+    if pp < 1 or dp < 1 or base + pp * dp > world:
+        raise ValueError(f"layout pp={pp} x dp={dp} from rank {base} does not fit a world of {world}")
+    key = (pp, dp, base, timeout_s)
+    if key not in _GROUP_CACHE:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        replicas = [tuple(base + d * pp + r for r in range(pp)) for d in range(dp)]
+        made: dict[int, ParallelGroups] = {}
+        pp_groups = {ranks: (dist.new_group(list(ranks), timeout=timeout),
+                             dist.new_group(list(ranks), timeout=timeout)) for ranks in replicas}
+        columns = [tuple(replicas[d][r] for d in range(dp)) for r in range(pp)]
+        dp_groups = {cols: dist.new_group(list(cols), timeout=timeout) if dp > 1 else None for cols in columns}
+        for d, ranks in enumerate(replicas):
+            for r, g in enumerate(ranks):
+                made[g] = ParallelGroups(pp=pp, dp=dp, pp_rank=r, dp_rank=d, pp_ranks=ranks, dp_ranks=columns[r],
+                                         pp_group=pp_groups[ranks][0], bpipe_group=pp_groups[ranks][1],
+                                         dp_group=dp_groups[columns[r]])
+        _GROUP_CACHE[key] = made
+    return _GROUP_CACHE[key].get(me)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Transfer:
+    """One point-to-point message to post: send or receive ``tensor`` with global rank ``peer``."""
+
+    send: bool
+    """True for isend, False for irecv."""
+    tensor: torch.Tensor
+    """The payload (send) or the buffer to fill (receive)."""
+    peer: int
+    """Global rank of the other side."""
+    group: object
+    """Process group both sides use."""
+    tag: int = 0
+    """Message tag (honoured by gloo; NCCL matches by posting order, which the schedule validator guarantees)."""
+    what: str = ""
+    """Human-readable name for error messages, e.g. ``RECV_F stage 2 mb 3``."""
+
+
+class PendingBatch:
+    """The works of one ``batch_isend_irecv`` call; waited once, as a whole."""
+
+    __slots__ = ("works", "transfers", "done")
+
+    def __init__(self, works: list[object], transfers: Sequence[Transfer]) -> None:
+        self.works = works
+        self.transfers = tuple(transfers)
+        self.done = False
+
+    def wait(self) -> None:
+        if not self.done:
+            wait_all([self])
+
+    def is_completed(self) -> bool:
+        return self.done or all(w.is_completed() for w in self.works)  # type: ignore[attr-defined]
+
+
+def post_batch(transfers: Sequence[Transfer]) -> PendingBatch:
+    """Post sends and receives of one process group together (NCCL needs them grouped to avoid deadlock)."""
+    groups = {id(t.group) for t in transfers}
+    assert len(groups) == 1, "one batch per process group"
+    ops = [dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer, t.group, t.tag) for t in transfers]
+    try:
+        works = list(dist.batch_isend_irecv(ops)) if ops else []
+    except RuntimeError as e:
+        raise PeerFailure(f"posting {', '.join(t.what for t in transfers)} failed: {_first_line(e)}") from e
+    return PendingBatch(works, transfers)
+
+
+def wait_all(batches: Sequence[PendingBatch]) -> None:
+    """Wait for every batch; a timeout or a dead peer becomes a :class:`PeerFailure` naming the transfer."""
+    for b in batches:
+        if b.done:
+            continue
+        try:
+            for w in b.works:
+                w.wait()  # type: ignore[attr-defined]
+        except RuntimeError as e:
+            names = ", ".join(f"{t.what} (rank {t.peer})" for t in b.transfers)
+            raise PeerFailure(f"rank {dist.get_rank()}: waiting for {names} failed, a peer probably failed or "
+                              f"timed out: {_first_line(e)}") from e
+        b.done = True
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

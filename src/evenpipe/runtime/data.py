@@ -1,0 +1,125 @@
+"""Training data: byte-level tokens from a text corpus (the shipped one or a file the user names) or
+uniformly random tokens.
+
+Every batch is a pure function of ``(seed, step)``, so every rank can compute the same global batch and take
+its slice: data-parallel replica ``r`` of ``R`` gets rows ``[r*B/R, (r+1)*B/R)`` of the ``B`` rows, cut into
+micro-batches in order. Targets are the inputs shifted by one token.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import importlib.resources
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from evenpipe.errors import ConfigError, choice_error
+
+__all__ = ["TokenSource", "parse_token_source", "Batch", "TokenBatches", "read_corpus", "shipped_corpus_path"]
+
+BYTE_VOCAB = 256
+"""Byte-level tokens: each byte of the text is one token."""
+
+
+class TokenSource(enum.Enum):
+    """Where tokens come from."""
+
+    CORPUS = "corpus"
+    """Random windows of a text file's bytes."""
+    RANDOM = "random"
+    """Uniform random tokens in ``[0, vocab)`` (nothing to learn; for timing and memory)."""
+
+
+def parse_token_source(value: "str | TokenSource") -> TokenSource:
+    """``"corpus"`` / ``"random"`` -> :class:`TokenSource`; else ConfigError."""
+    if isinstance(value, TokenSource):
+        return value
+    try:
+        return TokenSource(str(value).lower())
+    except ValueError:
+        raise choice_error("data source", value, [s.value for s in TokenSource]) from None
+
+
+def shipped_corpus_path() -> pathlib.Path:
+    """The small corpus shipped with evenpipe (see ``evenpipe/data/README.md``)."""
+    return pathlib.Path(str(importlib.resources.files("evenpipe") / "data" / "corpus.txt"))
+
+
+def read_corpus(path: "str | pathlib.Path | None" = None) -> torch.Tensor:
+    """A file's bytes as int64 tokens ``[N]`` (the shipped corpus when ``path`` is None)."""
+    p = shipped_corpus_path() if path is None else pathlib.Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read corpus {str(p)!r}: {exc.strerror}") from None
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    """Token ids and next-token targets, both ``[batch, seq]`` int64."""
+
+    tokens: torch.Tensor
+    """Model input."""
+    targets: torch.Tensor
+    """``tokens`` shifted left by one position (the next token at each position)."""
+
+
+def _generator(seed: int, step: int) -> torch.Generator:
+    digest = hashlib.blake2b(f"data:{seed}:{step}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+class TokenBatches:
+    """Deterministic batches of ``seq_len`` tokens from ``source`` (see module docstring)."""
+
+    def __init__(self, *, source: "TokenSource | str" = TokenSource.CORPUS, seq_len: int, vocab: int = BYTE_VOCAB,
+                 seed: int = 0, path: "str | pathlib.Path | None" = None) -> None:
+        self.source = parse_token_source(source)
+        if seq_len < 1:
+            raise ConfigError(f"sequence length must be >= 1, got {seq_len}")
+        if vocab < 2:
+            raise ConfigError(f"vocabulary size must be >= 2, got {vocab}")
+        self.seq_len, self.vocab, self.seed = seq_len, vocab, seed
+        self.corpus: torch.Tensor | None = None
+        if self.source is TokenSource.CORPUS:
+            if vocab < BYTE_VOCAB:
+                raise ConfigError(f"byte-level text needs a vocabulary of at least {BYTE_VOCAB}, the model has "
+                                  f"{vocab}; use --data random or a larger vocabulary")
+            self.corpus = read_corpus(path)
+            if self.corpus.numel() < seq_len + 1:
+                raise ConfigError(f"corpus has {self.corpus.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+        elif path is not None:
+            raise ConfigError("a corpus path was given but the data source is 'random'; drop one of them")
+
+    def batch(self, step: int, batch_size: int) -> Batch:
+        """The global batch of ``step``: ``batch_size`` rows."""
+        if batch_size < 1:
+            raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+        gen = _generator(self.seed, step)
+        if self.corpus is None:
+            rows = torch.randint(0, self.vocab, (batch_size, self.seq_len + 1), generator=gen)
+        else:
+            starts = torch.randint(0, self.corpus.numel() - self.seq_len, (batch_size,), generator=gen)
+            rows = torch.stack([self.corpus[s:s + self.seq_len + 1] for s in starts.tolist()])
+        return Batch(tokens=rows[:, :-1].contiguous(), targets=rows[:, 1:].contiguous())
+
+    def microbatches(self, step: int, batch_size: int, num_microbatches: int, *, dp_rank: int = 0,
+                     dp_size: int = 1) -> list[Batch]:
+        """Replica ``dp_rank``'s share of the global batch of ``step``, cut into ``num_microbatches``."""
+        if not 0 <= dp_rank < dp_size:
+            raise ConfigError(f"data-parallel rank {dp_rank} is outside 0..{dp_size - 1}")
+        if num_microbatches < 1 or batch_size % (dp_size * num_microbatches):
+            raise ConfigError(f"global batch {batch_size} is not divisible by data-parallel size {dp_size} x "
+                              f"{num_microbatches} micro-batches; choose a multiple of {dp_size * num_microbatches}")
+        full = self.batch(step, batch_size)
+        per_replica = batch_size // dp_size
+        per_mb = per_replica // num_microbatches
+        lo = dp_rank * per_replica
+        # clones: each micro-batch owns its storage (the stash counts and moves storages, not views)
+        return [Batch(tokens=full.tokens[lo + i * per_mb: lo + (i + 1) * per_mb].clone(),
+                      targets=full.targets[lo + i * per_mb: lo + (i + 1) * per_mb].clone())
+                for i in range(num_microbatches)]

@@ -1,0 +1,547 @@
+"""Run one rank's schedule actions with torch.distributed: the pipeline executor.
+
+One :meth:`PipelineExecutor.step` is one global batch: replica ``d`` takes its ``1/dp`` slice, splits it into
+``num_microbatches`` equal micro-batches and runs its action list in order. Each micro-batch's loss is divided by
+the number of micro-batches and the gradients are averaged over replicas, so loss and gradients equal
+un-pipelined training on the whole global batch (mean cross-entropy).
+
+Transfers. Consecutive transfer actions of one process group are posted together with ``batch_isend_irecv``
+(NCCL needs grouped sends and receives to avoid deadlock). A receive is posted where its action stands and waited
+just before the compute that consumes it; sends are waited lazily (polled between actions, all waited at the end
+of the step). The schedule validator guarantees the per-pair posting order matches, so NCCL (which ignores tags)
+pairs messages right; on gloo every message also carries a tag naming it.
+
+Shapes. Tensor shapes between stages are learned by a *shape handshake*, not a hand-written list: the first time
+a micro-batch shape is seen, every stage runs one no-grad forward on placeholder input (under a forked RNG) in
+stage order and sends its output's shape and dtype to the next stage's rank. The result is cached per input
+shape; later steps post receives directly.
+
+Memory. ``free_outputs`` replaces a sent output's ``.data`` with an empty tensor (the send keeps the old storage
+alive until it completes) and runs backward through the autograd engine directly, which skips the shape check
+between the output and its gradient (Megatron's trick). Under recomputation (``RECOMPUTE`` actions in the
+schedule) a stage's forward runs without a graph, keeping only its input; ``RECOMPUTE`` rebuilds the graph with
+the RNG state the forward saw.
+
+Zero-bubble split. ``I`` runs the autograd engine with respect to the stage input only, keeping the graph; ``W``
+runs it again with respect to the stage parameters and frees the graph. This repeats the backward through the
+layers (the engine has no public way to save the intermediate gradients), so ``W`` costs about a full backward:
+correct, schedule-faithful, not compute-optimal.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from evenpipe.errors import ConfigError
+from evenpipe.runtime.comm import ParallelGroups, PendingBatch, PeerFailure, Transfer, post_batch, wait_all
+from evenpipe.runtime.trace import RankRecorder, SendRecord
+from evenpipe.schedule.ir import Action, ActionKind, Schedule
+
+__all__ = ["PipelineExecutor", "StepResult", "LossFn"]
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss_fn(last_stage_output, targets) -> scalar`` mean loss of one micro-batch."""
+
+_K = ActionKind
+_BPIPE_KINDS = frozenset({_K.EVICT, _K.ACCEPT, _K.RETURN, _K.LOAD})
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepResult:
+    """What one step measured on this rank."""
+
+    loss: float
+    """Mean loss over the global batch (the same on every rank)."""
+    step_time_s: float
+    """Wall-clock seconds of the step on this rank."""
+    peak_own_bytes: int
+    """Peak bytes of this rank's own activations (saved for backward plus held inputs/outputs)."""
+    peak_hosted_bytes: int
+    """Peak bytes of a partner's activations hosted here (BPipe acceptor)."""
+    peak_activation_bytes: int
+    """Peak of own plus hosted bytes."""
+    evicted_bytes: int
+    """Bytes this rank sent away with EVICT this step."""
+    records: Any = field(default=None, repr=False)
+    """This rank's measured action records (:class:`evenpipe.runtime.trace.RankRecorder`), when tracing."""
+
+
+def _run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], *, keep_graph: bool,
+                  inputs: Sequence[torch.Tensor] = (), accumulate: bool = True) -> tuple[torch.Tensor, ...]:
+    """Autograd engine call without ``torch.autograd.backward``'s grad/output shape check (outputs may be freed)."""
+    return Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+        tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
+
+
+class _NullStash:
+    """Accounting-free stand-in used when no activation stash is given."""
+
+    def capture(self, key: tuple[int, int]) -> Any:
+        import contextlib
+        return contextlib.nullcontext()
+
+    def hold(self, key: tuple[int, int], tensor: torch.Tensor) -> None: ...
+    def release(self, key: tuple[int, int], tensor: torch.Tensor) -> None: ...
+    def release_all_of(self, key: tuple[int, int]) -> None: ...
+    def is_empty(self) -> bool: return True
+    def reset_peaks(self) -> None: ...
+    peak_own_bytes = 0
+    peak_hosted_bytes = 0
+    peak_total_bytes = 0
+    own_bytes = 0
+    hosted_bytes = 0
+
+
+class PipelineExecutor:
+    """Executes this rank's action list of ``schedule`` on its stage modules.
+
+    ``stages`` maps each stage id this rank holds (``schedule.stages_of(pp_rank)``) to its module; the first
+    stage takes the micro-batch ``inputs``, the last stage's output goes to ``loss_fn`` with the targets.
+    ``stash`` is an :class:`evenpipe.runtime.stash.ActivationStash` (accounting and BPipe); without one, memory
+    is not measured and BPipe actions are refused.
+    """
+
+    def __init__(self, *, schedule: Schedule, stages: Mapping[int, nn.Module], groups: ParallelGroups,
+                 loss_fn: LossFn, free_outputs: bool = True, stash: Any = None,
+                 device: torch.device | str = "cpu", trace: bool = False) -> None:
+        if schedule.num_ranks != groups.pp:
+            raise ConfigError(f"schedule has {schedule.num_ranks} ranks but the pipeline has {groups.pp}")
+        mine = schedule.stages_of(groups.pp_rank)
+        if set(mine) != set(stages):
+            raise ConfigError(f"pipeline rank {groups.pp_rank} holds stages {list(mine)}, got modules for "
+                              f"{sorted(stages)}")
+        self.schedule = schedule
+        self.stages = dict(stages)
+        self.groups = groups
+        self.loss_fn = loss_fn
+        self.free_outputs = free_outputs
+        self.stash = stash if stash is not None else _NullStash()
+        if hasattr(self.stash, "add_modules"):  # parameters and buffers are never activations
+            self.stash.add_modules(self.stages.values())
+        self.device = torch.device(device)
+        self.trace = trace
+        self.actions: tuple[Action, ...] = schedule.actions[groups.pp_rank]
+        self.recompute_stages = {a.stage for a in self.actions if a.kind is _K.RECOMPUTE}
+        if stash is None and any(a.kind in _BPIPE_KINDS for a in self.actions):
+            raise ConfigError("schedule has BPipe evict/load actions; the executor needs an ActivationStash")
+        self.last_stage = schedule.num_stages - 1
+        self._shapes: dict[tuple[int, ...], dict[int, tuple[tuple[int, ...], torch.dtype]]] = {}
+        self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in self.stages.items()}
+
+    # ------------------------------------------------------------------------------------------------------
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """Run one global batch (``inputs``/``targets`` hold the whole global batch, identical on all ranks)."""
+        m = self.schedule.num_microbatches
+        dp, d = self.groups.dp, self.groups.dp_rank
+        if inputs.shape[0] % (dp * m):
+            raise ConfigError(f"global batch {inputs.shape[0]} is not divisible by dp x microbatches = "
+                              f"{dp} x {m}")
+        per = inputs.shape[0] // dp
+        # own storage per micro-batch: the stash dedupes (and BPipe moves) by storage
+        mb_inputs = [c.to(self.device).clone() for c in inputs[d * per:(d + 1) * per].chunk(m)]
+        mb_targets = [c.to(self.device).clone() for c in targets[d * per:(d + 1) * per].chunk(m)]
+        shapes = self._boundary_shapes(mb_inputs[0])
+        for mod in self.stages.values():
+            for p in mod.parameters():
+                p.grad = None
+        self.stash.reset_peaks()
+        run = _StepRun(self, mb_inputs, mb_targets, shapes)
+        t0 = time.perf_counter()
+        try:
+            run.execute()
+        except PeerFailure:
+            raise
+        except Exception as e:
+            log.error("pipeline rank %d failed at %s: %s", self.groups.pp_rank, run.current, e)
+            raise
+        self._all_reduce_grads()
+        loss = self._share_loss(run.loss_sum)
+        dt = time.perf_counter() - t0
+        return StepResult(loss=loss, step_time_s=dt, peak_own_bytes=int(self.stash.peak_own_bytes),
+                          peak_hosted_bytes=int(self.stash.peak_hosted_bytes),
+                          peak_activation_bytes=int(self.stash.peak_total_bytes), evicted_bytes=run.evicted_bytes,
+                          records=run.recorder)
+
+    # ------------------------------------------------------------------------------------------------------
+    def _boundary_shapes(self, mb_input: torch.Tensor) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each stage's output that crosses to another rank (cached per input shape)."""
+        key = tuple(mb_input.shape)
+        if key in self._shapes:
+            return self._shapes[key]
+        g = self.groups
+        shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        x: torch.Tensor | None = None
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), torch.no_grad():
+            for s in range(self.schedule.num_stages - 1):
+                here, nxt = self.schedule.rank_of(s), self.schedule.rank_of(s + 1)
+                if here == g.pp_rank:
+                    if x is None or s - 1 not in self.stages:
+                        if s == 0:
+                            x = torch.zeros_like(mb_input)
+                        else:
+                            shape, dtype = shapes[s - 1]
+                            x = torch.zeros(shape, dtype=dtype, device=self.device)
+                    x = self.stages[s](x)
+                    shapes[s] = (tuple(x.shape), x.dtype)
+                    if nxt != here:
+                        header = torch.tensor(_encode_shape(x), dtype=torch.int64)
+                        dist.send(header, g.global_rank(nxt), group=g.pp_group)
+                elif nxt == g.pp_rank:
+                    header = torch.zeros(10, dtype=torch.int64)
+                    dist.recv(header, g.global_rank(here), group=g.pp_group)
+                    shapes[s] = _decode_shape(header)
+                    x = None
+        self._shapes[key] = shapes
+        return shapes
+
+    def _all_reduce_grads(self) -> None:
+        g = self.groups
+        if g.dp == 1:
+            return
+        params = [p for ps in self._params.values() for p in ps]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if not grads:
+            return
+        flat = torch.cat([t.reshape(-1) for t in grads])
+        try:
+            dist.all_reduce(flat, group=g.dp_group)
+        except RuntimeError as e:
+            raise PeerFailure(f"rank {dist.get_rank()}: gradient all-reduce across replicas failed: {e}") from e
+        flat /= g.dp
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+    def _share_loss(self, loss_sum: float) -> float:
+        g = self.groups
+        t = torch.tensor([loss_sum], dtype=torch.float64, device=self.device)
+        try:
+            if g.dp > 1:
+                dist.all_reduce(t, group=g.dp_group)
+                t /= g.dp
+            if g.pp > 1:
+                dist.broadcast(t, g.global_rank(self.schedule.rank_of(self.last_stage)), group=g.pp_group)
+        except RuntimeError as e:
+            raise PeerFailure(f"rank {dist.get_rank()}: sharing the loss failed: {e}") from e
+        return float(t.item())
+
+
+def _encode_shape(x: torch.Tensor) -> list[int]:
+    if x.dim() > 8:
+        raise ConfigError(f"stage outputs of more than 8 dimensions are not supported, got {tuple(x.shape)}")
+    return [x.dim(), _DTYPES.index(x.dtype), *x.shape, *([0] * (8 - x.dim()))]
+
+
+def _decode_shape(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    vals = header.tolist()
+    return tuple(vals[2:2 + vals[0]]), _DTYPES[vals[1]]
+
+
+class _StepRun:
+    """State of one step on one rank: live inputs/outputs, pending messages, the action loop."""
+
+    def __init__(self, ex: PipelineExecutor, mb_inputs: Sequence[torch.Tensor], mb_targets: Sequence[torch.Tensor],
+                 shapes: Mapping[int, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        self.ex = ex
+        self.mb_inputs = mb_inputs
+        self.mb_targets = mb_targets
+        self.shapes = shapes
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.out_grads: dict[tuple[int, int], torch.Tensor] = {}   # gradient of a stage output (local handoff)
+        self.in_grads: dict[tuple[int, int], torch.Tensor] = {}    # gradient of a stage input, to send
+        self.deferred_w: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.rng: dict[tuple[int, int], Any] = {}
+        self.recvs: dict[tuple[ActionKind, int, int], tuple[PendingBatch, Any]] = {}
+        self.sends: list[PendingBatch] = []
+        self.loss_sum = 0.0
+        self.evicted_bytes = 0
+        self.current: Action | None = None
+        self.recorder = RankRecorder(ex.groups.pp_rank) if ex.trace else None
+        self._send_records: dict[int, list[SendRecord]] = {}
+        self.output_sends: dict[tuple[int, int], PendingBatch] = {}  # SEND_F batch per key (BPipe waits on it)
+        from evenpipe.runtime.bpipe import BpipeOps  # local: BPipe is an add-on of the executor
+        self.bpipe = BpipeOps(self)
+
+    # -- loop ------------------------------------------------------------------------------------------------
+    def execute(self) -> None:
+        acts = self.ex.actions
+        i = 0
+        while i < len(acts):
+            a = acts[i]
+            if a.kind.is_transfer:
+                j = i
+                while j < len(acts) and acts[j].kind.is_transfer:
+                    j += 1
+                self._post(list(range(i, j)))
+                i = j
+                continue
+            self.current = a
+            t0 = time.perf_counter()
+            self._compute(a)
+            if self.recorder is not None:
+                self.recorder.action(i, a, t0, time.perf_counter(), self.ex.stash)
+            self._poll_sends()
+            self.bpipe.poll()
+            i += 1
+        self.bpipe.finish()
+        wait_all(self.sends)
+        for b in self.sends:
+            self._sent(b)
+        self.sends.clear()
+        leftover = [k for k in self.recvs]
+        assert not leftover, f"receives never consumed: {leftover}"
+
+    def _poll_sends(self) -> None:
+        still = []
+        for b in self.sends:
+            if b.is_completed():
+                b.done = True
+                self._sent(b)
+            else:
+                still.append(b)
+        self.sends = still
+
+    def _sent(self, batch: PendingBatch) -> None:
+        if self.recorder is not None:
+            now = time.perf_counter()
+            for rec in self._send_records.pop(id(batch), []):
+                rec.end = now
+
+    def _post(self, indices: list[int]) -> None:
+        """Post a run of transfer actions, batched per process group in list order."""
+        g = self.ex.groups
+        by_group: dict[int, list[tuple[Transfer, Any, Action]]] = {}
+        t0 = time.perf_counter()
+        for idx in indices:
+            a = self.ex.actions[idx]
+            self.current = a
+            if a.kind in _BPIPE_KINDS:
+                made = self.bpipe.transfers(a)
+                grp = g.bpipe_group
+            else:
+                made = [self._pp_transfer(a)]
+                grp = g.pp_group
+            for t, on_posted in made:
+                by_group.setdefault(id(grp), []).append((t, on_posted, a))
+        for items in by_group.values():
+            batch = post_batch([t for t, _, _ in items])
+            for t, on_posted, a in items:
+                if on_posted is not None:
+                    on_posted(batch)
+                if a.kind is _K.SEND_F:
+                    self.output_sends[a.key] = batch
+                if t.send and self.recorder is not None:
+                    rec = SendRecord(action=a, dst=a.peer if a.peer is not None else -1,
+                                     num_bytes=t.tensor.numel() * t.tensor.element_size(), start=t0)
+                    self.recorder.sends.append(rec)
+                    self._send_records.setdefault(id(batch), []).append(rec)
+            if any(t.send for t, _, _ in items):
+                self.sends.append(batch)
+        if self.recorder is not None:
+            for idx in indices:
+                self.recorder.action(idx, self.ex.actions[idx], t0, time.perf_counter(), self.ex.stash)
+
+    def _tag(self, a: Action) -> int:
+        m = self.ex.schedule.num_microbatches
+        boundary = a.stage if a.kind in (_K.SEND_F, _K.RECV_B) else a.stage - 1
+        forward = a.kind in (_K.SEND_F, _K.RECV_F)
+        return (boundary * m + a.microbatch) * 2 + (0 if forward else 1)
+
+    def _pp_transfer(self, a: Action) -> tuple[Transfer, Any]:
+        g = self.ex.groups
+        assert a.peer is not None
+        peer = g.global_rank(a.peer)
+        what = f"{a.kind.name} stage {a.stage} mb {a.microbatch}"
+        key = (a.stage, a.microbatch)
+        if a.kind is _K.SEND_F:
+            out = self.outputs[key]
+            payload = out.detach()
+            if a.stage in self.ex.recompute_stages:
+                self.ex.stash.release(key, self.outputs.pop(key))
+            elif self.ex.free_outputs:
+                self.ex.stash.release(key, out)
+                out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+            return Transfer(send=True, tensor=payload, peer=peer, group=g.pp_group, tag=self._tag(a), what=what), None
+        if a.kind is _K.SEND_B:
+            grad = self.in_grads.pop(key)
+            return Transfer(send=True, tensor=grad, peer=peer, group=g.pp_group, tag=self._tag(a), what=what), None
+        boundary = a.stage - 1 if a.kind is _K.RECV_F else a.stage
+        shape, dtype = self.shapes[boundary]
+        buf = torch.empty(shape, dtype=dtype, device=self.ex.device)
+        rkey = (a.kind, a.stage, a.microbatch)
+
+        def on_posted(batch: PendingBatch) -> None:
+            self.recvs[rkey] = (batch, buf)
+        return Transfer(send=False, tensor=buf, peer=peer, group=g.pp_group, tag=self._tag(a), what=what), on_posted
+
+    def _take_recv(self, kind: ActionKind, stage: int, mb: int) -> torch.Tensor | None:
+        item = self.recvs.pop((kind, stage, mb), None)
+        if item is None:
+            return None
+        batch, buf = item
+        batch.wait()
+        return buf
+
+    # -- compute ---------------------------------------------------------------------------------------------
+    def _compute(self, a: Action) -> None:
+        key = (a.stage, a.microbatch)
+        if a.kind is _K.FORWARD:
+            self._forward(key)
+        elif a.kind is _K.RECOMPUTE:
+            self._recompute(key)
+        elif a.kind is _K.BACKWARD:
+            self._backward(key, split=False)
+        elif a.kind is _K.BACKWARD_INPUT:
+            self._backward(key, split=True)
+        elif a.kind is _K.BACKWARD_WEIGHT:
+            self._weight(key)
+        else:
+            raise ConfigError(f"the executor cannot run action {a} ({a.kind.name}) on this device")
+
+    def _stage_input(self, key: tuple[int, int]) -> torch.Tensor:
+        s, mb = key
+        if s == 0:
+            return self.mb_inputs[mb]
+        buf = self._take_recv(_K.RECV_F, s, mb)
+        if buf is None:  # previous stage on this rank: local hand-off (its output stays the root of its backward)
+            buf = self.outputs[(s - 1, mb)].detach()
+        return buf
+
+    def _run_stage(self, key: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
+        s, mb = key
+        out = self.ex.stages[s](x)
+        if s == self.ex.last_stage:
+            loss = self.ex.loss_fn(out, self.mb_targets[mb])
+            return loss / self.ex.schedule.num_microbatches
+        return out
+
+    def _forward(self, key: tuple[int, int]) -> None:
+        s, mb = key
+        x = self._stage_input(key)
+        stash = self.ex.stash
+        if s in self.ex.recompute_stages:
+            self.rng[key] = _rng_state(self.ex.device)
+            with torch.no_grad():
+                out = self._run_stage(key, x)
+        else:
+            if s > 0 and x.is_floating_point():
+                x.requires_grad_(True)
+            with stash.capture(key):
+                out = self._run_stage(key, x)
+        if s > 0:
+            self.inputs[key] = x
+            stash.hold(key, x)
+        if s == self.ex.last_stage:
+            self.loss_sum += float(out.detach())
+            if s in self.ex.recompute_stages:
+                return
+        self.outputs[key] = out
+        if s != self.ex.last_stage:
+            stash.hold(key, out)
+
+    def _recompute(self, key: tuple[int, int]) -> None:
+        s, mb = key
+        self.bpipe.before_backward(key)
+        x = self.mb_inputs[mb] if s == 0 else self.inputs[key]
+        if s > 0 and x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+            self.ex.stash.release(key, self.inputs[key])
+            self.inputs[key] = x
+            self.ex.stash.hold(key, x)
+        with _restored_rng(self.rng.pop(key), self.ex.device), self.ex.stash.capture(key):
+            out = self._run_stage(key, x)
+        if self.ex.free_outputs and s != self.ex.last_stage:
+            out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+        self.outputs[key] = out
+
+    def _output_grad(self, key: tuple[int, int]) -> torch.Tensor | None:
+        s, mb = key
+        if s == self.ex.last_stage:
+            return None
+        buf = self._take_recv(_K.RECV_B, s, mb)
+        if buf is None:
+            buf = self.out_grads.pop(key)
+        return buf
+
+    def _deliver_input_grad(self, key: tuple[int, int], grad: torch.Tensor | None) -> None:
+        s, mb = key
+        if s == 0 or grad is None:
+            return
+        if self.ex.schedule.rank_of(s - 1) == self.ex.groups.pp_rank and (s - 1) in self.ex.stages:
+            self.out_grads[(s - 1, mb)] = grad
+        else:
+            self.in_grads[key] = grad
+
+    def _backward(self, key: tuple[int, int], *, split: bool) -> None:
+        s, _ = key
+        self.bpipe.before_backward(key)
+        out = self.outputs.pop(key)
+        grad = self._output_grad(key)
+        x = self.inputs.get(key)
+        roots, grads = [out], [grad if grad is not None else torch.ones_like(out)]
+        needs_x = x is not None and x.requires_grad
+        if split:
+            gx = None
+            if needs_x:
+                assert x is not None
+                (gx,) = _run_backward(roots, grads, keep_graph=True, inputs=(x,), accumulate=False)
+            self.deferred_w[key] = (out, grads[0])
+            self._deliver_input_grad(key, gx)
+            return
+        if needs_x:
+            assert x is not None
+            x.grad = None
+        _run_backward(roots, grads, keep_graph=False)
+        self._deliver_input_grad(key, x.grad if needs_x and x is not None else None)
+        self._done(key)
+
+    def _weight(self, key: tuple[int, int]) -> None:
+        out, grad = self.deferred_w.pop(key)
+        params = self.ex._params[key[0]]
+        if params:
+            _run_backward([out], [grad], keep_graph=False, inputs=params, accumulate=True)
+        self._done(key)
+
+    def _done(self, key: tuple[int, int]) -> None:
+        x = self.inputs.pop(key, None)
+        if x is not None:
+            self.ex.stash.release(key, x)
+        self.ex.stash.release_all_of(key)
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+class _restored_rng:
+    """Run a block with a saved RNG state (for recomputation), restoring the current state afterwards."""
+
+    def __init__(self, state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+        self.state, self.device = state, device
+
+    def __enter__(self) -> None:
+        self.saved = _rng_state(self.device)
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(self.state[1], self.device)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_rng_state(self.saved[0])
+        if self.saved[1] is not None:
+            torch.cuda.set_rng_state(self.saved[1], self.device)
+

@@ -1,0 +1,168 @@
+"""Cut a model into pipeline stages.
+
+A *stage* is a contiguous run of blocks; stage 0 also holds the model's ``first`` part (embeddings) and the
+last stage its ``last`` part (final norm and head). With interleaving, ``num_stages`` counts every virtual
+chunk (``ranks * V``) and a layout gives one entry per chunk, in pipeline order; which rank runs which stage is
+the schedule's ``stage_to_rank``, not this module's business.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from evenpipe.errors import ConfigError
+from evenpipe.models.lm import PipelineParts
+
+__all__ = ["partition_layers", "StageModule", "build_stage_modules", "param_count"]
+
+
+def _check_layout(num_blocks: int, num_stages: int, layout: Sequence[int]) -> tuple[range, ...]:
+    counts = list(layout)
+    if len(counts) != num_stages:
+        raise ConfigError(f"layout {counts} has {len(counts)} entries but there are {num_stages} stages "
+                          "(one entry per stage, per virtual chunk when interleaved)")
+    bad = [c for c in counts if not isinstance(c, int) or isinstance(c, bool) or c < 1]
+    if bad:
+        raise ConfigError(f"layout {counts} has a stage with {bad[0]!r} layers; every stage needs at least 1")
+    if sum(counts) != num_blocks:
+        verb = "drops" if sum(counts) < num_blocks else "duplicates"
+        raise ConfigError(f"layout {counts} places {sum(counts)} layers but the model has {num_blocks} "
+                          f"blocks (it {verb} {abs(sum(counts) - num_blocks)}); the entries must sum to "
+                          f"{num_blocks}")
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    return tuple(range(a, b) for a, b in zip(bounds, bounds[1:]))
+
+
+def _balanced(weights: Sequence[float], num_stages: int, first: float, last: float) -> list[int]:
+    """Contiguous split minimising the heaviest stage, then the sum of squared stage weights (dynamic
+    programme, O(stages * blocks^2)); ``first`` and ``last`` weigh on stage 0 and the last stage."""
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = (float("inf"), float("inf"))
+    # best[k][i]: (max, sum of squares) for blocks[:i] in k stages; cut[k][i]: start of the k-th stage
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                prev = best[k - 1][j]
+                if prev == inf:
+                    continue
+                w = prefix[i] - prefix[j] + (first if k == 1 else 0.0) + (last if k == num_stages else 0.0)
+                cand = (max(prev[0], w), prev[1] + w * w)
+                if cand < best[k][i]:
+                    best[k][i], cut[k][i] = cand, j
+    counts, i = [], n
+    for k in range(num_stages, 0, -1):
+        j = cut[k][i]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
+
+
+def partition_layers(num_blocks: int, num_stages: int, *, layout: Sequence[int] | None = None,
+                     block_weights: Sequence[float] | None = None, first_weight: float = 0.0,
+                     last_weight: float = 0.0) -> tuple[range, ...]:
+    """Block index ranges, one per stage (virtual chunk), covering ``0 .. num_blocks-1`` exactly once.
+
+    ``layout`` gives the number of blocks per stage, e.g. ``[5, 6, 6, 5]``; otherwise the split is balanced
+    by ``block_weights`` (default: 1 per block) plus ``first_weight`` on stage 0 and ``last_weight`` on the
+    last stage. A layout that drops or duplicates a block, or leaves a stage empty, is a ConfigError.
+    """
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ConfigError(f"num_stages must be a positive integer, got {num_stages!r}")
+    if not isinstance(num_blocks, int) or num_blocks < 1:
+        raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+    if layout is not None:
+        return _check_layout(num_blocks, num_stages, layout)
+    if num_stages > num_blocks:
+        raise ConfigError(f"{num_stages} stages need at least {num_stages} blocks, the model has {num_blocks}; "
+                          "use fewer stages (or virtual chunks) or a deeper model")
+    weights = [1.0] * num_blocks if block_weights is None else [float(w) for w in block_weights]
+    if len(weights) != num_blocks:
+        raise ConfigError(f"block_weights has {len(weights)} entries for {num_blocks} blocks")
+    if any(not w >= 0 for w in weights + [first_weight, last_weight]):
+        raise ConfigError(f"block weights must be >= 0, got {weights} (first {first_weight}, last {last_weight})")
+    return _check_layout(num_blocks, num_stages, _balanced(weights, num_stages, first_weight, last_weight))
+
+
+def param_count(module: nn.Module) -> int:
+    """Number of parameter elements of ``module``."""
+    return sum(p.numel() for p in module.parameters())
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: ``first`` (on stage 0), blocks ``layers``, ``last`` (on the last stage).
+
+    ``forward`` maps tokens (stage 0) or hidden states to hidden states, or to logits on the last stage.
+    The submodules are the model's own, so parameters are shared with the model the parts came from.
+    """
+
+    def __init__(self, *, stage: int, num_stages: int, layers: range, blocks: Sequence[nn.Module],
+                 first: nn.Module | None, last: nn.Module | None) -> None:
+        super().__init__()
+        self.stage = stage
+        """Stage index in pipeline order (virtual chunks counted)."""
+        self.num_stages = num_stages
+        """Total number of stages."""
+        self.layers = layers
+        """Indices of the model's blocks this stage runs."""
+        self.first = first
+        self.blocks = nn.ModuleList(blocks)
+        self.last = last
+
+    @property
+    def is_first(self) -> bool:
+        """Stage 0: takes tokens."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """The last stage: returns logits."""
+        return self.stage == self.num_stages - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first is not None:
+            x = self.first(x)
+        for block in self.blocks:
+            x = block(x)
+        if self.last is not None:
+            x = self.last(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"stage={self.stage}/{self.num_stages}, layers={self.layers.start}..{self.layers.stop - 1}"
+
+
+def build_stage_modules(parts: PipelineParts, *, num_stages: int, stages: Sequence[int],
+                        layout: Sequence[int] | None = None) -> dict[int, StageModule]:
+    """The :class:`StageModule` of each stage id in ``stages``, sharing parameters with ``parts``.
+
+    Without ``layout`` the blocks are balanced by parameter count, the embedding counting on stage 0 and
+    the head on the last stage (see :func:`partition_layers`).
+    """
+    ranges = partition_layers(
+        len(parts.blocks), num_stages, layout=layout,
+        block_weights=[param_count(b) for b in parts.blocks],
+        first_weight=param_count(parts.first), last_weight=param_count(parts.last))
+    wanted = list(stages)
+    bad = [s for s in wanted if not isinstance(s, int) or not 0 <= s < num_stages]
+    if bad:
+        raise ConfigError(f"stage id {bad[0]!r} is out of range; stages are 0..{num_stages - 1}")
+    if len(set(wanted)) != len(wanted):
+        raise ConfigError(f"stage ids {wanted} repeat a stage")
+    return {
+        s: StageModule(stage=s, num_stages=num_stages, layers=ranges[s],
+                       blocks=[parts.blocks[i] for i in ranges[s]],
+                       first=parts.first if s == 0 else None,
+                       last=parts.last if s == num_stages - 1 else None)
+        for s in wanted
+    }

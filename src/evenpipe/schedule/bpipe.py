@@ -1,0 +1,220 @@
+"""BPipe (Kim et al., ICML 2023): balance activation memory by moving activations between paired ranks.
+
+Rank ``x < p/2`` (the *evictor*) is paired with ``p-1-x`` (the *acceptor*); the middle rank of an odd ``p`` has
+no partner. An **activation unit** is what one micro-batch leaves on one stage for its backward; a rank's
+*held units* are its own (``F`` adds one, the ``B`` -- or ``W`` after a split backward -- frees it) plus the
+units it hosts for its partner. The budget ``K`` (default ``ceil((p+1)/2)``) bounds held units at every point of
+every rank's program order.
+
+The evictor walks its 1F1B order. Before a forward that would exceed ``K`` it evicts the held micro-batch whose
+backward is farthest away (in 1F1B the one forwarded last). Each evicted micro-batch is loaded back one compute
+slot before its first use (``R``, ``B`` or ``I``), so the transfer overlaps that compute; if the load would exceed
+``K`` there it is either paid for by another eviction (before a forward) or moved after the compute (before a
+backward, which frees a unit). Markers are ordered so that held units never exceed ``K`` even between actions.
+The acceptor's own plus hosted units are then checked in its derived program order. When no schedule meets
+``K``, the error names the smallest budget that works.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from evenpipe.errors import ConfigError
+from evenpipe.schedule.comm import derive_communication
+from evenpipe.schedule.ir import Action, ActionKind, Schedule
+from evenpipe.schedule.witness import WitnessTiming, witness_timing
+
+__all__ = ["bpipe_partner", "bpipe_transform", "default_bpipe_budget", "held_units", "held_units_trace"]
+
+_F, _B, _I, _W, _R = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
+                      ActionKind.BACKWARD_WEIGHT, ActionKind.RECOMPUTE)
+_DELTA = {_F: 1, _B: -1, _W: -1, ActionKind.EVICT: -1, ActionKind.LOAD: 1, ActionKind.ACCEPT: 1,
+          ActionKind.RETURN: -1}
+"""Change in held activation units caused by each action kind (others: 0)."""
+
+
+def bpipe_partner(rank: int, num_ranks: int) -> int | None:
+    """BPipe's partner of ``rank``: ``p-1-rank``, or ``None`` for the middle rank of an odd ``p``."""
+    if not 0 <= rank < num_ranks:
+        raise ConfigError(f"rank {rank} out of range 0..{num_ranks - 1}")
+    partner = num_ranks - 1 - rank
+    return None if partner == rank else partner
+
+
+def default_bpipe_budget(num_ranks: int) -> int:
+    """``ceil((p+1)/2)`` activation units, the paper's balanced target."""
+    return math.ceil((num_ranks + 1) / 2)
+
+
+def held_units_trace(actions: tuple[Action, ...]) -> list[int]:
+    """Held units (own plus hosted) after each action of one rank, in program order."""
+    held, out = 0, []
+    for a in actions:
+        held += _DELTA.get(a.kind, 0)
+        out.append(held)
+    return out
+
+
+def held_units(schedule: Schedule) -> list[int]:
+    """Peak held activation units (own plus hosted) of each rank, counted in program order."""
+    return [max(held_units_trace(acts), default=0) for acts in schedule.actions]
+
+
+def bpipe_transform(schedule: Schedule, *, budget: int | None = None) -> Schedule:
+    """Add BPipe's EVICT/LOAD (and derived ACCEPT/RETURN plus all SEND/RECV) so every rank holds <= ``budget``.
+
+    ``schedule`` must have one stage per rank (BPipe is defined on 1F1B); its transfers are ignored and derived
+    again. Raises ``ConfigError`` naming the smallest budget that works when ``budget`` cannot be met.
+    """
+    P = schedule.num_ranks
+    if schedule.num_stages != P:
+        raise ConfigError(f"bpipe needs one stage per rank, got {schedule.num_stages} stages on {P} ranks "
+                          f"(chunks={schedule.num_chunks}); use num_chunks=1")
+    K = default_bpipe_budget(P) if budget is None else budget
+    if K < 1:
+        raise ConfigError(f"bpipe budget must be >= 1 activation unit, got {K}")
+    compute = schedule.compute_only()
+    timing = witness_timing(compute)
+    meta = {**schedule.meta, "family": "bpipe", "budget": K, "chunks": 1}
+    lists = _plan(compute, timing, K)
+    if lists is None:
+        no_eviction = max(held_units(compute), default=0)
+        smallest = next((k for k in range(K + 1, no_eviction + 1) if _plan(compute, timing, k) is not None),
+                        no_eviction)
+        raise ConfigError(f"bpipe budget {K} cannot be met for {P} ranks and {schedule.num_microbatches} "
+                          f"micro-batches; the smallest budget that works is {smallest}")
+    result = derive_communication(compute.with_actions(lists))
+    assert max(held_units(result), default=0) <= K, "acceptor check disagrees with the derived schedule"
+    return result.with_actions(result.actions, name="bpipe", meta=meta)
+
+
+def _plan(compute: Schedule, timing: WitnessTiming, budget: int) -> list[list[Action]] | None:
+    """Every rank's compute list with EVICT/LOAD markers on evictors, or ``None`` if some rank would exceed
+    ``budget``. Acceptors are checked in the program order :func:`derive_communication` will give them."""
+    P = compute.num_ranks
+    lists = [list(acts) for acts in compute.actions]
+    for r in range(P):
+        partner = bpipe_partner(r, P)
+        if partner is None or r > partner:
+            if partner is None and max(held_units_trace(compute.actions[r]), default=0) > budget:
+                return None
+            continue
+        marked = _evict_and_load(compute.actions[r], budget, partner=partner)
+        if marked is None:
+            return None
+        if _acceptor_peak(compute.actions[partner], timing.start[partner], marked, timing.start[r]) > budget:
+            return None
+        lists[r] = marked
+    return lists
+
+
+def _marker_times(marked: list[Action], compute_starts: tuple[int, ...]) -> list[tuple[int, Action]]:
+    """``(anchor time, marker)`` for the EVICT/LOAD markers of an evictor: the start of the next compute."""
+    starts = iter(compute_starts)
+    out: list[tuple[int, Action]] = []
+    pending: list[Action] = []
+    for a in marked:
+        if a.kind.is_compute:
+            t = next(starts)
+            out.extend((t, m) for m in pending)
+            pending = []
+        else:
+            pending.append(a)
+    end = max(compute_starts, default=0) + 2  # after the last compute (never reached for BPipe markers)
+    return out + [(end, m) for m in pending]
+
+
+def _acceptor_peak(own: tuple[Action, ...], own_starts: tuple[int, ...], marked: list[Action],
+                   evictor_starts: tuple[int, ...]) -> int:
+    """Peak held units of an acceptor: its own computes merged with ACCEPT/RETURN at the evictor's marker
+    times, messages first at equal times (the order derive_communication produces)."""
+    events = _marker_times(marked, evictor_starts)
+    held = peak = j = 0
+    for i, a in enumerate(own):
+        while j < len(events) and events[j][0] <= own_starts[i]:
+            held += 1 if events[j][1].kind is ActionKind.EVICT else -1
+            peak = max(peak, held)
+            j += 1
+        held += _DELTA.get(a.kind, 0)
+        peak = max(peak, held)
+    for _, m in events[j:]:
+        held += 1 if m.kind is ActionKind.EVICT else -1
+        peak = max(peak, held)
+    return peak
+
+
+def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int) -> list[Action] | None:
+    """The evictor's compute list with EVICT/LOAD markers inserted, or ``None`` if ``budget`` is unreachable."""
+    first_use: dict[tuple[int, int], int] = {}
+    for i, a in enumerate(acts):
+        if a.kind in (_R, _B, _I):
+            first_use.setdefault(a.key, i)
+    held = 0
+    away: set[tuple[int, int]] = set()
+    resident: set[tuple[int, int]] = set()  # own units forwarded, not freed, not away
+    farthest: list[tuple[int, tuple[int, int]]] = []  # max-heap on first use, lazily pruned
+    out: list[Action] = []
+    deferred: list[tuple[int, int]] = []
+    for i, a in enumerate(acts):
+        must = [k for k in deferred if k in away]
+        if a.kind in (_R, _B, _I) and a.key in away and a.key not in must:
+            must.append(a.key)
+        nxt = acts[i + 1] if i + 1 < len(acts) else None
+        early = [nxt.key] if (nxt is not None and nxt.kind in (_R, _B, _I) and nxt.key in away
+                              and first_use.get(nxt.key) == i + 1 and nxt.key not in must) else []
+        grows = 1 if a.kind is _F else 0
+        if a.kind is not _F and held + len(must) + len(early) > budget:
+            deferred, early = early, []  # load after this compute instead; a backward frees a unit
+        else:
+            deferred = []
+        loads = must + early
+        protected = set(loads) | ({a.key} if a.kind is not _F else set())
+        num_evict = max(0, held + len(loads) + grows - budget)
+        num_first = max(0, held + len(loads) - budget)
+        victims = _pick_victims(farthest, resident, protected, num_evict)
+        if victims is None:
+            return None
+        for k in victims[:num_first]:
+            out.append(Action(ActionKind.EVICT, k[0], k[1], partner))
+        for k in loads:
+            out.append(Action(ActionKind.LOAD, k[0], k[1], partner))
+        for k in victims[num_first:]:
+            out.append(Action(ActionKind.EVICT, k[0], k[1], partner))
+        for k in victims:
+            resident.discard(k)
+            away.add(k)
+        for k in loads:
+            away.discard(k)
+            resident.add(k)
+            heapq.heappush(farthest, (-first_use.get(k, len(acts)), k))
+        held += len(loads) - len(victims)
+        out.append(a)
+        held += _DELTA.get(a.kind, 0)
+        if a.kind is _F:
+            resident.add(a.key)
+            heapq.heappush(farthest, (-first_use.get(a.key, len(acts)), a.key))
+        elif _DELTA.get(a.kind, 0) < 0:
+            resident.discard(a.key)
+        if held > budget:
+            return None
+    return out
+
+
+def _pick_victims(farthest: list[tuple[int, tuple[int, int]]], resident: set[tuple[int, int]],
+                  protected: set[tuple[int, int]], count: int) -> list[tuple[int, int]] | None:
+    """Pop ``count`` resident, unprotected micro-batches whose first backward use is farthest away."""
+    victims: list[tuple[int, int]] = []
+    skipped: list[tuple[int, tuple[int, int]]] = []
+    while len(victims) < count and farthest:
+        entry = heapq.heappop(farthest)
+        key = entry[1]
+        if key not in resident:
+            continue  # stale entry: freed, or away (it is pushed again when loaded back)
+        if key in protected:
+            skipped.append(entry)
+            continue
+        victims.append(key)
+    for entry in skipped:
+        heapq.heappush(farthest, entry)
+    return victims if len(victims) == count else None

@@ -1,0 +1,118 @@
+"""Derive every transfer action from the compute order, in an order that cannot deadlock.
+
+Messages
+--------
+``F(s, m)`` feeds ``F(s+1, m)``: when the two stages live on different ranks the producer gets
+``SEND_F(s, m, peer=rank(s+1))`` and the consumer ``RECV_F(s+1, m, peer=rank(s))``. The ``B``/``I`` of
+``(s+1, m)`` feeds the backward of ``(s, m)``: ``SEND_B(s+1, m, peer=rank(s))`` / ``RECV_B(s, m, peer=rank(s+1))``.
+BPipe markers already in the input are kept on the evictor and matched on the partner: ``EVICT`` gets an
+``ACCEPT``, ``LOAD`` gets a ``RETURN``. Every other transfer in the input is dropped and derived again, so the
+function is idempotent.
+
+Ordering and why it cannot deadlock
+-----------------------------------
+1. Run a *witness* simulation of the compute lists (:mod:`evenpipe.schedule.witness`): fixed positive durations,
+   buffered messages, zero transfer time. Message ``k`` gets a time ``t_k``: the finish of its producing compute,
+   or, for BPipe messages, the start of the first compute after the evictor's ``EVICT``/``LOAD`` marker.
+2. Number all messages globally by ``(t_k, class, evictor-or-sender rank, list position)`` (class 0 for
+   activations and gradients, 1 for BPipe), giving index ``k``.
+3. Give every event a sort key: a compute starting at ``t`` gets ``(t, 1, position)``; both the send and the
+   receive of message ``k`` get ``(t_k, 0, k)``. Sort each rank's events by key.
+
+Then on every rank (a) the communication events appear in increasing global index; (b) a receive precedes the
+compute that consumes it (``t_k <= start``, and class 0 sorts before 1); (c) a send follows the compute that
+produces it (that compute started before ``t_k``). Now take any state of a run with **rendezvous** semantics
+(a send and its receive complete together, only when both are at the heads of their ranks' lists) in which some
+rank is not finished, and let ``k`` be the smallest index of a message not yet exchanged. On each of its two
+ranks, every communication event before it has a smaller index, so it is done; every compute before it has its
+inputs received earlier on the same rank (b) or produced earlier on the same rank, so it can run. Hence both
+sides of ``k`` reach their heads and ``k`` completes: the run always progresses, under any buffering. The
+validator re-checks this by a dry run.
+"""
+
+from __future__ import annotations
+
+from evenpipe.schedule.ir import COMPUTE_KINDS, Action, ActionKind, Schedule
+from evenpipe.schedule.witness import WitnessTiming, witness_timing
+
+__all__ = ["derive_communication"]
+
+_F, _B, _I = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT
+_EVICT, _LOAD = ActionKind.EVICT, ActionKind.LOAD
+
+_COMPUTE = frozenset(k.value for k in COMPUTE_KINDS)
+_KEPT = _COMPUTE | {_EVICT.value, _LOAD.value}
+"""Token sets, tested with ``kind._value_`` (hashing a str is much cheaper than hashing an enum member)."""
+
+_Message = tuple[tuple[int, int, int, int], int, Action, int, Action]
+"""``(order key, sender rank, send action, receiver rank, receive action)``."""
+
+
+def derive_communication(compute: Schedule) -> Schedule:
+    """``compute`` plus all SEND/RECV (and BPipe ACCEPT/RETURN) actions, ordered so that it cannot deadlock.
+
+    The input's compute actions and its ``EVICT``/``LOAD`` markers are kept in their order; other transfers are
+    recomputed. Raises ``ScheduleValidationError`` if the compute order itself has a cyclic wait.
+    """
+    kept = compute.with_actions([[a for a in acts if a.kind._value_ in _KEPT] for acts in compute.actions])
+    timing = witness_timing(kept)
+    messages = _messages(kept, timing)
+    messages.sort(key=lambda msg: msg[0])
+    comm: list[list[tuple[int, Action]]] = [[] for _ in range(kept.num_ranks)]
+    for (t, _, _, _), src, send, dst, recv in messages:  # global index order
+        comm[src].append((t, send))
+        comm[dst].append((t, recv))
+    return kept.with_actions([_merge(acts, timing.start[r], comm[r]) for r, acts in enumerate(kept.actions)])
+
+
+def _merge(acts: tuple[Action, ...], starts: tuple[int, ...], comm: list[tuple[int, Action]]) -> list[Action]:
+    """Merge a rank's computes (key ``(start, 1)``) with its messages (key ``(t_k, 0, k)``, already sorted)."""
+    out: list[Action] = []
+    j, n = 0, len(comm)
+    for i, a in enumerate(acts):
+        if a.kind._value_ not in _COMPUTE:
+            continue  # EVICT/LOAD markers come back through ``comm``
+        start = starts[i]
+        while j < n and comm[j][0] <= start:
+            out.append(comm[j][1])
+            j += 1
+        out.append(a)
+    out.extend(a for _, a in comm[j:])
+    return out
+
+
+def _anchor_time(timing: WitnessTiming, acts: tuple[Action, ...], rank: int, i: int) -> int:
+    """When the evictor reaches position ``i``: the start of the next compute (or the end of its work)."""
+    starts = timing.start[rank]
+    for j in range(i + 1, len(acts)):
+        if starts[j] >= 0:
+            return starts[j]
+    return max(timing.finish[rank], default=0)
+
+
+def _messages(kept: Schedule, timing: WitnessTiming) -> list[_Message]:
+    S, layout = kept.num_stages, kept.stage_to_rank
+    out: list[_Message] = []
+    for r, acts in enumerate(kept.actions):
+        finish = timing.finish[r]
+        for i, a in enumerate(acts):
+            token, s, m = a.kind._value_, a.stage, a.microbatch
+            if token == "F":
+                if s + 1 < S and layout[s + 1] != r:
+                    dst = layout[s + 1]
+                    out.append(((finish[i], 0, r, i), r, Action(ActionKind.SEND_F, s, m, dst),
+                                dst, Action(ActionKind.RECV_F, s + 1, m, r)))
+            elif token == "B" or token == "I":
+                if s > 0 and layout[s - 1] != r:
+                    dst = layout[s - 1]
+                    out.append(((finish[i], 0, r, i), r, Action(ActionKind.SEND_B, s, m, dst),
+                                dst, Action(ActionKind.RECV_B, s - 1, m, r)))
+            elif a.kind is _EVICT:
+                assert a.peer is not None
+                key = (_anchor_time(timing, acts, r, i), 1, r, i)
+                out.append((key, r, a, a.peer, Action(ActionKind.ACCEPT, s, m, r)))
+            elif a.kind is _LOAD:
+                assert a.peer is not None
+                key = (_anchor_time(timing, acts, r, i), 1, r, i)
+                out.append((key, a.peer, Action(ActionKind.RETURN, s, m, r), r, a))
+    return out

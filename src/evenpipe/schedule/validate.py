@@ -1,0 +1,234 @@
+"""Check a schedule against named rules; a failure raises ``ScheduleValidationError(rule, message, grid)``.
+
+Rules (the first broken one is reported):
+
+- ``range``: stages, micro-batches and peers exist.
+- ``placement``: an action references a stage on its own rank (``ACCEPT``/``RETURN``: on its peer), and
+  activation/gradient transfers name the rank of the neighbouring stage as peer.
+- ``duplicate``: no action (kind, stage, micro-batch) appears twice.
+- ``completeness``: every ``(stage, mb)`` has one ``F`` and either one ``B`` or one ``I`` and one ``W``.
+- ``dependency``: in each rank's program order ``F(s,m)`` follows ``F(s-1,m)`` or its ``RECV_F``; ``B``/``I`` of
+  ``(s,m)`` follows ``F(s,m)`` and ``B``/``I(s+1,m)`` or its ``RECV_B``; ``W`` follows ``I``; ``R`` follows ``F``
+  and precedes the backward; sends follow what they send; ``LOAD`` follows ``EVICT`` and ``RETURN`` follows
+  ``ACCEPT``; evicted activations are not used between ``EVICT`` and ``LOAD``.
+- ``matching``: every send has exactly one matching receive on its peer and vice versa.
+- ``deadlock``: a dry run with rendezvous semantics (a send and its receive complete together, only when both
+  are at the heads of their ranks' lists) completes. Computes at a head always complete, because their data
+  dependencies were already checked in program order.
+
+Everything is O(actions): one scan with per-kind arrays indexed by ``stage * M + mb``, then a dry run in which a
+blocked rank is only revisited when its peer reaches the matching action.
+"""
+
+from __future__ import annotations
+
+from evenpipe.errors import ScheduleValidationError
+from evenpipe.schedule.grid import format_grid
+from evenpipe.schedule.ir import Action, ActionKind, Schedule
+
+__all__ = ["validate", "message_key"]
+
+_KINDS = tuple(ActionKind)
+_CODE = {k.value: i for i, k in enumerate(_KINDS)}
+"""Small integer per kind, looked up by the kind's string value (cheaper than hashing the enum)."""
+_C = {k: _CODE[k.value] for k in _KINDS}
+F, B, I, W, R = (_C[ActionKind.FORWARD], _C[ActionKind.BACKWARD], _C[ActionKind.BACKWARD_INPUT],
+                 _C[ActionKind.BACKWARD_WEIGHT], _C[ActionKind.RECOMPUTE])
+SF, RF, SB, RB = _C[ActionKind.SEND_F], _C[ActionKind.RECV_F], _C[ActionKind.SEND_B], _C[ActionKind.RECV_B]
+EV, AC, RT, LD = _C[ActionKind.EVICT], _C[ActionKind.ACCEPT], _C[ActionKind.RETURN], _C[ActionKind.LOAD]
+_TRANSFER = frozenset({SF, RF, SB, RB, EV, AC, RT, LD})
+_CHANNEL = {SF: 0, RF: 0, SB: 1, RB: 1, EV: 2, AC: 2, RT: 3, LD: 3}
+_STAGE_SHIFT = {SF: 0, RF: -1, SB: 0, RB: 1, EV: 0, AC: 0, RT: 0, LD: 0}
+"""Offset from an action's stage to the sending stage of its message (RECV_F(s) carries F(s-1)'s output)."""
+_COUNTERPART = {SF: RF, RF: SF, SB: RB, RB: SB, EV: AC, AC: EV, RT: LD, LD: RT}
+_USES_ACTIVATIONS = frozenset({B, I, W, R, SF, EV})
+_NEIGHBOUR = {SF: 1, RB: 1, RF: -1, SB: -1}
+"""Activation/gradient transfers: offset from the action's stage to the stage whose rank must be the peer."""
+_NEEDS = {W: (I, "I"), R: (F, "F"), SF: (F, "F"), EV: (F, "F"), LD: (EV, "EVICT"), RT: (AC, "ACCEPT")}
+"""Single same-rank prerequisite of some kinds: (kind code, token for the message)."""
+
+
+def message_key(rank: int, a: Action) -> tuple[int, int, int]:
+    """``(channel, sending stage, mb)``: equal for a send and its matching receive (channels F, B, evict, load)."""
+    code = _CODE[a.kind.value]
+    if code not in _TRANSFER:
+        raise ValueError(f"{a} is not a transfer")
+    return (_CHANNEL[code], a.stage + _STAGE_SHIFT[code], a.microbatch)
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ``ScheduleValidationError`` naming the first broken rule, with a rank-by-step grid."""
+    scan = _Scan(schedule)
+    for r, acts in enumerate(schedule.actions):
+        scan.rank(r, acts)
+    scan.completeness()
+    if scan.first_dependency_error is not None:
+        raise scan.first_dependency_error
+    scan.matching()
+    _dry_run(schedule, scan.keys)
+
+
+class _Scan:
+    """One pass over every rank's list: range, placement, duplicates and program-order dependencies."""
+
+    __slots__ = ("schedule", "S", "M", "P", "layout", "done", "peer", "away", "recomputed", "keys", "where",
+                 "first_dependency_error")
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.P, self.S, self.M = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
+        self.layout = schedule.stage_to_rank
+        n = self.S * self.M
+        self.done = [[0] * n for _ in _KINDS]
+        """``done[kind][s*M+m]``: 1 + the rank that ran it, 0 if not yet."""
+        self.peer = {c: [-1] * n for c in _TRANSFER}
+        self.where: dict[tuple[int, int], tuple[int, int]] = {}
+        self.away = bytearray(n)
+        self.recomputed = bytearray(n)
+        for _, _, a in schedule.iter_actions():
+            if a.kind is ActionKind.RECOMPUTE and a.stage < self.S and a.microbatch < self.M:
+                self.recomputed[a.stage * self.M + a.microbatch] = 1
+        self.first_dependency_error: ScheduleValidationError | None = None
+        """Dependency errors are kept until completeness is checked, so a missing action is named as such."""
+        self.keys: list[list[int]] = []
+        """Per rank, per position: the message key as one int, or -1 for a compute."""
+
+    def fail(self, rule: str, message: str, r: int, i: int) -> ScheduleValidationError:
+        return ScheduleValidationError(rule, message, format_grid(self.schedule, {r: i}))
+
+    def rank(self, r: int, acts: tuple[Action, ...]) -> None:
+        S, M, P, layout, done, away = self.S, self.M, self.P, self.layout, self.done, self.away
+        keys: list[int] = []
+        for i, a in enumerate(acts):
+            code, s, m, peer = _CODE[a.kind._value_], a.stage, a.microbatch, a.peer
+            if s >= S or m >= M or (peer is not None and not 0 <= peer < P):
+                raise self.fail("range", f"rank {r} action {i} {a}: stages are 0..{S - 1}, micro-batches "
+                                f"0..{M - 1}, ranks 0..{P - 1}", r, i)
+            home = layout[s]
+            if (home != r) if code not in (AC, RT) else (home != peer):
+                raise self.fail("placement", f"rank {r} action {i} {a} references stage {s}, which lives on rank "
+                                f"{home}", r, i)
+            u = s * M + m
+            if done[code][u]:
+                raise self.fail("duplicate", f"rank {r} action {i} {a} appears twice", r, i)
+            if self.first_dependency_error is None:
+                missing = self.missing(code, s, m, u, r)
+                if missing:
+                    self.first_dependency_error = self.fail(
+                        "dependency", f"rank {r} action {i} {a} runs before {missing} on the same rank", r, i)
+                elif code in _USES_ACTIVATIONS and away[u]:
+                    self.first_dependency_error = self.fail(
+                        "dependency", f"rank {r} action {i} {a} uses activations evicted by {s}EVICT{m} before "
+                        f"their {s}LOAD{m}", r, i)
+            if code in _TRANSFER:
+                self.transfer(code, a, r, i, u)
+                keys.append((_CHANNEL[code] * S + s + _STAGE_SHIFT[code]) * M + m)
+            else:
+                keys.append(-1)
+            done[code][u] = r + 1
+        self.keys.append(keys)
+
+    def transfer(self, code: int, a: Action, r: int, i: int, u: int) -> None:
+        """Peer checks; record the transfer for matching; track evicted activations."""
+        s, peer, S = a.stage, a.peer, self.S
+        offset = _NEIGHBOUR.get(code)
+        expected = None if offset is None else s + offset
+        if expected is not None and not (0 <= expected < S and peer == self.layout[expected]):
+            want = f"rank {self.layout[expected]}" if 0 <= expected < S else "no transfer (no such stage)"
+            raise self.fail("placement", f"rank {r} action {i} {a} has peer {peer}; expected {want}", r, i)
+        if peer == r:
+            raise self.fail("placement", f"rank {r} action {i} {a} sends to its own rank", r, i)
+        self.peer[code][u] = peer if peer is not None else -1
+        self.where[(code, u)] = (r, i)
+        if code == EV:
+            self.away[u] = 1
+        elif code == LD:
+            self.away[u] = 0
+
+    def missing(self, code: int, s: int, m: int, u: int, r: int) -> str:
+        """The token of the first action that must precede this one on rank ``r`` but has not run, or ''."""
+        done, M, me = self.done, self.M, r + 1
+        if code == F:
+            if s == 0:
+                return ""
+            if self.layout[s - 1] == r:
+                return "" if done[F][u - M] == me else f"{s - 1}F{m}"
+            return "" if done[RF][u] == me else f"{s}RECV_F{m}"
+        if code == B or code == I:
+            if done[F][u] != me:
+                return f"{s}F{m}"
+            if self.recomputed[u] and done[R][u] != me:
+                return f"{s}R{m}"
+            if s + 1 < self.S:
+                if self.layout[s + 1] == r:
+                    ok = done[B][u + M] == me or done[I][u + M] == me
+                    return "" if ok else f"{s + 1}B{m} (or {s + 1}I{m})"
+                return "" if done[RB][u] == me else f"{s}RECV_B{m}"
+            return ""
+        need = _NEEDS.get(code)
+        if need is not None:
+            return "" if done[need[0]][u] == me else f"{s}{need[1]}{m}"
+        if code == SB:
+            return "" if done[B][u] == me or done[I][u] == me else f"{s}B{m} (or {s}I{m})"
+        return ""
+
+    def completeness(self) -> None:
+        done, M = self.done, self.M
+        f, b, i_, w = done[F], done[B], done[I], done[W]
+        for u in range(self.S * M):
+            if f[u] and ((b[u] and not i_[u] and not w[u]) or (not b[u] and i_[u] and w[u])):
+                continue
+            s, m = divmod(u, M)
+            have = [f"{s}{k}{m}" for k, arr in (("F", f), ("B", b), ("I", i_), ("W", w)) if arr[u]]
+            r = self.layout[s]
+            acts = self.schedule.actions[r]
+            idx = next((j for j, a in enumerate(acts) if a.key == (s, m) and a.kind.is_compute), len(acts))
+            raise ScheduleValidationError(
+                "completeness", f"stage {s} micro-batch {m} has {have or 'no compute'}; it needs one F and either "
+                f"one B or one I and one W, on rank {r}", format_grid(self.schedule, {r: idx}))
+
+    def matching(self) -> None:
+        S, M, layout = self.S, self.M, self.layout
+        for (code, u), (r, i) in self.where.items():
+            other = _COUNTERPART[code]
+            shift = _STAGE_SHIFT[code] - _STAGE_SHIFT[other]
+            v = u + shift * M
+            peer = self.peer[code][u]
+            ok = 0 <= v < S * M and self.done[other][v] == peer + 1 and self.peer[other][v] == r
+            if not ok:
+                a = self.schedule.actions[r][i]
+                want = ActionKind(_KINDS[other]).value
+                raise self.fail("matching", f"rank {r} action {i} {a} has no matching {want} on rank {peer}", r, i)
+        del layout
+
+
+def _dry_run(schedule: Schedule, keys: list[list[int]]) -> None:
+    """Rendezvous dry run: a transfer completes when its counterpart is at the head of the peer's list."""
+    lists = schedule.actions
+    P = schedule.num_ranks
+    pos = [0] * P
+    stack = list(range(P))
+    while stack:
+        r = stack.pop()
+        ks, acts, i = keys[r], lists[r], pos[r]
+        n = len(ks)
+        while i < n:
+            key = ks[i]
+            if key < 0:
+                i += 1
+                continue
+            peer = acts[i].peer
+            assert peer is not None
+            j = pos[peer]
+            if j < len(keys[peer]) and keys[peer][j] == key:
+                pos[peer] = j + 1
+                stack.append(peer)
+                i += 1
+                continue
+            break
+        pos[r] = i
+    stuck = {r: pos[r] for r in range(P) if pos[r] < len(lists[r])}
+    if stuck:
+        heads = ", ".join(f"rank {r} at {lists[r][i]}" for r, i in sorted(stuck.items()))
+        raise ScheduleValidationError("deadlock", f"rendezvous dry run stops: {heads}",
+                                      format_grid(schedule, stuck, reached=dict(enumerate(pos))))

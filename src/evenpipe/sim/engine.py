@@ -1,0 +1,585 @@
+"""Discrete-event simulation of one schedule step under a cost model.
+
+Execution model (the runtime's as well):
+
+- each rank runs its action list in order, one compute at a time;
+- a send never blocks its rank, and a receive is only *posted* when the rank reaches it;
+- a message moves once the send is reached, the receive is posted and its directed link is free (one transfer
+  at a time per direction of a rank pair); it takes ``costs.link(src, dst).transfer_time(bytes)``;
+- a compute waits for the messages it consumes (its input activation or output gradient, and its evicted or
+  offloaded activations coming back); transfers overlap compute;
+- host offload/reload use the rank's host link, ``costs.link(rank, rank)``, one transfer per direction at a time.
+
+Memory per rank counts activation bytes saved for backward, own plus hosted (BPipe). ``F`` allocates
+``activation_bytes`` (``checkpoint_bytes`` if that micro-batch is recomputed), ``R`` adds the difference, ``B``
+frees the micro-batch, ``I`` keeps ``weight_grad_bytes`` until ``W``. ``EVICT``/``RETURN``/``OFFLOAD`` free on the
+sender when the transfer ends; ``ACCEPT``/``LOAD``/``RELOAD`` allocate on the receiver when posted.
+
+The engine uses a heap of timed events (plus a queue of events due now) and per-rank cursors:
+O(actions x log events), no scans.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import operator
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Hashable
+
+from evenpipe.errors import ConfigError, ScheduleValidationError
+from evenpipe.schedule.ir import MATCHING_RECV, Action, ActionKind, Schedule
+from evenpipe.sim.costs import Link, SimCosts
+from evenpipe.sim.trace import ActionRecord, MemoryTimeline, TransferRecord, Trace
+
+__all__ = ["simulate"]
+
+_K = ActionKind
+_HOST = -1
+"""Pseudo-rank standing for host memory in link keys."""
+_MEM_EPS = 1e-9
+"""Relative tolerance for float round-off in the memory balance."""
+
+# Integer kind codes for the hot loop (enum members hash slowly). Computes < _SEND <= sends < _RECV <= receives.
+_F, _B, _I, _W, _R, _SEND, _SEND_FREES, _RECV, _RECV_ALLOC = range(9)
+_CODE = {
+    "F": _F, "B": _B, "I": _I, "W": _W, "R": _R,
+    "SEND_F": _SEND, "SEND_B": _SEND, "EVICT": _SEND_FREES, "RETURN": _SEND_FREES, "OFFLOAD": _SEND_FREES,
+    "RECV_F": _RECV, "RECV_B": _RECV, "ACCEPT": _RECV_ALLOC, "LOAD": _RECV_ALLOC, "RELOAD": _RECV_ALLOC,
+}
+"""Token -> code; ``_SEND_FREES`` sends free the sender's copy on arrival, ``_RECV_ALLOC`` receives allocate."""
+_MATCH = {send.value: recv.value for send, recv in MATCHING_RECV.items()}
+"""Send token -> token of the receive that completes it."""
+
+_Dep = tuple[Hashable, float, int]
+
+_by_end = operator.attrgetter("end")
+_by_time = operator.itemgetter(0)
+"""(signal, delay after it, transfer id or -1): a compute waits until ``signal`` time + delay."""
+
+
+@dataclass(slots=True)
+class _Xfer:
+    """Mutable state of one message during the run."""
+
+    src: int
+    dst: int
+    kind: ActionKind
+    stage: int
+    microbatch: int
+    num_bytes: float
+    duration: float
+    link: tuple[int, int]
+    send_pos: tuple[int, int] | None
+    recv_pos: tuple[int, int] | None
+    signal: Hashable
+    """Signal set when the message arrives."""
+    pending: int = 0
+    """Conditions still missing before the transfer may start (send reached, receive posted, data ready)."""
+    ready_data: float = 0.0
+    """When the data was ready on the sending side (send reached and, for RETURN/RELOAD, the data arrived)."""
+    start: float = -1.0
+    end: float = -1.0
+    exposed: float = 0.0
+    frees: bool = False
+    """Whether arrival frees the sender's copy (EVICT, RETURN, OFFLOAD)."""
+
+
+def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
+    """Simulate one step of ``schedule`` and return its :class:`~evenpipe.sim.trace.Trace`.
+
+    Raises :class:`ScheduleValidationError` for unmatched transfers or a schedule that deadlocks, and
+    :class:`ConfigError` when ``costs`` does not describe every stage.
+    """
+    if len(costs.stages) != schedule.num_stages:
+        raise ConfigError(f"costs describe {len(costs.stages)} stages but schedule {schedule.name!r} has "
+                          f"{schedule.num_stages}; pass one StageCosts per stage")
+    collecting = gc.isenabled()
+    gc.disable()  # the run allocates ~10^6 small acyclic objects; cyclic GC passes would cost ~25%
+    try:
+        return _Engine(schedule, costs).run()
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _recv_stage(send_token: str, stage: int) -> int:
+    """Stage named by the receive that completes a send (SEND_F feeds s+1, SEND_B feeds s-1)."""
+    if send_token == "SEND_F":
+        return stage + 1
+    if send_token == "SEND_B":
+        return stage - 1
+    return stage
+
+
+def _stuck_grid(schedule: Schedule, pcs: list[int], width: int = 4) -> str:
+    """Rank-by-step excerpt with each rank's first unfinished action in brackets."""
+    lines = []
+    for r, acts in enumerate(schedule.actions):
+        pc = pcs[r]
+        lo, hi = max(0, pc - width), min(len(acts), pc + width + 1)
+        tokens = [f"[{a}]" if lo + j == pc else str(a) for j, a in enumerate(acts[lo:hi])]
+        if pc >= len(acts):
+            tokens.append("(done)")
+        lines.append(f"  rank {r}: {'... ' if lo else ''}{' '.join(tokens)}{' ...' if hi < len(acts) else ''}")
+    return "\n".join(lines)
+
+
+@dataclass(slots=True)
+class _Engine:
+    schedule: Schedule
+    costs: SimCosts
+    xfers: list[_Xfer] = field(default_factory=list)
+    link_of: dict[tuple[int, int], Link] = field(default_factory=dict)
+    """Link timing per directed pair, looked up once."""
+    duration: list[list[float]] = field(default_factory=list)
+    """Per compute code (F, B, I, W, R) and stage, the action's duration."""
+    codes: list[list[int]] = field(default_factory=list)
+    """Per rank and action index, the kind code."""
+    xfer_at: list[list[int]] = field(default_factory=list)
+    """Per rank and action index, the transfer id of a send/receive (-1 for computes)."""
+    deps: list[list[tuple[_Dep, ...]]] = field(default_factory=list)
+    """Per rank and action index, what a compute waits for."""
+    needed: set[Hashable] = field(default_factory=set)
+    """Compute-completion signals somebody waits on."""
+    recomputed: set[tuple[int, int]] = field(default_factory=set)
+    avail: dict[Hashable, float] = field(default_factory=dict)
+    waiters: dict[Hashable, list[int]] = field(default_factory=dict)
+    """Signal -> ranks (>= 0) or transfers (``-(id + 1)``) waiting for it."""
+    links_free: dict[tuple[int, int], float] = field(default_factory=dict)
+    link_queue: dict[tuple[int, int], deque[int]] = field(default_factory=dict)
+    heap: list[tuple[float, int, int]] = field(default_factory=list)
+    soon: deque[int] = field(default_factory=deque)
+    """Events due at ``now``, in the order they were scheduled."""
+    now: float = 0.0
+    seq: int = 0
+    pc: list[int] = field(default_factory=list)
+    t_free: list[float] = field(default_factory=list)
+    starts: list[list[float]] = field(default_factory=list)
+    ends: list[list[float]] = field(default_factory=list)
+    held: list[dict[tuple[int, int], float]] = field(default_factory=list)
+    mem: list[list[tuple[float, float]]] = field(default_factory=list)
+    """Per rank, (time, bytes delta) in the order they were decided."""
+    late: list[Hashable] = field(default_factory=list)
+    """Compute-completion signals to announce at their end time (event ids after the transfers')."""
+
+    # -- preparation --------------------------------------------------------------------------------------
+    def _bytes_moved(self, stage: int, mb: int) -> float:
+        st = self.costs.stages[stage]
+        return st.checkpoint_bytes if (stage, mb) in self.recomputed else st.activation_bytes
+
+    def _new_xfer(self, src: int, dst: int, kind: ActionKind, stage: int, mb: int, num_bytes: float,
+                  send_pos: tuple[int, int] | None, recv_pos: tuple[int, int] | None,
+                  link: tuple[int, int], signal: Hashable | None = None) -> int:
+        tid = len(self.xfers)
+        timing = self.link_of.get(link)
+        if timing is None:
+            host_side = max(src, dst)  # a host transfer uses the rank's own pair (rank, rank)
+            timing = self.costs.link(src, dst) if src != _HOST and dst != _HOST else \
+                self.costs.link(host_side, host_side)
+            self.link_of[link] = timing
+        self.xfers.append(_Xfer(src, dst, kind, stage, mb, num_bytes, timing.transfer_time(num_bytes), link,
+                                send_pos, recv_pos, tid if signal is None else signal,
+                                (send_pos is not None) + (recv_pos is not None), 0.0, -1.0, -1.0, 0.0,
+                                kind is _K.EVICT or kind is _K.RETURN or kind is _K.OFFLOAD))
+        if send_pos is not None:
+            self.xfer_at[send_pos[0]][send_pos[1]] = tid
+        if recv_pos is not None:
+            self.xfer_at[recv_pos[0]][recv_pos[1]] = tid
+        return tid
+
+    def _add_data_dep(self, tid: int, signal: Hashable) -> None:
+        self.xfers[tid].pending += 1
+        self.waiters.setdefault(signal, []).append(-(tid + 1))
+
+    def _fail(self, rule: str, message: str, r: int, i: int) -> ScheduleValidationError:
+        pcs = [len(a) for a in self.schedule.actions]
+        pcs[r] = i
+        return ScheduleValidationError(rule, message, _stuck_grid(self.schedule, pcs))
+
+    def _prepare(self) -> None:
+        """Match every send with its receive (creating the transfers), then derive each compute's inputs."""
+        sched = self.schedule
+        stages = self.costs.stages
+        self.duration = [[st.forward for st in stages], [st.backward for st in stages],
+                         [st.backward_input for st in stages], [st.backward_weight for st in stages],
+                         [st.recompute_time for st in stages]]
+        code = _CODE
+        self.codes = [[code[a.kind._value_] for a in acts] for acts in sched.actions]
+        self.recomputed = {a.key for acts, codes in zip(sched.actions, self.codes) if _R in codes
+                           for a, c in zip(acts, codes) if c == _R}
+        self.xfer_at = [[-1] * len(acts) for acts in sched.actions]
+        unmatched: dict[tuple[int, int, str, int, int], tuple[int, int]] = {}  # one side seen, other not yet
+        recv_index: list[dict[tuple[str, int, int], int]] = []
+        for r, acts in enumerate(sched.actions):
+            idx: dict[tuple[str, int, int], int] = {}
+            codes = self.codes[r]
+            for i, a in enumerate(acts):
+                if codes[i] < _SEND:
+                    continue
+                tok = a.kind._value_
+                peer = a.peer
+                if tok == "OFFLOAD" or tok == "RELOAD" or peer is None:  # host transfers: no peer rank
+                    continue
+                if codes[i] < _RECV:
+                    key = (r, peer, _MATCH[tok], _recv_stage(tok, a.stage), a.microbatch)
+                    side = (r, i)
+                else:
+                    key = (peer, r, tok, a.stage, a.microbatch)
+                    idx[(tok, a.stage, a.microbatch)] = i
+                    side = (-1 - r, i)  # receives are marked with negative ranks
+                other = unmatched.pop(key, None)
+                if other is None:
+                    unmatched[key] = side
+                elif (other[0] < 0) == (side[0] < 0):
+                    raise self._fail("match", f"rank {r} has {a} twice", r, i)
+                else:
+                    send_pos, recv_pos = (side, other) if side[0] >= 0 else (other, side)
+                    self._match(key, send_pos, (-1 - recv_pos[0], recv_pos[1]))
+            recv_index.append(idx)
+        for key, (r, i) in unmatched.items():
+            if r >= 0:
+                raise self._fail("match", f"{sched.actions[r][i]} on rank {r} has no matching {key[2]} on rank "
+                                 f"{key[1]}", r, i)
+            r = -1 - r
+            raise self._fail("match", f"{sched.actions[r][i]} on rank {r} has no matching send on rank {key[0]}",
+                             r, i)
+        self.deps = [self._prepare_rank(r, recv_index[r]) for r in range(sched.num_ranks)]
+
+    def _match(self, key: tuple[int, int, str, int, int], send_pos: tuple[int, int],
+               recv_pos: tuple[int, int]) -> None:
+        src, dst, _, rstage, mb = key
+        send = self.schedule.actions[send_pos[0]][send_pos[1]]
+        if self.codes[send_pos[0]][send_pos[1]] == _SEND:  # activation or gradient: the boundary's output size
+            num_bytes = self.costs.stages[min(send.stage, rstage)].output_bytes
+        else:
+            num_bytes = self._bytes_moved(rstage, mb)
+        self._new_xfer(src, dst, send.kind, send.stage, mb, num_bytes, send_pos, recv_pos, (src, dst))
+
+    def _prepare_rank(self, r: int, recv_index: dict[tuple[str, int, int], int]) -> list[tuple[_Dep, ...]]:
+        """Derive what each compute of rank ``r`` waits for, and the data each of its sends waits for."""
+        sched = self.schedule
+        last = sched.num_stages - 1
+        done: set[tuple[str, int, int]] = set()  # ("F" | "G", stage, mb) produced so far on this rank
+        away: dict[tuple[int, int], str] = {}  # (stage, mb) -> EVICT/OFFLOAD not yet brought back
+        back: dict[tuple[int, int], int] = {}  # (stage, mb) -> LOAD/RELOAD index not yet consumed
+        accepted: dict[tuple[int, int], int] = {}
+        offloaded: set[tuple[int, int]] = set()
+        xfer_at = self.xfer_at[r]
+        out: list[tuple[_Dep, ...]] = []
+        no_deps: tuple[_Dep, ...] = ()
+        codes = self.codes[r]
+        for i, a in enumerate(sched.actions[r]):
+            c = codes[i]
+            if c == _RECV:  # activation / gradient receive: nothing to derive
+                out.append(no_deps)
+                continue
+            s, m = a.stage, a.microbatch
+            if c == _SEND:  # SEND_F / SEND_B: normally after the compute that produced the data
+                signal = ("F", s, m) if a.kind._value_ == "SEND_F" else ("G", s, m)
+                if signal not in done:
+                    self._add_data_dep(xfer_at[i], signal)
+                    self.needed.add(signal)
+                out.append(no_deps)
+                continue
+            tok = a.kind._value_
+            deps: list[_Dep] = []
+            if c < _SEND:
+                if tok == "F" and s > 0:
+                    deps.extend(self._input_dep(r, s, m, s - 1, "RECV_F", "F", recv_index, done))
+                elif (tok == "B" or tok == "I") and s < last:
+                    deps.extend(self._input_dep(r, s, m, s + 1, "RECV_B", "G", recv_index, done))
+                if tok != "F":
+                    if (s, m) in back:
+                        tid = xfer_at[back.pop((s, m))]
+                        deps.append((tid, 0.0, tid))
+                    elif (s, m) in away:
+                        raise self._fail("evict", f"{a} on rank {r} needs activations that {away[(s, m)]} "
+                                         f"sent away and no load brings back before it", r, i)
+                if tok == "F":
+                    done.add(("F", s, m))
+                elif tok == "B" or tok == "I":
+                    done.add(("G", s, m))
+            elif tok == "EVICT" or tok == "OFFLOAD":
+                away[(s, m)] = tok
+                if tok == "OFFLOAD":
+                    offloaded.add((s, m))
+                    self._new_xfer(r, _HOST, a.kind, s, m, self._bytes_moved(s, m), (r, i), None, (r, _HOST),
+                                   signal=("off", r, s, m))
+            elif tok == "LOAD" or tok == "RELOAD":
+                away.pop((s, m), None)
+                back[(s, m)] = i
+                if tok == "RELOAD":
+                    if (s, m) not in offloaded:
+                        raise self._fail("offload", f"{a} on rank {r} reloads activations never offloaded", r, i)
+                    tid = self._new_xfer(_HOST, r, a.kind, s, m, self._bytes_moved(s, m), None, (r, i),
+                                         (_HOST, r))
+                    self._add_data_dep(tid, ("off", r, s, m))
+            elif tok == "ACCEPT":
+                accepted[(s, m)] = i
+            elif tok == "RETURN":
+                if (s, m) not in accepted:
+                    raise self._fail("evict", f"{a} on rank {r} returns activations it never accepted", r, i)
+                self._add_data_dep(xfer_at[i], xfer_at[accepted.pop((s, m))])
+            if (tok == "EVICT" or tok == "OFFLOAD") and ("F", s, m) not in done:
+                self._add_data_dep(xfer_at[i], ("F", s, m))
+                self.needed.add(("F", s, m))
+            out.append(tuple(deps) if deps else no_deps)
+        return out
+
+    def _input_dep(self, r: int, s: int, m: int, src_stage: int, recv_token: str, signal: str,
+                   recv_index: dict[tuple[str, int, int], int], done: set[tuple[str, int, int]]) -> list[_Dep]:
+        """What compute (s, m) on rank r waits for from stage ``src_stage`` (its input or its output gradient)."""
+        q = self.schedule.stage_to_rank[src_stage]
+        if q != r:
+            j = recv_index.get((recv_token, s, m))
+            if j is not None:
+                tid = self.xfer_at[r][j]
+                return [(tid, 0.0, tid)]
+            # No receive in the schedule (e.g. compute-only CSV): an implicit, unserialised transfer.
+            num_bytes = self.costs.stages[min(s, src_stage)].output_bytes
+            self.needed.add((signal, src_stage, m))
+            return [((signal, src_stage, m), self.costs.link(q, r).transfer_time(num_bytes), -1)]
+        if (signal, src_stage, m) in done:
+            return []
+        self.needed.add((signal, src_stage, m))
+        return [((signal, src_stage, m), 0.0, -1)]
+
+    # -- event loop -----------------------------------------------------------------------------------------
+    def _push(self, t: float, payload: int) -> None:
+        """Schedule an event: a rank id (>= 0), a finished transfer ``-(id + 1)``, or a late signal."""
+        if t <= self.now:  # due now (free links, zero durations): skip the heap
+            self.soon.append(payload)
+        else:
+            self.seq += 1
+            heapq.heappush(self.heap, (t, self.seq, payload))
+
+    def _mem(self, r: int, t: float, delta: float) -> None:
+        self.mem[r].append((t, delta))
+
+    def _signal(self, key: Hashable, t: float) -> None:
+        self.avail[key] = t
+        for w in self.waiters.pop(key, ()):
+            if w >= 0:
+                self._advance(w, t)
+            else:
+                self._condition_met(-w - 1, t)
+
+    def _condition_met(self, tid: int, now: float) -> None:
+        x = self.xfers[tid]
+        x.pending -= 1
+        if not x.pending:
+            self._ready(tid, x, now)
+
+    def _ready(self, tid: int, x: _Xfer, now: float) -> None:
+        """All conditions met: start now if the link is free, else queue behind it (FIFO)."""
+        queue = self.link_queue.get(x.link)
+        if self.links_free.get(x.link, 0.0) <= now and not queue:
+            self._start_xfer(tid, now)
+        elif queue is None:
+            self.link_queue[x.link] = deque([tid])
+        else:
+            queue.append(tid)
+
+    def _start_xfer(self, tid: int, now: float) -> None:
+        x = self.xfers[tid]
+        x.start = now
+        x.end = end = now + x.duration
+        self.links_free[x.link] = end
+        if end <= self.now:
+            self.soon.append(-(tid + 1))
+        else:
+            self.seq += 1
+            heapq.heappush(self.heap, (end, self.seq, -(tid + 1)))
+
+    def _finish_xfer(self, tid: int, now: float) -> None:
+        x = self.xfers[tid]
+        if x.frees:
+            self._free(x.src, (x.stage, x.microbatch), now, x.num_bytes)
+        queue = self.link_queue.get(x.link)
+        if queue:
+            self._start_xfer(queue.popleft(), now)
+        if x.recv_pos is not None:
+            self.ends[x.recv_pos[0]][x.recv_pos[1]] = now
+        if x.send_pos is not None:
+            self.ends[x.send_pos[0]][x.send_pos[1]] = now
+        key = x.signal
+        self.avail[key] = now
+        waiting = self.waiters.pop(key, None)
+        if waiting is not None:
+            for w in waiting:
+                if w >= 0:
+                    self._advance(w, now)
+                else:
+                    self._condition_met(-w - 1, now)
+
+    def _free(self, r: int, key: tuple[int, int], t: float, num_bytes: float | None) -> None:
+        """Free ``num_bytes`` of micro-batch ``key`` on rank ``r`` (all it holds when None)."""
+        held = self.held[r].get(key, 0.0)
+        amount = held if num_bytes is None else num_bytes
+        if amount:
+            self.held[r][key] = held - amount
+            self._mem(r, t, -amount)
+
+    def _alloc(self, r: int, key: tuple[int, int], t: float, num_bytes: float) -> None:
+        if num_bytes:
+            self.held[r][key] = self.held[r].get(key, 0.0) + num_bytes
+            self._mem(r, t, num_bytes)
+
+    def _advance(self, r: int, now: float) -> None:
+        """Run rank ``r`` from its cursor at time ``now`` until it starts a compute, blocks or finishes."""
+        acts, codes = self.schedule.actions[r], self.codes[r]
+        i, n = self.pc[r], len(acts)
+        xfer_at, starts, ends, avail, xfers = self.xfer_at[r], self.starts[r], self.ends[r], self.avail, self.xfers
+        while i < n:
+            c = codes[i]
+            if c < _SEND:
+                start = now
+                for key, delay, _ in self.deps[r][i]:
+                    t = avail.get(key)
+                    if t is None:
+                        self.pc[r] = i
+                        waiting = self.waiters.get(key)
+                        if waiting is None:
+                            self.waiters[key] = [r]
+                        else:
+                            waiting.append(r)
+                        return
+                    if t + delay > start:
+                        start = t + delay
+                self._run_compute(r, i, c, acts[i], start)
+                return
+            tid = xfer_at[i]
+            starts[i] = ends[i] = now
+            x = xfers[tid]
+            if c == _RECV_ALLOC:
+                self._alloc(r, acts[i].key, now, x.num_bytes)
+            elif c < _RECV and x.ready_data < now:
+                x.ready_data = now
+            x.pending -= 1
+            if not x.pending:
+                self._ready(tid, x, now)
+            i += 1
+        self.pc[r] = i
+
+    def _run_compute(self, r: int, i: int, c: int, a: Action, start: float) -> None:
+        deps = self.deps[r][i]
+        if deps:
+            ready = self.t_free[r]
+            for _, _, tid in deps:
+                if tid >= 0:
+                    x = self.xfers[tid]
+                    exposed = x.end - (ready if ready > x.ready_data else x.ready_data)
+                    if exposed > x.exposed:
+                        x.exposed = exposed
+        stage = a.stage
+        end = start + self.duration[c][stage]
+        if c == _F:
+            st = self.costs.stages[stage]
+            key = a.key
+            self._alloc(r, key, start, st.checkpoint_bytes if key in self.recomputed else st.activation_bytes)
+        elif c == _B or c == _W:
+            self._free(r, a.key, end, None)
+        elif c == _I:
+            key = a.key
+            self._free(r, key, end, max(0.0, self.held[r].get(key, 0.0) - self.costs.stages[stage].weight_grad_bytes))
+        else:  # recompute
+            st = self.costs.stages[stage]
+            self._alloc(r, a.key, start, max(0.0, st.activation_bytes - st.checkpoint_bytes))
+        self.starts[r][i] = start
+        self.ends[r][i] = end
+        self.t_free[r] = end
+        self.pc[r] = i + 1
+        if self.needed and c != _W and c != _R:
+            signal = ("F" if c == _F else "G", stage, a.microbatch)
+            if signal in self.needed:  # announced when the clock reaches ``end``, not before
+                self._push(end, -(len(self.xfers) + len(self.late) + 1))
+                self.late.append(signal)
+        if end <= self.now:
+            self.soon.append(r)
+        else:
+            self.seq += 1
+            heapq.heappush(self.heap, (end, self.seq, r))
+
+    def run(self) -> Trace:
+        sched = self.schedule
+        n = sched.num_ranks
+        self.pc, self.t_free = [0] * n, [0.0] * n
+        self.starts = [[0.0] * len(a) for a in sched.actions]
+        self.ends = [[0.0] * len(a) for a in sched.actions]
+        self.held = [{} for _ in range(n)]
+        self.mem = [[] for _ in range(n)]
+        self._prepare()
+        for r in range(n):
+            self._push(0.0, r)
+        num_xfers = len(self.xfers)
+        heap, soon = self.heap, self.soon
+        now = 0.0
+        while True:
+            if soon:
+                p = soon.popleft()
+            elif heap:
+                now, _, p = heapq.heappop(heap)
+                self.now = now
+            else:
+                break
+            if p >= 0:
+                self._advance(p, now)
+            elif -p - 1 < num_xfers:
+                self._finish_xfer(-p - 1, now)
+            else:
+                self._signal(self.late[-p - 1 - num_xfers], now)
+        self._check_finished()
+        return self._result()
+
+    def _check_finished(self) -> None:
+        sched = self.schedule
+        if all(self.pc[r] == len(acts) for r, acts in enumerate(sched.actions)):
+            stuck = [x for x in self.xfers if x.end < 0]
+            if not stuck:
+                return
+            x = stuck[0]
+            pos = x.send_pos or x.recv_pos
+            assert pos is not None
+            raise self._fail("deadlock", f"transfer {x.kind.value} of stage {x.stage} micro-batch {x.microbatch} "
+                             f"never completed", pos[0], pos[1])
+        stuck_at = ", ".join(f"rank {r} at {acts[self.pc[r]]}" for r, acts in enumerate(sched.actions)
+                             if self.pc[r] < len(acts))
+        raise ScheduleValidationError("deadlock", f"schedule {sched.name!r} cannot make progress: {stuck_at}",
+                                      _stuck_grid(sched, self.pc))
+
+    # -- result -------------------------------------------------------------------------------------------
+    def _result(self) -> Trace:
+        sched = self.schedule
+        transfers = [
+            TransferRecord(x.src if x.src != _HOST else x.dst, x.dst if x.dst != _HOST else x.src, x.kind, x.stage,
+                           x.microbatch, x.num_bytes, x.start, x.end, x.exposed)
+            for x in self.xfers]
+        transfers.sort(key=_by_end)
+        step = max([max(e, default=0.0) for e in self.ends] + [x.end for x in self.xfers], default=0.0)
+        unit = tuple(sum(self.costs.stages[s].activation_bytes for s in sched.stages_of(r))
+                     for r in range(sched.num_ranks))
+        memory = tuple(self._timeline(r, unit[r]) for r in range(sched.num_ranks))
+        actions = tuple(tuple(map(ActionRecord, repeat(r), range(len(acts)), acts, self.starts[r], self.ends[r]))
+                        for r, acts in enumerate(sched.actions))
+        return Trace(schedule=sched, actions=actions, transfers=tuple(transfers), memory=memory, unit_bytes=unit,
+                     step_time=step, source="sim")
+
+    def _timeline(self, r: int, unit: float) -> MemoryTimeline:
+        events = self.mem[r]
+        events.sort(key=_by_time)  # stable: same-time changes keep the causal order they were recorded in
+        points: list[tuple[float, float]] = [(0.0, 0.0)]
+        level = 0.0
+        tol = _MEM_EPS * max(unit, 1.0) * (1 + len(events))
+        for t, delta in events:
+            level += delta
+            assert level >= -tol, f"rank {r} activation memory went negative ({level}) at t={t}"
+            if level < 0:
+                level = 0.0
+            if points[-1][0] == t and len(points) > 1:  # one point per time: the level after it
+                points[-1] = (t, level)
+            else:
+                points.append((t, level))
+        return MemoryTimeline(rank=r, points=tuple(points))

@@ -1,0 +1,172 @@
+"""What a run of a schedule produced: when each action ran, every transfer, and activation memory over time.
+
+The simulator returns a :class:`Trace`; the runtime records the same type from measurements, so "predicted vs
+measured" is a comparison of two traces. Times are in the cost model's unit (seconds by convention), memory in
+bytes. An *activation unit* is the activations one micro-batch leaves on one whole stage (``Trace.unit_bytes``
+per rank: the sum of ``activation_bytes`` over the stages the rank holds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple, TypeAlias
+
+from evenpipe.schedule.ir import COMPUTE_KINDS, Action, ActionKind, Schedule
+
+__all__ = ["ActionRecord", "TransferRecord", "MemoryTimeline", "Trace", "SimResult"]
+
+_COMPUTE_TOKENS = frozenset(k.value for k in COMPUTE_KINDS)
+"""Compute kinds by token: strings hash far faster than enum members in hot loops."""
+
+
+class ActionRecord(NamedTuple):
+    """One executed action of one rank.
+
+    For a compute, ``start``..``end`` is when it ran. For a send or receive, ``start`` is when the rank reached
+    (posted) it and ``end`` when its message was delivered; the rank itself never blocks on either.
+    (A named tuple rather than a dataclass: a large step has ~10^5-10^6 of them and this is 3x cheaper to build.)
+    """
+
+    rank: int
+    """Rank that executed the action."""
+    index: int  # type: ignore[assignment]  # shadows tuple.index on purpose: the name reads best
+    """Position in the rank's action list."""
+    action: Action
+    """The schedule action."""
+    start: float
+    """Start time."""
+    end: float
+    """End time."""
+
+    @property
+    def kind(self) -> ActionKind:
+        return self.action.kind
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class TransferRecord(NamedTuple):
+    """One point-to-point message (activation, gradient, BPipe evict/return, or host offload/reload).
+
+    Host transfers have ``src == dst`` (the rank's own host link). A named tuple for the same reason as
+    :class:`ActionRecord`.
+    """
+
+    src: int
+    """Sending rank."""
+    dst: int
+    """Receiving rank."""
+    kind: ActionKind
+    """The sending action's kind (``SEND_F``, ``SEND_B``, ``EVICT``, ``RETURN``, ``OFFLOAD`` or ``RELOAD``)."""
+    stage: int
+    """Stage of the sending action."""
+    microbatch: int
+    """Micro-batch the message belongs to."""
+    num_bytes: float
+    """Message size in bytes."""
+    start: float
+    """When the bytes started to move (both sides ready and the link free)."""
+    end: float
+    """When the message arrived."""
+    exposed_s: float = 0.0
+    """How long the consuming compute waited on this message beyond its rank and the data being ready."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.stage}{self.kind.token}{self.microbatch} {self.src}->{self.dst}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryTimeline:
+    """Activation bytes held by one rank (own plus hosted) as a step function of time."""
+
+    rank: int
+    """Rank the timeline belongs to."""
+    points: tuple[tuple[float, float], ...]
+    """``(time, bytes)``: the bytes held from ``time`` until the next point; starts at ``(0, 0)``."""
+
+    @property
+    def peak_bytes(self) -> float:
+        return max((b for _, b in self.points), default=0.0)
+
+    @property
+    def peak_time(self) -> float:
+        """First time the peak is reached."""
+        peak = self.peak_bytes
+        return next((t for t, b in self.points if b == peak), 0.0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Trace:
+    """Everything one step of a schedule did, simulated or measured."""
+
+    schedule: Schedule
+    """The schedule that ran."""
+    actions: tuple[tuple[ActionRecord, ...], ...]
+    """Per rank, its executed actions in list order."""
+    transfers: tuple[TransferRecord, ...]
+    """Every message, in order of arrival."""
+    memory: tuple[MemoryTimeline, ...]
+    """Per rank, activation memory over time."""
+    unit_bytes: tuple[float, ...]
+    """Per rank, the bytes of one activation unit (sum of ``activation_bytes`` of the stages it holds)."""
+    step_time: float
+    """Makespan: the last end time of any action or transfer."""
+    source: str = "sim"
+    """``sim`` for the simulator, ``measured`` for a runtime trace."""
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.actions)
+
+    @property
+    def num_actions(self) -> int:
+        return sum(len(acts) for acts in self.actions)
+
+    def records(self, rank: int) -> tuple[ActionRecord, ...]:
+        """The executed actions of one rank, in list order."""
+        return self.actions[rank]
+
+    def compute_records(self) -> Iterator[ActionRecord]:
+        """Every compute action of every rank."""
+        for acts in self.actions:
+            yield from (rec for rec in acts if rec.action.kind._value_ in _COMPUTE_TOKENS)
+
+    def busy_time(self, rank: int) -> float:
+        """Total compute time of one rank."""
+        return sum(rec.end - rec.start for rec in self.actions[rank] if rec.action.kind._value_ in _COMPUTE_TOKENS)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the ranks' time: ``1 - busy compute / (ranks x step_time)``."""
+        if self.step_time <= 0:
+            return 0.0
+        busy = sum(self.busy_time(r) for r in range(self.num_ranks))
+        return 1.0 - busy / (self.num_ranks * self.step_time)
+
+    @property
+    def peak_activation_bytes(self) -> tuple[float, ...]:
+        """Per rank, the peak activation bytes (own plus hosted)."""
+        return tuple(m.peak_bytes for m in self.memory)
+
+    @property
+    def peak_activations(self) -> tuple[float, ...]:
+        """Per rank, the peak in activation units (0 for a rank whose stages save nothing)."""
+        return tuple(peak / unit if unit > 0 else 0.0
+                     for peak, unit in zip(self.peak_activation_bytes, self.unit_bytes))
+
+    @property
+    def exposed_transfers(self) -> tuple[TransferRecord, ...]:
+        """Transfers some compute waited on, most exposed first."""
+        return tuple(sorted((t for t in self.transfers if t.exposed_s > 0), key=lambda t: -t.exposed_s))
+
+    @property
+    def exposed_transfer_time(self) -> float:
+        """Sum of ``exposed_s`` over all transfers."""
+        return sum(t.exposed_s for t in self.transfers)
+
+
+SimResult: TypeAlias = Trace
+"""What :func:`evenpipe.sim.simulate` returns (a :class:`Trace` with ``source == "sim"``)."""

@@ -1,0 +1,136 @@
+"""Correctness cases run inside one gloo world: pipeline step vs. a single-process reference on the same batch.
+
+Every rank of the world builds the same tiny model from the same seed, computes the un-pipelined reference
+(loss, every gradient, parameters after two SGD steps) itself, and compares with what its own stages got from
+the pipeline. Ranks outside a case's ``pp x dp`` layout skip it (but still join group creation).
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, replace
+
+import torch
+
+from evenpipe.models import build_model, lm_loss, model_config
+from evenpipe.runtime.comm import build_groups
+from evenpipe.runtime.executor import PipelineExecutor
+from evenpipe.runtime.stages import build_stage_modules
+from evenpipe.runtime.stash import ActivationStash
+from evenpipe.schedule.ir import Schedule
+
+MICROBATCH = 2
+SEQ = 16
+TIGHT = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    family: str
+    """Schedule family name."""
+    pp: int
+    microbatches: int
+    dp: int = 1
+    chunks: int = 1
+    model: str = "gpt-tiny"
+    recompute: bool = False
+    free_outputs: bool = True
+    bpipe_budget: int | None = None
+    steps: int = 2
+    text: str | None = None
+    """Hand-written schedule text instead of the generator."""
+
+    def __str__(self) -> str:
+        extra = "".join([f" V={self.chunks}" if self.chunks > 1 else "", " R" if self.recompute else "",
+                         "" if self.free_outputs else " keep-outputs",
+                         f" K={self.bpipe_budget}" if self.bpipe_budget else ""])
+        return f"{self.family} {self.model} P={self.pp} M={self.microbatches} DP={self.dp}{extra}"
+
+
+def schedule_for(case: Case) -> Schedule:
+    if case.text is not None:
+        return Schedule.from_text(case.text)
+    from evenpipe.schedule import build_schedule
+    return build_schedule(case.family, num_ranks=case.pp, num_microbatches=case.microbatches,
+                          num_chunks=case.chunks, bpipe_budget=case.bpipe_budget, recompute=case.recompute)
+
+
+def tiny_config(name: str, num_stages: int):
+    return model_config(name, num_layers=max(2, num_stages), hidden=32, num_heads=2, seq_len=SEQ,
+                        **({"num_kv_heads": 1} if name.startswith("llama") else {}))
+
+
+def global_batch(case: Case, vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    n = MICROBATCH * case.microbatches * case.dp
+    data = torch.randint(0, vocab, (n, SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def run_case(case: Case, *, stash_factory=None) -> list[str]:
+    """Run one case on this rank; returns failure messages (empty if it passed or this rank sits it out)."""
+    import torch.distributed as dist
+    groups = build_groups(case.pp, case.dp)
+    if groups is None:
+        return []
+    try:
+        return _run(case, groups, stash_factory)
+    except Exception as e:
+        return [f"{case} rank {dist.get_rank()}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"]
+
+
+def _run(case: Case, groups, stash_factory) -> list[str]:
+    schedule = schedule_for(case)
+    cfg = tiny_config(case.model, schedule.num_stages)
+    model = build_model(cfg, seed=7)
+    ref = build_model(cfg, seed=7)
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_params = dict(ref.named_parameters())
+    mine = schedule.stages_of(groups.pp_rank)
+    stages = build_stage_modules(model.pipeline_parts(), num_stages=schedule.num_stages, stages=mine)
+    stash = (stash_factory or ActivationStash)()
+    ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=lm_loss,
+                          free_outputs=case.free_outputs, stash=stash)
+    params = [p for s in stages.values() for p in s.parameters()]
+    opt = torch.optim.SGD(params, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    failures: list[str] = []
+    for step in range(case.steps):
+        tokens, targets = global_batch(case, cfg.vocab, step)
+        result = ex.step(tokens, targets)
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = lm_loss(ref(tokens), targets)
+        ref_loss.backward()
+        try:
+            torch.testing.assert_close(torch.tensor(result.loss, dtype=torch.float64), ref_loss.detach().double(), **TIGHT)
+        except AssertionError as e:
+            failures.append(f"{case} rank {groups.pp_rank}/{groups.dp_rank} step {step} loss: {e}")
+        for p in params:
+            r = ref_params[names[id(p)]]
+            try:
+                assert p.grad is not None, "no gradient"
+                torch.testing.assert_close(p.grad, r.grad, **TIGHT)
+            except AssertionError as e:
+                failures.append(f"{case} rank {groups.pp_rank}/{groups.dp_rank} step {step} grad "
+                                f"{names[id(p)]}: {str(e).splitlines()[0]}")
+        if not stash.is_empty():
+            failures.append(f"{case} rank {groups.pp_rank}: stash not empty after step {step}")
+        opt.step()
+        ref_opt.step()
+    for p in params:
+        try:
+            torch.testing.assert_close(p.detach(), ref_params[names[id(p)]].detach(), **TIGHT)
+        except AssertionError as e:
+            failures.append(f"{case} rank {groups.pp_rank}: parameter {names[id(p)]} after "
+                            f"{case.steps} steps: {str(e).splitlines()[0]}")
+    return failures[:5]
+
+
+def run_cases(cases: list[Case], **kw) -> list[str]:
+    out: list[str] = []
+    for c in cases:
+        out.extend(run_case(c, **kw))
+    return out
+
+
+__all__ = ["Case", "run_case", "run_cases", "schedule_for", "replace"]

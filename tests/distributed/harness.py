@@ -1,0 +1,75 @@
+"""Start one gloo world of N local processes, run a function on every rank, collect what each rank reports.
+
+Each rank returns a list of failure strings (empty when all its checks passed). The parent waits with a
+deadline and kills any process still running, so a hang fails the test instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RankFn = Callable[[int, int], list[str]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, world: int, port: int, fn: RankFn, out: Any, pg_timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        failures = fn(rank, world)
+    except BaseException as e:  # report, never hang silently
+        failures = [f"rank {rank} raised {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"]
+    out.put((rank, failures))
+    out.close()
+    out.join_thread()
+    if dist.is_initialized() and not failures:
+        dist.destroy_process_group()
+
+
+def run_world(world: int, fn: RankFn, *, timeout_s: float = 240.0, pg_timeout_s: float = 60.0) -> dict[int, list[str]]:
+    """Run ``fn(rank, world)`` on ``world`` spawned processes; returns each rank's failures."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, out, pg_timeout_s), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, list[str]] = {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    try:
+        while len(results) < world:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                break
+            try:
+                rank, failures = out.get(timeout=min(left, 5.0))
+                results[rank] = failures
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and out.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    for r in range(world):
+        results.setdefault(r, [f"rank {r} reported nothing within {timeout_s:.0f} s (hang or crash)"])
+    return results

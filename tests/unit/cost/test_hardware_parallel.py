@@ -1,0 +1,69 @@
+"""Hardware presets, ParallelConfig and check_config's one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from evenpipe.cost import (HARDWARE_PRESETS, Attention, ParallelConfig, Recompute, ScheduleFamily, check_config,
+                           hardware_preset, model_preset)
+from evenpipe.errors import ConfigError
+
+A100 = hardware_preset("a100-80gb")
+GPT3 = model_preset("gpt3-175b")
+
+
+def test_hardware_presets_and_override() -> None:
+    assert set(HARDWARE_PRESETS) == {"a100-40gb", "a100-80gb", "h100-80gb", "h200"}
+    assert A100.peak_tflops == 312.0 and hardware_preset("h100-80gb").peak_tflops == 989.0
+    slow = dataclasses.replace(A100, internode_gbps=12.5)
+    assert slow.internode_gbps == 12.5 and slow.memory_gib == 80.0
+    with pytest.raises(ConfigError, match="tpu-v5"):
+        hardware_preset("tpu-v5")
+    with pytest.raises(ConfigError, match="peak_tflops"):
+        dataclasses.replace(A100, peak_tflops=0.0)
+
+
+def test_enums_parse_at_the_edge() -> None:
+    assert Recompute.parse("FULL") is Recompute.FULL
+    assert Attention.parse("eager") is Attention.EAGER
+    with pytest.raises(ConfigError, match="none, selective, full"):
+        Recompute.parse("some")
+
+
+def test_derived_counts() -> None:
+    cfg = ParallelConfig(tp=8, pp=8, dp=16, microbatch_size=2, global_batch=1536)
+    assert cfg.num_microbatches == 48 and cfg.num_gpus == 1024 and cfg.num_stages == 8
+
+
+def _cfg(**kw: object) -> ParallelConfig:
+    base: dict[str, object] = dict(tp=8, pp=8, dp=16, global_batch=1536)
+    base.update(kw)
+    return ParallelConfig(**base)  # type: ignore[arg-type]
+
+
+def test_valid_config_passes() -> None:
+    check_config(GPT3, A100, _cfg(), num_gpus=1024)
+    check_config(GPT3, A100, _cfg(chunks=3, schedule=ScheduleFamily.INTERLEAVED), num_gpus=1024)
+
+
+@pytest.mark.parametrize("cfg,gpus,needle", [
+    (_cfg(), 512, "--gpus 512"),
+    (_cfg(tp=5, dp=16), None, "tp 5"),
+    (_cfg(pp=7, dp=16), None, "does not divide the 96 layers"),
+    (_cfg(chunks=5, schedule=ScheduleFamily.INTERLEAVED), None, "pp·chunks"),
+    (_cfg(chunks=2), None, "chunks 2 needs schedule interleaved"),
+    (_cfg(global_batch=1000), None, "global batch 1000"),
+    (_cfg(tp=16, dp=8), None, "tp 16"),
+    (_cfg(pp=1, dp=128, schedule=ScheduleFamily.BPIPE), None, "bpipe needs pp >= 2"),
+])
+def test_bad_configs_raise_one_line(cfg: ParallelConfig, gpus: int | None, needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        check_config(GPT3, A100, cfg, num_gpus=gpus)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_parallel_config_rejects_non_positive() -> None:
+    with pytest.raises(ConfigError, match="tp must be a positive integer"):
+        ParallelConfig(tp=0, global_batch=8)

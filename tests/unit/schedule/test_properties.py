@@ -1,0 +1,65 @@
+"""Property tests: every generated schedule validates, is complete, and never holds negative memory."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from evenpipe.schedule import (ActionKind, Schedule, ScheduleFamily, build_schedule, held_units, held_units_trace,
+                               validate)
+
+K = ActionKind
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> tuple[ScheduleFamily, int, int, int, bool]:
+    family = draw(st.sampled_from(list(ScheduleFamily)))
+    P = draw(st.integers(1, 16))
+    if family is ScheduleFamily.INTERLEAVED:
+        M = P * draw(st.integers(1, max(1, 64 // P)))
+    else:
+        M = draw(st.integers(1, 64))
+    V = draw(st.integers(1, 4)) if family.has_chunks else 1
+    return family, P, M, V, draw(st.booleans())
+
+
+def check_complete(s: Schedule) -> None:
+    counts = Counter((a.kind, a.stage, a.microbatch) for acts in s.actions for a in acts if a.kind.is_compute)
+    for stage in range(s.num_stages):
+        for m in range(s.num_microbatches):
+            assert counts[(K.FORWARD, stage, m)] == 1
+            split = counts[(K.BACKWARD_INPUT, stage, m)], counts[(K.BACKWARD_WEIGHT, stage, m)]
+            assert (counts[(K.BACKWARD, stage, m)], split) in ((1, (0, 0)), (0, (1, 1)))
+
+
+@settings(max_examples=120, deadline=None)
+@given(configs())
+def test_every_generated_schedule_validates(config: tuple[ScheduleFamily, int, int, int, bool]) -> None:
+    family, P, M, V, recompute = config
+    s = build_schedule(family, num_ranks=P, num_microbatches=M, num_chunks=V, recompute=recompute)
+    validate(s)
+    check_complete(s)
+    assert s.num_stages == P * V
+    for acts in s.actions:
+        trace = held_units_trace(acts)
+        assert not trace or (min(trace) >= 0 and trace[-1] == 0)
+    if family is ScheduleFamily.BPIPE:
+        assert max(held_units(s)) <= math.ceil((P + 1) / 2)
+        if M >= P:
+            assert max(held_units(s)) == math.ceil((P + 1) / 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 12), st.integers(1, 40), st.integers(1, 12))
+def test_bpipe_any_budget_is_met_or_refused_with_a_working_one(P: int, M: int, budget: int) -> None:
+    try:
+        s = build_schedule("bpipe", num_ranks=P, num_microbatches=M, bpipe_budget=budget)
+    except ValueError as e:
+        smallest = int(str(e).rsplit(" ", 1)[-1])
+        assert smallest > budget
+        s = build_schedule("bpipe", num_ranks=P, num_microbatches=M, bpipe_budget=smallest)
+        budget = smallest
+    assert max(held_units(s)) <= budget

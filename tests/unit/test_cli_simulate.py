@@ -1,0 +1,65 @@
+"""``evenpipe simulate`` run in-process."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from evenpipe.cli import main
+
+
+def _json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert main(["simulate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_1f1b(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _json(capsys, "--schedule", "1f1b", "--stages", "4", "--microbatches", "8")
+    assert out["schedule"] == "1f1b" and out["stages"] == 4 and out["microbatches"] == 8 and out["chunks"] == 1
+    assert out["peak_activations"] == [4, 3, 2, 1]
+    assert out["bubble_fraction"] == pytest.approx(3 / 11)
+    assert out["step_time"] == pytest.approx(33)
+    assert out["actions"] > 2 * 4 * 8 and out["exposed_transfer_time"] == 0
+    assert out["peak_activation_bytes"] == [4, 3, 2, 1]
+
+
+def test_weight_time_adds_to_full_backward(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _json(capsys, "--schedule", "gpipe", "--stages", "2", "--microbatches", "3", "--weight-time", "1")
+    assert out["step_time"] == pytest.approx((1 + 2 + 1) * (3 + 2 - 1))
+
+
+def test_interleaved_defaults_to_two_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _json(capsys, "--schedule", "interleaved", "--stages", "2", "--microbatches", "4")
+    assert out["chunks"] == 2 and out["num_stages"] == 4
+
+
+def test_slow_link_bpipe_reports_exposed_transfers(capsys: pytest.CaptureFixture[str]) -> None:
+    fast = _json(capsys, "--schedule", "bpipe", "--stages", "4", "--microbatches", "8")
+    slow = _json(capsys, "--schedule", "bpipe", "--stages", "4", "--microbatches", "8", "--link-bandwidth", "0.5",
+                 "--activation-bytes", "1")
+    assert slow["step_time"] > fast["step_time"]
+    assert slow["exposed_transfer_time"] > 0 and slow["exposed_transfers"]
+    assert fast["meta"]["budget"] == 3
+
+
+def test_table_output_and_files(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
+    assert main(["simulate", "--schedule", "bpipe", "--stages", "2", "--microbatches", "2",
+                 "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "schedule bpipe" in text and "peak act. units" in text and "bubble" in text
+    assert {p.name for p in tmp_path.iterdir()} == {"timeline.png", "memory.png", "trace.json", "schedule.txt"}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--schedule", "nope", "--stages", "2", "--microbatches", "2"], "unknown schedule 'nope'"),
+    (["--schedule", "1f1b", "--stages", "0", "--microbatches", "2"], "num_ranks"),
+    (["--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--forward-time", "-1"], "--forward-time"),
+    (["--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--link-bandwidth", "0"], "--link-bandwidth"),
+    (["--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--chunks", "2"], "num_chunks"),
+])
+def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], args: list[str], needle: str) -> None:
+    assert main(["simulate", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and err.startswith("evenpipe simulate: error:")
