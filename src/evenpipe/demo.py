@@ -13,6 +13,7 @@ import sys
 
 from evenpipe.report.tables import comparison_table, format_bytes
 from evenpipe.schedule import build_schedule
+from evenpipe.schedule.ir import ActionKind
 from evenpipe.sim import Link, SimCosts, Trace, simulate
 
 __all__ = ["main", "demo_costs", "simulate_pair", "run_simulation", "DEMO_RANKS", "DEMO_MICROBATCHES"]
@@ -65,13 +66,16 @@ def run_simulation(out: pathlib.Path) -> dict[str, Trace]:
     budget = bpipe.schedule.meta.get("budget")
     if isinstance(budget, int):
         over = [_time_above(bpipe, r, budget) for r in range(bpipe.num_ranks)]
-        if any(over):
-            print(f"\nBPipe ranks above the budget (an evicted micro-batch is freed only when its transfer lands, "
-                  f"while the next forward already runs): "
+        if any(over):  # evictions land before the next F; an acceptor can still host a unit before one goes back
+            print(f"\nwarning: BPipe ranks above the budget of {budget} units: "
                   + ", ".join(f"rank {r} for {t * 1e3:.3g} ms" for r, t in enumerate(over) if t > 0))
-    moved = sum(t.num_bytes for t in bpipe.transfers if t.kind.name == "EVICT")
+    moved = sum(t.num_bytes for t in bpipe.transfers if t.kind is ActionKind.EVICT)
+    exposed: dict[str, float] = {}
+    for t in bpipe.exposed_transfers:
+        exposed[t.kind.token] = exposed.get(t.kind.token, 0.0) + t.exposed_s
+    by_kind = ", ".join(f"{kind} {sec * 1e3:.3g} ms" for kind, sec in exposed.items())
     print(f"\nBPipe moves {format_bytes(moved)} per step (evictions; the same comes back as loads); "
-          f"exposed transfer time {bpipe.exposed_transfer_time * 1e3:.3g} ms")
+          f"exposed transfer time {bpipe.exposed_transfer_time * 1e3:.3g} ms" + (f" ({by_kind})" if by_kind else ""))
     return traces
 
 

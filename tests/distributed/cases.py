@@ -20,6 +20,7 @@ from evenpipe.runtime.stash import ActivationStash
 from evenpipe.schedule.ir import Schedule
 
 MICROBATCH = 2
+CASE_TIMEOUT_S = 30.0
 SEQ = 16
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -39,11 +40,14 @@ class Case:
     steps: int = 2
     text: str | None = None
     """Hand-written schedule text instead of the generator."""
+    adam: bool = False
+    """AdamW instead of SGD (loss trajectories)."""
 
     def __str__(self) -> str:
         extra = "".join([f" V={self.chunks}" if self.chunks > 1 else "", " R" if self.recompute else "",
                          "" if self.free_outputs else " keep-outputs",
-                         f" K={self.bpipe_budget}" if self.bpipe_budget else ""])
+                         f" K={self.bpipe_budget}" if self.bpipe_budget else "",
+                         f" steps={self.steps}" if self.steps != 2 else "", " adamw" if self.adam else ""])
         return f"{self.family} {self.model} P={self.pp} M={self.microbatches} DP={self.dp}{extra}"
 
 
@@ -70,13 +74,14 @@ def global_batch(case: Case, vocab: int, step: int) -> tuple[torch.Tensor, torch
 def run_case(case: Case, *, stash_factory=None) -> list[str]:
     """Run one case on this rank; returns failure messages (empty if it passed or this rank sits it out)."""
     import torch.distributed as dist
-    groups = build_groups(case.pp, case.dp)
+    groups = build_groups(case.pp, case.dp, timeout_s=CASE_TIMEOUT_S)
     if groups is None:
         return []
     try:
         return _run(case, groups, stash_factory)
-    except Exception as e:
-        return [f"{case} rank {dist.get_rank()}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"]
+    except Exception as e:  # fatal: the other ranks of the case are now out of step, so stop this process
+        raise RuntimeError(f"{case} rank {dist.get_rank()}: {type(e).__name__}: {e}\n"
+                           f"{traceback.format_exc(limit=4)}") from e
 
 
 def _run(case: Case, groups, stash_factory) -> list[str]:
@@ -92,8 +97,10 @@ def _run(case: Case, groups, stash_factory) -> list[str]:
     ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=lm_loss,
                           free_outputs=case.free_outputs, stash=stash)
     params = [p for s in stages.values() for p in s.parameters()]
-    opt = torch.optim.SGD(params, lr=0.5)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    if case.adam:
+        opt, ref_opt = torch.optim.AdamW(params, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    else:
+        opt, ref_opt = torch.optim.SGD(params, lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     failures: list[str] = []
     for step in range(case.steps):
         tokens, targets = global_batch(case, cfg.vocab, step)
@@ -124,6 +131,34 @@ def _run(case: Case, groups, stash_factory) -> list[str]:
             failures.append(f"{case} rank {groups.pp_rank}: parameter {names[id(p)]} after "
                             f"{case.steps} steps: {str(e).splitlines()[0]}")
     return failures[:5]
+
+
+def free_outputs_check() -> list[str]:
+    """1F1B P=2 M=4: freeing sent outputs lowers the measured peak and changes no gradient (bitwise)."""
+    import torch.distributed as dist
+    groups = build_groups(2, 1, timeout_s=CASE_TIMEOUT_S)
+    if groups is None:
+        return []
+    got = {}
+    for free in (True, False):
+        case = Case(family="1f1b", pp=2, microbatches=4, free_outputs=free)
+        schedule = schedule_for(case)
+        cfg = tiny_config(case.model, 2)
+        model = build_model(cfg, seed=7)
+        stages = build_stage_modules(model.pipeline_parts(), num_stages=2, stages=schedule.stages_of(groups.pp_rank))
+        stash = ActivationStash()
+        ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=lm_loss,
+                              free_outputs=free, stash=stash)
+        tokens, targets = global_batch(case, cfg.vocab, 0)
+        res = ex.step(tokens, targets)
+        got[free] = (res.peak_activation_bytes, [p.grad.clone() for s in stages.values() for p in s.parameters()])
+    out = []
+    rank = dist.get_rank()
+    if groups.pp_rank == 0 and not got[True][0] < got[False][0]:
+        out.append(f"free-outputs rank 0: peak {got[True][0]} B with freeing, {got[False][0]} B without")
+    if not all(torch.equal(a, b) for a, b in zip(got[True][1], got[False][1])):
+        out.append(f"free-outputs rank {rank}: gradients differ when outputs are freed")
+    return out
 
 
 def run_cases(cases: list[Case], **kw) -> list[str]:

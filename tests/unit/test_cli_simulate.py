@@ -41,7 +41,9 @@ def test_slow_link_bpipe_reports_exposed_transfers(capsys: pytest.CaptureFixture
                  "--activation-bytes", "1")
     assert slow["step_time"] > fast["step_time"]
     assert slow["exposed_transfer_time"] > 0 and slow["exposed_transfers"]
+    assert "EVICT" in {t["kind"] for t in slow["exposed_transfers"]}  # forwards waited for the room
     assert fast["meta"]["budget"] == 3
+    assert fast["peak_activations"] == [3, 3, 3, 3] and fast["exposed_transfer_time"] == 0
 
 
 def test_table_output_and_files(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
 import json
 import time
+from typing import TypeVar
 
-from evenpipe.cost import (
-    Arch,
-    Attention,
-    Hardware,
-    ModelSpec,
-    Recompute,
-    from_hf_config,
-    hardware_preset,
-    model_preset,
-)
+from evenpipe.commands.estimate import model_from_args
+from evenpipe.cost import Attention, Hardware, ModelSpec, Recompute, hardware_preset
 from evenpipe.errors import ConfigError, choice_error
-from evenpipe.plan.explain import BPipeExplanation, Verdict, explain_bpipe
+from evenpipe.plan.explain import BPipeExplanation, ComponentDelta, Eater, Lever, Verdict, explain_bpipe
 from evenpipe.plan.search import PLANNED_SCHEDULES, Candidate, PlanResult, Searcher, SearchSpace
 from evenpipe.schedule import ScheduleFamily
 
@@ -58,66 +53,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bpipe-budget", type=int, metavar="K", help="BPipe per-rank activation budget")
 
 
-def _parse_enum_list(text: str | None, enum_type: type, what: str, default: tuple) -> tuple:  # type: ignore[type-arg]
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _parse_enum_list(text: str | None, enum_type: type[_E], flag: str, what: str,
+                     default: tuple[_E, ...]) -> tuple[_E, ...]:
+    """A comma-separated list of enum values (parsed once, here at the edge); duplicates dropped."""
     if text is None:
         return default
-    by_value = {e.value: e for e in enum_type}
+    by_value = {str(e.value): e for e in enum_type}
     out = []
-    for name in (t.strip() for t in text.split(",") if t.strip()):
+    for name in (t.strip().lower() for t in text.split(",") if t.strip()):
         if name not in by_value:
-            raise choice_error(what, name, list(by_value))
+            raise choice_error(f"{what} in {flag}", name, list(by_value))
         out.append(by_value[name])
     if not out:
-        raise ConfigError(f"--{what} needs at least one value; choose from: {', '.join(by_value)}")
+        raise ConfigError(f"{flag} needs at least one {what}; choose from: {', '.join(by_value)}")
     return tuple(dict.fromkeys(out))
 
 
-def _model_from_args(args: argparse.Namespace) -> ModelSpec:
-    chosen = [flag for flag, value in (("--model", args.model), ("--hf-config", args.hf_config),
-                                       ("--arch", args.arch)) if value is not None]
-    if len(chosen) != 1:
-        raise ConfigError(f"give exactly one of --model, --hf-config or --arch (got {', '.join(chosen) or 'none'})")
-    if args.model is not None:
-        spec = model_preset(args.model)
-    elif args.hf_config is not None:
-        return from_hf_config(args.hf_config, seq_len=args.seq_len)
-    else:
-        return _model_from_arch(args)
-    return spec if args.seq_len is None else _replace(spec, seq_len=args.seq_len)
-
-
-def _model_from_arch(args: argparse.Namespace) -> ModelSpec:
-    missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "heads", "vocab", "seq_len")
-               if getattr(args, n) is None]
-    if missing:
-        raise ConfigError(f"--arch {args.arch} also needs {', '.join(missing)}")
-    arch = Arch.parse(args.arch)
-    ffn = args.ffn_hidden if args.ffn_hidden is not None else _default_ffn(arch, args.hidden)
-    return ModelSpec(name=f"custom-{arch.value}", arch=arch, num_layers=args.layers, hidden=args.hidden,
-                     num_heads=args.heads, num_kv_heads=args.kv_heads or args.heads, ffn_hidden=ffn,
-                     vocab=args.vocab, seq_len=args.seq_len, tied_embeddings=arch is Arch.GPT)
-
-
-def _default_ffn(arch: Arch, hidden: int) -> int:
-    if arch is Arch.GPT:
-        return 4 * hidden
-    # LLaMA's SwiGLU: 2/3 of 4h, rounded up to a multiple of 256 (Touvron et al. 2023's multiple_of)
-    return -(-(8 * hidden // 3) // 256) * 256
-
-
-def _replace(spec: ModelSpec, **changes: int) -> ModelSpec:
-    import dataclasses
-
-    return dataclasses.replace(spec, **changes)  # type: ignore[arg-type]
+def _replace(obj: SearchSpace, **changes: object) -> SearchSpace:
+    return dataclasses.replace(obj, **changes)  # type: ignore[arg-type]
 
 
 def _space_from_args(args: argparse.Namespace) -> SearchSpace:
-    attention = _parse_enum_list(args.attention, Attention, "attention", (Attention.FLASH,))
+    attention = _parse_enum_list(args.attention, Attention, "--attention", "attention kernel", (Attention.FLASH,))
     if len(attention) != 1:
         raise ConfigError(f"--attention takes one kernel, got {args.attention!r}")
     return SearchSpace(
-        schedules=_parse_enum_list(args.schedules, ScheduleFamily, "schedules", PLANNED_SCHEDULES),
-        recomputes=_parse_enum_list(args.recompute, Recompute, "recompute",
+        schedules=_parse_enum_list(args.schedules, ScheduleFamily, "--schedules", "schedule", PLANNED_SCHEDULES),
+        recomputes=_parse_enum_list(args.recompute, Recompute, "--recompute", "recompute mode",
                                     (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)),
         max_microbatch_size=args.max_microbatch_size, attention=attention[0],
         sequence_parallel=not args.no_sequence_parallel, distributed_optimizer=args.distributed_optimizer,
@@ -127,15 +92,16 @@ def _space_from_args(args: argparse.Namespace) -> SearchSpace:
 def run(args: argparse.Namespace) -> int:
     if args.explain is not None and args.explain not in _EXPLAIN_TOPICS:
         raise choice_error("--explain topic", args.explain, _EXPLAIN_TOPICS)
-    model = _model_from_args(args)
+    model = model_from_args(args)  # shared with `evenpipe estimate`
     hw: Hardware = hardware_preset(args.gpu)
     space = _space_from_args(args)
     if args.explain == "bpipe" and ScheduleFamily.BPIPE not in space.schedules:
-        space = _replace_space(space, schedules=space.schedules + (ScheduleFamily.BPIPE,))
+        space = _replace(space, schedules=space.schedules + (ScheduleFamily.BPIPE,))
     searcher = Searcher(model, hw)
     t0 = time.perf_counter()
     result = searcher.search(num_gpus=args.gpus, global_batch=args.global_batch, space=space, top_k=args.top)
-    explanation = explain_bpipe(searcher, result) if args.explain == "bpipe" else None
+    explanation = explain_bpipe(searcher, num_gpus=args.gpus, global_batch=args.global_batch, space=space) \
+        if args.explain == "bpipe" else None
     elapsed = time.perf_counter() - t0
     if args.json:
         print(json.dumps(_json(model, hw, args, result, explanation, elapsed), indent=2))
@@ -147,12 +113,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replace_space(space: SearchSpace, **changes: object) -> SearchSpace:
-    import dataclasses
-
-    return dataclasses.replace(space, **changes)  # type: ignore[arg-type]
-
-
 # -- presentation ---------------------------------------------------------------------------------------------------
 def _json(model: ModelSpec, hw: Hardware, args: argparse.Namespace, result: PlanResult,
           explanation: BPipeExplanation | None, elapsed: float) -> dict[str, object]:
@@ -160,9 +120,7 @@ def _json(model: ModelSpec, hw: Hardware, args: argparse.Namespace, result: Plan
     out: dict[str, object] = {
         "model": model.name, "gpu": hw.name, "gpus": args.gpus, "global_batch": args.global_batch,
         "candidates": [c.to_dict() for c in result.candidates],
-        "best_by_schedule": {f.value: c.to_dict() for f, c in result.best_by_schedule.items()},
-        "search": {"enumerated": s.num_enumerated, "invalid": s.num_invalid, "over_memory": s.num_over_memory,
-                   "bounded": s.num_bounded, "estimated": s.num_estimated, "seconds": elapsed},
+        "search": {**s.to_dict(), "seconds": elapsed},
     }
     if explanation is not None:
         out["explain_bpipe"] = explanation.to_dict()
@@ -190,12 +148,14 @@ def _table(model: ModelSpec, hw: Hardware, args: argparse.Namespace, space: Sear
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     s = result.stats
     lines = [f"{model.name} on {args.gpus} x {hw.name} ({hw.memory_gib:g} GiB), global batch {args.global_batch}, "
-             f"seq {model.seq_len}, {space.attention.value} attention"]
+             f"seq {model.seq_len}, {space.attention.value} attention, "
+             + ("sequence parallel with tp > 1" if space.sequence_parallel else "no sequence parallelism")
+             + (", distributed optimizer" if space.distributed_optimizer else "")]
     lines += ["  ".join(cell.rjust(w) if j not in (1, 8, 13) else cell.ljust(w)
                         for j, (cell, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
     lines.append(f"searched {s.num_enumerated} configurations in {elapsed:.2f} s: {s.num_invalid} invalid, "
                  f"{s.num_over_memory} over memory, {s.num_bounded} skipped by the step-time bound, "
-                 f"{s.num_estimated} simulated")
+                 f"{s.num_dominated} dominated (lighter recomputation fits), {s.num_estimated} simulated")
     return lines
 
 
@@ -204,62 +164,94 @@ def _explanation_lines(model: ModelSpec, hw: Hardware, args: argparse.Namespace,
     where = f"{model.name} on {args.gpus} x {hw.name} ({space.attention.value} attention)"
     if e.bpipe is None:
         return [f"Does BPipe pay for {where}? Not applicable: no BPipe configuration fits "
-                "(BPipe needs at least 3 pipeline ranks)."]
-    answer = {Verdict.PAYS: f"YES: {100 * e.gain:+.1f}% throughput",
-              Verdict.MARGINAL: f"MARGINAL: {100 * e.gain:+.1f}% throughput, within the {100 * e.margin:.0f}% margin",
-              Verdict.DOES_NOT_PAY: f"NO: the best BPipe configuration is {100 * -e.gain / (1 + e.gain):.1f}% "
-                                    "slower"}[e.verdict]
+                "(BPipe needs at least 3 pipeline ranks).",
+                f"  best without BPipe: {_describe(e.baseline)}"]
     base, bp = e.baseline, e.bpipe
-    lines = [f"Does BPipe pay for {where}? {answer}.",
-             f"  best without BPipe: {_describe(base)}",
-             f"      step {base.step_time_s:.3f} s, MFU {100 * base.mfu:.1f}%, peak {base.peak_memory_gib:.1f} GiB, "
-             f"bubble {100 * base.estimate.bubble_fraction:.1f}%",
-             f"  best with BPipe:    {_describe(bp)}",
-             f"      step {bp.step_time_s:.3f} s, MFU {100 * bp.mfu:.1f}%, peak {bp.peak_memory_gib:.1f} GiB, "
-             f"bubble {100 * bp.estimate.bubble_fraction:.1f}%"]
-    lines += _lever_lines(e, hw)
-    lines += _component_lines(e)
+    steps = f"step {base.step_time_s:.3f} s -> {bp.step_time_s:.3f} s"
+    answer = {Verdict.PAYS: f"YES: {100 * e.gain:+.1f}% throughput ({steps})",
+              Verdict.MARGINAL: f"MARGINAL: {100 * e.gain:+.1f}% throughput ({steps}), within the "
+                                f"{100 * e.margin:.0f}% margin",
+              Verdict.DOES_NOT_PAY: f"NO: {100 * e.gain:+.1f}% throughput ({steps})"}[e.verdict]
+    lines = [f"Does BPipe pay for {where}? {answer}."]
+    for label, c in (("best without BPipe:", base), ("best with BPipe:   ", bp)):
+        lines.append(f"  {label} {_describe(c)}")
+        lines.append(f"  {' ' * len(label)} step {c.step_time_s:.3f} s, MFU {100 * c.mfu:.1f}%, peak "
+                     f"{c.peak_memory_gib:.1f} of {e.usable_memory_gib:g} GiB usable, bubble "
+                     f"{100 * c.estimate.bubble_fraction:.1f}%")
+    lines += _lever_lines(e)
+    lines += _cost_lines(e)
+    lines.append(f"  why:   {_why(e)}")
     return lines
 
 
-def _lever_lines(e: BPipeExplanation, hw: Hardware) -> list[str]:
+_LEVER_DETAIL = {
+    Lever.LARGER_MICROBATCH: lambda b, p: f"micro-batch {b.microbatch_size} -> {p.microbatch_size}",
+    Lever.LESS_RECOMPUTE: lambda b, p: f"recompute {b.recompute.value} -> {p.recompute.value}",
+    Lever.SMALLER_TP: lambda b, p: f"tp {b.tp} -> {p.tp}",
+    Lever.SMALLER_PP: lambda b, p: f"pp {b.pp} -> {p.pp}",
+}
+
+
+def _lever_lines(e: BPipeExplanation) -> list[str]:
     assert e.bpipe is not None
     base, bp = e.baseline.config, e.bpipe.config
-    details = {"a larger micro-batch": f"micro-batch {base.microbatch_size} -> {bp.microbatch_size}",
-               "less recomputation": f"recompute {base.recompute.value} -> {bp.recompute.value}",
-               "fewer pipeline stages": f"pp {base.pp} -> {bp.pp}",
-               "less tensor parallelism": f"tp {base.tp} -> {bp.tp}"}
     if e.levers:
-        lever = "; ".join(f"{lv.value} ({details[lv.value]})" for lv in e.levers)
+        lever = "; ".join(f"{lv.value} ({_LEVER_DETAIL[lv](base, bp)})" for lv in e.levers)
+    elif e.twin_fits:
+        lever = "none"
     else:
-        lever = "none (it uses the same micro-batch, recomputation, pp and tp as the best configuration without it)"
+        lever = "none: its micro-batch, recomputation, tp and pp are no better than the best without BPipe"
     lines = [f"  lever: {lever}"]
     if e.twin_fits is False:
-        lines.append(f"    the same configuration with 1F1B needs {e.twin_peak_memory_gib:.1f} GiB on its first stage "
-                     f"(> {hw.memory_gib:g} GiB): BPipe is what makes it fit")
+        lines.append(f"         with plain 1F1B this configuration needs {e.twin_peak_memory_gib:.1f} GiB on its "
+                     f"first rank (> {e.usable_memory_gib:g} usable): BPipe is what makes it fit")
     elif e.twin is not None:
-        lines.append(f"    the same configuration also fits with 1F1B ({e.twin_peak_memory_gib:.1f} GiB, step "
-                     f"{e.twin.step_time_s:.3f} s): BPipe unlocks nothing here, its transfers only add time")
+        lines.append(f"         it also fits with plain 1F1B ({e.twin_peak_memory_gib:.1f} GiB, step "
+                     f"{e.twin.step_time_s:.3f} s): BPipe unlocks nothing here")
     return lines
 
 
-def _component_lines(e: BPipeExplanation) -> list[str]:
+def _fmt(deltas: tuple[ComponentDelta, ...]) -> str:
+    return ", ".join(f"{c.name.replace('_', ' ')} {c.delta_s:+.3f} s" for c in deltas) or "nothing"
+
+
+def _cost_lines(e: BPipeExplanation) -> list[str]:
     assert e.bpipe is not None
-    gains = [c for c in e.components if c.delta_s < 0]
-    costs = [c for c in e.components if c.delta_s > 0]
-    fmt = lambda cs: ", ".join(f"{c.name.replace('_', ' ')} {c.delta_s:+.3f} s" for c in cs) or "nothing"  # noqa
-    m_base, m_bp = e.baseline.config.num_microbatches, e.bpipe.config.num_microbatches
-    lines = [f"  saves: {fmt(gains)}",
-             f"  eaten by: {fmt(costs)}"]
+    base, bp = e.baseline, e.bpipe
+    lines = [f"  gain:  {_fmt(e.savings)}", f"  eaten: {_fmt(e.costs)}"]
     notes = []
-    for eater in e.eaters:
-        if eater.name == "BUBBLE":
-            notes.append(f"bubble {100 * e.baseline.estimate.bubble_fraction:.1f}% -> "
-                         f"{100 * e.bpipe.estimate.bubble_fraction:.1f}% with {m_base} -> {m_bp} micro-batches")
-        elif eater.name == "TRANSFER":
-            notes.append(f"evict/load transfers expose {e.component('bpipe_transfer').bpipe_s:.3f} s")
-        elif eater.name == "ACCEPTOR_MEMORY":
-            notes.append(f"acceptors host up to {e.hosted_gib:.1f} GiB of their partners' activations")
-    if notes:
-        lines.append("    " + "; ".join(notes))
+    if Eater.BUBBLE in e.eaters:
+        why = []
+        if bp.config.num_microbatches < base.config.num_microbatches:
+            why.append(f"fewer micro-batches, {base.config.num_microbatches} -> {bp.config.num_microbatches}")
+        if bp.config.pp > base.config.pp:
+            why.append(f"more stages, pp {base.config.pp} -> {bp.config.pp}")
+        if base.config.chunks > 1:
+            why.append(f"no interleaving (BPipe runs on 1F1B; the baseline uses v={base.config.chunks})")
+        notes.append(f"bubble {100 * base.estimate.bubble_fraction:.1f}% -> {100 * bp.estimate.bubble_fraction:.1f}%"
+                     + (f" from {'; '.join(why)}" if why else ""))
+    if Eater.TRANSFER in e.eaters:
+        notes.append(f"ranks wait {e.component('bpipe_transfer').bpipe_s:.3f} s on evict/load transfers")
+    if Eater.ACCEPTOR_MEMORY in e.eaters:
+        notes.append(f"acceptors host up to {e.hosted_gib:.1f} GiB of their partners' activations")
+    lines += [f"         {n}" for n in notes]
     return lines
+
+
+def _why(e: BPipeExplanation) -> str:
+    assert e.bpipe is not None
+    saved = -sum(c.delta_s for c in e.savings)
+    spent = sum(c.delta_s for c in e.costs)
+    levers = ", ".join(lv.value for lv in e.levers)
+    if e.verdict is Verdict.PAYS:
+        return (f"BPipe pays: balancing activations unlocks {levers or 'a faster configuration'}, saving "
+                f"{saved:.3f} s, and its costs take back only {spent:.3f} s.")
+    head = "BPipe is marginal" if e.verdict is Verdict.MARGINAL else "BPipe does not pay"
+    if e.twin_fits:
+        timed = [x.value for x in e.eaters if x is not Eater.ACCEPTOR_MEMORY]
+        return (f"{head}: activations already fit without it (its best configuration runs as plain 1F1B), so "
+                f"balancing buys nothing, while {' and '.join(timed) or 'its costs'} add {spent:.3f} s against "
+                f"the best configuration without BPipe.")
+    if not e.levers:
+        return f"{head}: it unlocks nothing the best configuration without it needs; it adds {spent:.3f} s."
+    return (f"{head}: what it unlocks ({levers}) saves {saved:.3f} s, but {spent:.3f} s of costs eat it.")

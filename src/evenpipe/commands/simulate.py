@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="activation bytes one micro-batch saves on one rank (default 1); BPipe moves these")
     link.add_argument("--output-bytes", type=float, default=0.0, metavar="N",
                       help="bytes of the activation / gradient message between stages (default 0)")
+    link.add_argument("--checkpoint-bytes", type=float, default=None, metavar="N",
+                      help="with --recompute: bytes kept per micro-batch (the stage input; default --output-bytes)")
     parser.add_argument("--bpipe-budget", type=int, default=None, metavar="K",
                         help="BPipe: activation units a rank may hold (default ceil((P+1)/2))")
     parser.add_argument("--recompute", action="store_true", help="recompute activations before each backward")
@@ -49,9 +51,9 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
     family = ScheduleFamily.parse(args.schedule)
     chunks = args.chunks if args.chunks is not None else (2 if family.has_chunks else 1)
     for name in ("forward_time", "backward_time", "weight_time", "link_latency", "activation_bytes",
-                 "output_bytes"):
+                 "output_bytes", "checkpoint_bytes"):
         value = getattr(args, name)
-        if not value >= 0 or math.isnan(value):
+        if value is not None and not value >= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     if not args.link_bandwidth > 0:
         raise ConfigError(f"--link-bandwidth must be > 0 bytes/s, got {args.link_bandwidth}")
@@ -63,7 +65,8 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
         num_stages=sched.num_stages, num_chunks=sched.num_chunks, forward=args.forward_time,
         backward=args.backward_time, weight=args.weight_time, activation_bytes=args.activation_bytes,
         output_bytes=args.output_bytes,
-        checkpoint_bytes=args.activation_bytes / 8 if args.recompute else None,
+        checkpoint_bytes=(args.output_bytes if args.checkpoint_bytes is None else args.checkpoint_bytes)
+        if args.recompute else None,
         link=Link(latency_s=args.link_latency, bandwidth_bytes_per_s=args.link_bandwidth))
     return simulate(sched, costs)
 

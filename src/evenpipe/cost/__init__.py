@@ -7,7 +7,7 @@ its checks), ``flops``, ``memory`` (StageMemory), ``timing`` (Efficiency, stage_
 
 from evenpipe.cost.estimate import LIMITS, Estimate, TimeBreakdown, estimate
 from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step
-from evenpipe.cost.hardware import GIB, HARDWARE_PRESETS, Hardware, hardware_preset
+from evenpipe.cost.hardware import GIB, HARDWARE_PRESETS, Hardware, hardware_preset, load_hardware
 from evenpipe.cost.memory import StageMemory, activation_bytes, layer_activation_bytes, memory_per_stage
 from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, ScheduleFamily, check_config
 from evenpipe.cost.specs import MODEL_PRESETS, Arch, ModelSpec, from_hf_config, model_preset
@@ -15,7 +15,7 @@ from evenpipe.cost.timing import Efficiency, stage_sim_costs
 
 __all__ = [
     "Arch", "ModelSpec", "MODEL_PRESETS", "model_preset", "from_hf_config",
-    "Hardware", "HARDWARE_PRESETS", "hardware_preset", "GIB",
+    "Hardware", "HARDWARE_PRESETS", "hardware_preset", "load_hardware", "GIB",
     "ParallelConfig", "Recompute", "Attention", "ScheduleFamily", "check_config",
     "Efficiency", "stage_sim_costs",
     "StageMemory", "memory_per_stage", "activation_bytes", "layer_activation_bytes",

@@ -19,7 +19,7 @@ from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.sim import Trace, simulate
 
 from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step
-from evenpipe.cost.hardware import Hardware
+from evenpipe.cost.hardware import GIB, Hardware
 from evenpipe.cost.memory import (StageMemory, build_cost_schedule, layer_params_per_rank, memory_per_stage,
                                   _head_params_per_rank)
 from evenpipe.cost.parallel import ParallelConfig, check_config
@@ -101,6 +101,11 @@ class Estimate:
     """Per-rank memory by component, GiB."""
     critical_rank: int
     """Pipeline rank that finishes last."""
+    activation_peak_simulated_gib: tuple[float, ...]
+    """Per rank, the simulator's peak of saved activations in time (own + hosted, embedding/head activations
+    included), GiB. It exceeds the counted ``activations + hosted`` when BPipe evictions are still in flight
+    while the next forward allocates (the simulator never blocks on sends); a runtime that waits for each
+    eviction keeps the counted peak and pays the wait instead."""
     limited_by: str
     """What limits the configuration: one of :data:`LIMITS` (see :func:`_limit`)."""
 
@@ -123,6 +128,7 @@ class Estimate:
             "memory_per_stage_gib": list(self.memory_per_stage_gib), "peak_memory_gib": self.peak_memory_gib,
             "usable_memory_gib": self.hardware.usable_memory_gib, "fits": self.fits,
             "limited_by": self.limited_by, "critical_rank": self.critical_rank,
+            "activation_peak_simulated_gib": list(self.activation_peak_simulated_gib),
             "time_breakdown_s": self.breakdown.to_dict(),
             "stage_memory_gib": [m.to_dict() for m in self.stage_memory],
         }
@@ -235,5 +241,6 @@ def estimate(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
         tflops_per_gpu=executed / (step * cfg.num_gpus) / 1e12, bubble_fraction=trace.bubble_fraction,
         memory_per_stage_gib=totals, peak_memory_gib=peak, fits=fits, breakdown=bd, stage_memory=mem,
         critical_rank=critical, limited_by=_limit(fits, peak, hw.usable_memory_gib, bd, step),
+        activation_peak_simulated_gib=tuple(b / GIB for b in trace.peak_activation_bytes),
     )
 

@@ -6,8 +6,9 @@ Each row gives the model (L, h, a), tp, pp, the GPU count and the global batch; 
 - full activation recomputation, eager attention (no FlashAttention in 2021), no sequence parallelism, the
   plain (non-distributed) optimizer with fp32 gradient all-reduce;
 - micro-batch size 1 (not in the table; the paper's appendix runs its largest models with b = 1);
-- the interleaved schedule whenever pp > 1, with the smallest v >= 2 that divides the layers per rank (the 530B
-  row then gets v = 3 as in Korthikanti et al. 2022); pp = 1 runs plain gradient accumulation.
+- the interleaved schedule whenever pp > 1, with the smallest v >= 2 that divides the layers per rank, except
+  where Korthikanti et al. 2022 list the chunks for the same model: v = 3 for 530B and v = 1 (plain 1F1B) for
+  1T; pp = 1 runs plain gradient accumulation.
 
 The target is ``tflops_per_gpu`` (executed FLOPs, recomputation included), i.e. :attr:`Estimate.tflops_per_gpu`.
 
@@ -48,7 +49,8 @@ FIT_FIELDS: dict[str, tuple[float, float]] = {
 }
 """The fitted Efficiency fields and their search ranges."""
 
-PRIOR = Efficiency(gemm_peak_fraction=0.80, gemm_size_scale=128.0, hbm_fraction=0.70, network_fraction=0.80)
+PRIOR = Efficiency(gemm_peak_fraction=0.80, gemm_size_scale=128.0, hbm_fraction=0.70, network_fraction=0.80,
+                   nvlink_fraction=0.75)
 """Fixed starting point of every search (datasheet-style guesses), so fits do not depend on the current defaults."""
 
 
@@ -89,6 +91,10 @@ def load_megatron_rows(path: str | pathlib.Path) -> tuple[MegatronRow, ...]:
         raise ConfigError(f"cannot read Megatron table {str(path)!r}: {e}") from None
 
 
+_KORTHIKANTI_CHUNKS = {(105, 20480): 3, (128, 25600): 1}
+"""Chunks per rank that Korthikanti et al. 2022 (same group, same machines) list for the 530B and 1T models."""
+
+
 def row_setup(row: MegatronRow) -> tuple[ModelSpec, Hardware, ParallelConfig]:
     """The model, hardware and configuration we assume for a row (see the module docstring)."""
     h = row.hidden
@@ -97,6 +103,7 @@ def row_setup(row: MegatronRow) -> tuple[ModelSpec, Hardware, ParallelConfig]:
                       tied_embeddings=True)
     per_rank = row.layers // row.pp
     v = 1 if row.pp == 1 else next(c for c in range(2, per_rank + 1) if per_rank % c == 0)
+    v = _KORTHIKANTI_CHUNKS.get((row.layers, row.hidden), v)
     cfg = ParallelConfig(tp=row.tp, pp=row.pp, dp=row.gpus // (row.tp * row.pp), chunks=v, microbatch_size=1,
                          global_batch=row.global_batch, recompute=Recompute.FULL, attention=Attention.EAGER,
                          schedule=ScheduleFamily.INTERLEAVED if v > 1 else ScheduleFamily.ONE_F_ONE_B)
@@ -173,7 +180,8 @@ def _descend(rows: Sequence[MegatronRow], cals: dict[MegatronRow, _Calibration],
         for name in names:
             lo, hi = FIT_FIELDS[name]
             for value in _grid(lo, hi, getattr(eff, name), width):
-                trial = dataclasses.replace(eff, **{name: value})
+                changes: dict[str, object] = {name: value}
+                trial = dataclasses.replace(eff, **changes)  # type: ignore[arg-type]
                 trial_loss = loss(trial)
                 if trial_loss < best - 1e-15:
                     eff, best = trial, trial_loss

@@ -8,11 +8,14 @@ with ``dataclasses.replace``; a measured profile can be loaded the same way.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import pathlib
 from dataclasses import dataclass
 
 from evenpipe.errors import ConfigError, choice_error
 
-__all__ = ["Hardware", "HARDWARE_PRESETS", "hardware_preset", "GIB"]
+__all__ = ["Hardware", "HARDWARE_PRESETS", "hardware_preset", "load_hardware", "GIB"]
 
 GIB = float(2**30)
 """Bytes per GiB."""
@@ -76,3 +79,27 @@ def hardware_preset(name: str) -> Hardware:
         return HARDWARE_PRESETS[name.lower()]
     except KeyError:
         raise choice_error("GPU preset", name, list(HARDWARE_PRESETS)) from None
+
+
+def load_hardware(path: str | pathlib.Path) -> Hardware:
+    """Read a measured profile: a JSON object with an optional ``"base"`` preset name and any Hardware fields
+    to override, e.g. ``{"base": "h100-80gb", "name": "my-h100", "internode_gbps": 40.0}``."""
+    p = pathlib.Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read hardware profile {str(p)!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"hardware profile {str(p)!r}: expected a JSON object, got {type(data).__name__}")
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    unknown = sorted(set(data) - fields - {"base"})
+    if unknown:
+        raise ConfigError(f"hardware profile {str(p)!r}: unknown field(s) {', '.join(unknown)}; "
+                          f"allowed: base, {', '.join(sorted(fields))}")
+    overrides = {k: v for k, v in data.items() if k != "base"}
+    if "base" in data:
+        return dataclasses.replace(hardware_preset(str(data["base"])), **overrides)
+    try:
+        return Hardware(**overrides)
+    except TypeError as e:
+        raise ConfigError(f"hardware profile {str(p)!r}: {e}") from None

@@ -27,11 +27,14 @@ Selective recomputation and flash attention both drop the score terms (flash kee
 4·a·s·b/t bytes, which we neglect: < 0.2% for a/h <= 1/64). Full recomputation keeps the layer input only,
 2·s·b·h bytes (2·s·b·h/t with sequence parallelism), plus one layer's full activations while it is recomputed.
 
-The number of micro-batches in flight comes from the schedule itself: :func:`memory_per_stage` builds it and
-walks every rank's actions in program order (forward adds a stage's activations, backward frees them, BPipe's
+The number of micro-batches in flight comes from the schedule itself: :func:`memory_per_stage` builds its
+compute order (with BPipe's evict/load actions; see :func:`counting_schedule`) and walks every rank's actions
+in program order (forward adds a stage's activations, backward frees them, BPipe's
 EVICT/LOAD move them off and back, ACCEPT/RETURN add and free them on the acceptor). Program order is time
-order on one rank, so the peak is exact. Embedding (first stage) and head (last stage) activations are counted
-with their stage's micro-batches but reported under ``embedding`` and ``head``.
+order on one rank, so the peak is exact for a runtime that lets an evicted unit go before its next compute
+(the simulator, which never blocks on sends, can hold an in-flight eviction a little longer). Embedding (first
+stage) and head (last stage) activations are counted with their stage's micro-batches but reported under
+``embedding`` and ``head``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from evenpipe.errors import ConfigError
 from evenpipe.schedule import ActionKind, Schedule, bpipe_transform, build_schedule, compute_order
 
 from evenpipe.cost.hardware import GIB, Hardware
@@ -46,7 +50,8 @@ from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, Schedul
 from evenpipe.cost.specs import Arch, ModelSpec
 
 __all__ = ["StageMemory", "memory_per_stage", "layer_activation_bytes", "layer_params_per_rank",
-           "BYTES_WEIGHT", "BYTES_GRAD", "BYTES_OPTIMIZER", "build_cost_schedule", "counting_schedule", "ActivationBytes",
+           "BYTES_WEIGHT", "BYTES_GRAD", "BYTES_OPTIMIZER", "build_cost_schedule", "counting_schedule",
+           "ActivationBytes",
            "activation_bytes"]
 
 BYTES_WEIGHT = 2
@@ -142,7 +147,8 @@ def activation_bytes(model: ModelSpec, cfg: ParallelConfig) -> ActivationBytes:
     mlp = (6.0 if model.arch is Arch.LLAMA else 4.0) * s * b * model.ffn_hidden
     split = 4.0 * sbh + mlp
     scores = (5.0 if dropout else 2.0) * model.num_heads * s * s * b
-    keeps_scores = cfg.recompute is Recompute.NONE and cfg.attention is Attention.EAGER
+    # the recomputed layer under full recomputation materialises its scores again (eager attention)
+    keeps_scores = cfg.recompute is not Recompute.SELECTIVE and cfg.attention is Attention.EAGER
     full = replicated / sp_div + split / t + kv + (scores / t if keeps_scores else 0.0)
     layer_input = 2.0 * sbh / sp_div
     saved = layer_input if cfg.recompute is Recompute.FULL else full
@@ -162,7 +168,7 @@ def build_cost_schedule(cfg: ParallelConfig) -> Schedule:
                             cfg.recompute is Recompute.FULL)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=8)  # full schedules of big pipelines hold 10^5-10^6 actions each
 def _cached_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int | None,
                      recompute: bool) -> Schedule:
     return build_schedule(family, num_ranks=p, num_microbatches=m, num_chunks=v, bpipe_budget=budget,
@@ -171,9 +177,9 @@ def _cached_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int
 
 def counting_schedule(cfg: ParallelConfig) -> Schedule:
     """What in-flight counting needs, cheaply: the compute order (plus BPipe's evict/load actions) of at most
-    2·p micro-batches (all of them for GPipe and looped BFS, whose peaks grow with m). Every family's per-rank peak saturates by
-    m = 2·p (1F1B: min(p - r, m); interleaved: min(v·p + p - 1, v·m) chunks; ZB-H1 at most 1F1B's; BPipe at
-    its budget), so the truncated schedule has the same peaks; a unit test checks this against the full one."""
+    2·p micro-batches (all of them for GPipe and looped BFS, whose peaks grow with m). The other families'
+    per-rank peaks saturate by m = 2·p (1F1B: min(p - r, m); interleaved: min(v·p + p - 1, v·m) chunks; ZB-H1
+    at most 1F1B's; BPipe at its budget), so the truncated schedule has the same peaks; a unit test checks this against the full one."""
     m = cfg.num_microbatches
     if cfg.schedule in _SATURATING and m > _TRUNCATE_FACTOR * cfg.pp:
         m = _TRUNCATE_FACTOR * cfg.pp
@@ -184,7 +190,7 @@ _SATURATING = frozenset({ScheduleFamily.ONE_F_ONE_B, ScheduleFamily.INTERLEAVED,
                          ScheduleFamily.BPIPE})
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=128)
 def _cached_counting_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int | None) -> Schedule:
     compute = compute_order(family, num_ranks=p, num_microbatches=m, num_chunks=v)
     return bpipe_transform(compute, budget=budget) if family is ScheduleFamily.BPIPE else compute
@@ -246,6 +252,8 @@ def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig) -> tup
     schedule and counts in program order; no simulation. ``hw`` is unused today (kept for per-GPU workspaces)."""
     del hw
     p, v = cfg.pp, cfg.chunks
+    if model.num_layers % (p * v):
+        raise ConfigError(f"pp·chunks = {p}·{v} does not divide the {model.num_layers} layers of {model.name}")
     layers_per_stage = model.num_layers // (p * v)
     act = activation_bytes(model, cfg)
     schedule = counting_schedule(cfg)

@@ -120,9 +120,10 @@ def check_config(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, num_gpus: 
     """Raise ConfigError (one line naming the value) when ``cfg`` cannot run ``model`` on ``hw``.
 
     Rules: tp divides the attention heads and the FFN size (KV heads are split when tp divides them and
-    replicated when they divide tp); pp·chunks divides the layers (uneven partitions are not modelled); chunks > 1 only with
-    an interleaved/looped schedule; dp·b divides the global batch; the GPU count equals tp·pp·dp; tp fits in a
-    node; BPipe needs chunks == 1 and an even split is not required.
+    replicated when they divide tp); pp·chunks divides the layers (uneven partitions are not modelled);
+    chunks > 1 only with an interleaved/looped schedule; dp·b divides the global batch; the GPU count equals
+    tp·pp·dp; tp fits in a node; BPipe needs pp >= 2. The schedule generator adds its own rules (interleaved
+    needs m % p == 0; a BPipe budget must be meetable) and raises ConfigError the same way.
     """
     if num_gpus is not None and num_gpus != cfg.num_gpus:
         raise ConfigError(f"--gpus {num_gpus} != tp·pp·dp = {cfg.tp}·{cfg.pp}·{cfg.dp} = {cfg.num_gpus}")

@@ -4,9 +4,9 @@ Compute model (per layer, per micro-batch, per tensor-parallel rank):
 - weight GEMMs run at ``peak · gemm_efficiency(m, n, k)``, a saturating function of the three GEMM dimensions
   (small GEMMs cannot fill the tensor cores: Narayanan et al. 2021, Fig. 10/17; NVIDIA's "Matrix Multiplication
   Background" guide);
-- the attention core runs at ``peak · flash_fraction`` (FlashAttention-2 reaches 50-73% of A100 peak,
-  Dao 2023) or, eager, as batched GEMMs of shape (s×d)·(d×s) at ``gemm_efficiency`` plus the memory traffic of
-  the materialised score matrix (mask, softmax, dropout) at ``hbm_fraction`` of HBM bandwidth;
+- the attention core runs at ``peak · flash_fraction`` on the causal half of the s×s work (FlashAttention-2
+  reaches 50-73% of A100 peak, Dao 2023) or, eager (full s×s, as Megatron-LM 2021 computes it), as batched
+  GEMMs of shape (s×d)·(d×s) at ``gemm_efficiency`` plus the memory traffic of the materialised score matrix (mask, softmax, dropout) at ``hbm_fraction`` of HBM bandwidth;
 - element-wise work (norms, activation function, bias-dropout-residual) is HBM traffic at ``hbm_fraction``;
 - backward: input gradient = one forward of the GEMMs, weight gradient = another (so the full backward is 2×),
   attention core backward 2× (eager) or 2.5× (flash: it recomputes scores);
@@ -40,18 +40,20 @@ class Efficiency:
     """Achieved fractions of hardware peaks. Defaults were fitted to Narayanan et al. 2021, Table 1 (A100,
     ``benchmarks/fit_megatron.py``); the rest are fixed from the cited measurements."""
 
-    gemm_peak_fraction: float = 0.7029
-    """Fraction of dense peak a large bf16 GEMM reaches (fitted; cuBLAS on A100 reaches 70-85%)."""
-    gemm_size_scale: float = 49.9
+    gemm_peak_fraction: float = 0.6812
+    """Fraction of dense peak a large GEMM reaches (fitted; cuBLAS half-precision GEMMs on A100 reach 70-85%
+    in isolation, less inside a training step)."""
+    gemm_size_scale: float = 32.39
     """Dimension scale of the saturation: eff = peak_fraction / (1 + scale·(1/m + 1/n + 1/k)) (fitted)."""
     flash_fraction: float = 0.55
-    """Fraction of peak of FlashAttention forward/backward kernels (Dao 2023: 50-73% on A100)."""
+    """Fraction of peak of causal FlashAttention forward/backward kernels on the FLOPs they execute (Dao 2023:
+    FlashAttention-2 forward 50-73%, backward 40-63% of A100 peak; not fitted: the 2021 runs used eager)."""
     hbm_fraction: float = 1.0
     """Fraction of HBM bandwidth reached by element-wise kernels (fitted; it reaches the bound 1.0, so our
     element-wise and softmax traffic is probably over-counted by 10-20% against Megatron's fused kernels)."""
-    nvlink_fraction: float = 0.6791
-    """Achieved share of NVLink bandwidth by NCCL ring collectives (fitted; nccl-tests busbw on A100 is
-    ~230 of 300 GB/s for large messages, less for Megatron's 10-50 MB all-reduces)."""
+    nvlink_fraction: float = 0.7718
+    """Achieved share of NVLink bandwidth by tensor-parallel collectives (fitted; nccl-tests all-reduce busbw on
+    8 A100s is ~230 of 300 GB/s for large messages, i.e. 0.77)."""
     network_fraction: float = 1.0
     """Achieved share of inter-node bandwidth for collectives and point-to-point messages (fitted, at its
     bound: the data-parallel reduction hides more than our overlap model lets it)."""
@@ -127,7 +129,8 @@ def layer_times(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Effici
     core_flops = attention_core_flops(model, tp=t, microbatch_size=b)
     heads_per_rank = model.num_heads // t
     if cfg.attention is Attention.FLASH:
-        attn_fwd = core_flops / (hw.peak_tflops * 1e12 * eff.flash_fraction)
+        # causal kernels skip the blocks above the diagonal: half of the full s×s work is executed
+        attn_fwd = 0.5 * core_flops / (hw.peak_tflops * 1e12 * eff.flash_fraction)
         attn_bwd = 2.5 * attn_fwd
     else:
         score = Gemm(m=s, n=s, k=model.head_dim, count=2 * b * heads_per_rank)

@@ -1,1 +1,33 @@
+"""The planner (pure Python): search parallel configurations and schedules, and explain whether BPipe pays.
 
+:func:`plan_configs` (or a :class:`Searcher`, which caches across searches) returns a :class:`PlanResult` of
+:class:`Candidate` records; :func:`explain_bpipe` returns a :class:`BPipeExplanation`. Presentation lives in
+``evenpipe.commands.plan``.
+"""
+
+from evenpipe.plan.bounds import PipelineBounds, pipeline_bounds, stage_layout, step_time_lower_bound
+from evenpipe.plan.explain import (
+    TIME_COMPONENTS,
+    BPipeExplanation,
+    ComponentDelta,
+    Eater,
+    Lever,
+    Verdict,
+    explain_bpipe,
+)
+from evenpipe.plan.search import (
+    PLANNED_SCHEDULES,
+    Candidate,
+    PlanResult,
+    Searcher,
+    SearchSpace,
+    SearchStats,
+    enumerate_configs,
+    plan_configs,
+)
+
+__all__ = [
+    "PLANNED_SCHEDULES", "Candidate", "PlanResult", "Searcher", "SearchSpace", "SearchStats", "enumerate_configs",
+    "plan_configs", "PipelineBounds", "pipeline_bounds", "stage_layout", "step_time_lower_bound",
+    "TIME_COMPONENTS", "BPipeExplanation", "ComponentDelta", "Eater", "Lever", "Verdict", "explain_bpipe",
+]

@@ -34,8 +34,9 @@ class PipelineBounds:
     """On the simulated step time (the last compute of any rank)."""
     first_rank_end: float
     """On the end of rank 0's last compute."""
-    first_rank_last_action: float
-    """An upper bound on the duration of rank 0's last compute (what an overlapped reduction can hide behind)."""
+    first_rank_hideable: float
+    """An upper bound on what an overlapped gradient reduction can hide behind on rank 0: the backward (and
+    recomputation) work of one micro-batch over all of rank 0's stages."""
 
 
 def stage_layout(pp: int, chunks: int) -> tuple[int, ...]:
@@ -45,21 +46,23 @@ def stage_layout(pp: int, chunks: int) -> tuple[int, ...]:
 
 def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microbatches: int, *,
                     recompute: bool, split_backward: bool) -> PipelineBounds:
-    """Bounds valid for any schedule with this layout, these costs and transfers of any speed.
+    """Bounds valid for any schedule with this layout and these costs (a message never arrives sooner than its
+    link's latency plus bytes over bandwidth after it is sent).
 
-    For a rank r whose lowest stage is s: micro-batch 0 must pass the forwards of stages 0..s-1 before r can start
-    (``prefix_f[s]``); r then runs all its work; the micro-batch of r's last backward must still pass the input
-    gradients of stages s-1..0 (``prefix_i[s]``), which end on rank 0. So both the makespan and rank 0's end are at
-    least ``prefix_f[s] + m·work_r + prefix_i[s]``, except that in split-backward schedules weight gradients may run
-    after the last input gradient: rank 0's end then counts r's work without W. Tight for uniform 1F1B, where it is
-    (m + p − 1)(F + B).
+    For a rank r whose lowest stage is s: micro-batch 0 must pass the forwards of stages 0..s-1 and the messages
+    between them before r can start (``prefix_f[s]``), and r then runs all its work. The micro-batch of r's last
+    (input-gradient) backward must then still pass the input gradients of stages s-1..0 and their messages
+    (``prefix_i[s]``), ending on rank 0. So rank 0's end, and the makespan, are at least
+    ``prefix_f[s] + m·work_r + prefix_i[s]``, where in split-backward schedules ``work_r`` leaves out the weight
+    gradients (they may run after r's last input gradient, in parallel with the
+    chain). Tight for uniform 1F1B, where it is (m + p − 1)(F + B).
     """
     m = num_microbatches
     num_ranks = 1 + max(stage_to_rank)
     work = [0.0] * num_ranks
     work_to_last_i = [0.0] * num_ranks
     lowest = [len(stage_to_rank)] * num_ranks
-    longest0 = 0.0
+    last_mb_backward0 = 0.0
     for s, r in enumerate(stage_to_rank):
         st = costs.stages[s]
         extra = st.recompute_time if recompute else 0.0
@@ -67,15 +70,26 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
         work_to_last_i[r] += st.forward + extra + (st.backward_input if split_backward else st.backward)
         lowest[r] = min(lowest[r], s)
         if r == 0:
-            longest0 = max(longest0, st.forward, st.backward, extra)
+            last_mb_backward0 += st.backward + extra
+    # prefix_f[s]: forwards of stages 0..s-1 plus the activation messages between them up to stage s;
+    # prefix_i[s]: input gradients of stages s-1..0 plus the gradient messages from stage s down to stage 0
     prefix_f, prefix_i = [0.0], [0.0]
-    for st in costs.stages:
-        prefix_f.append(prefix_f[-1] + st.forward)
-        prefix_i.append(prefix_i[-1] + st.backward_input)
-    ends = [prefix_f[lowest[r]] + prefix_i[lowest[r]] for r in range(num_ranks)]
-    makespan = max(ends[r] + m * work[r] for r in range(num_ranks))
-    first_end = max(m * work[0], max(ends[r] + m * work_to_last_i[r] for r in range(num_ranks)))
-    return PipelineBounds(makespan=makespan, first_rank_end=first_end, first_rank_last_action=longest0)
+    for k, st in enumerate(costs.stages):
+        fwd_msg = bwd_msg = 0.0
+        if k + 1 < len(costs.stages) and stage_to_rank[k] != stage_to_rank[k + 1]:
+            src, dst = stage_to_rank[k], stage_to_rank[k + 1]
+            size = min(st.output_bytes, costs.stages[k + 1].output_bytes)
+            fwd_msg = costs.link(src, dst).transfer_time(size)
+            bwd_msg = costs.link(dst, src).transfer_time(size)
+        prefix_f.append(prefix_f[-1] + st.forward + fwd_msg)
+        prefix_i.append(prefix_i[-1] + st.backward_input + bwd_msg)
+    # rank r's own work ends no earlier than its start plus all of it; its last input gradient, no earlier than its
+    # start plus all work up to it, and that micro-batch's input gradient then reaches stage 0 on rank 0
+    own_end = max(prefix_f[lowest[r]] + m * work[r] for r in range(num_ranks))
+    first_end = max(m * work[0], max(prefix_f[lowest[r]] + m * work_to_last_i[r] + prefix_i[lowest[r]]
+                                     for r in range(num_ranks)))
+    return PipelineBounds(makespan=max(own_end, first_end), first_rank_end=first_end,
+                          first_rank_hideable=last_mb_backward0)
 
 
 def step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
@@ -91,6 +105,6 @@ def step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
                         recompute=cfg.recompute is Recompute.FULL, split_backward=cfg.schedule in _SPLIT_BACKWARD)
     layer_params = layer_params_per_rank(model, cfg.tp) * (model.num_layers // cfg.pp)
     dp = dp_allreduce_time(layer_params, cfg, hw, eff)
-    hidden = b.first_rank_last_action if eff.dp_overlap else 0.0
+    hidden = b.first_rank_hideable if eff.dp_overlap else 0.0
     pipeline = max(b.makespan, b.first_rank_end + max(0.0, dp - hidden))
     return pipeline + optimizer_step_time(layer_params, cfg, hw, eff)

@@ -2,14 +2,17 @@
 
 The search is branch and bound over a finite space:
 
-1. **enumerate** every (tp, pp, dp, chunks, micro-batch size, recomputation, schedule) that is structurally valid
-   for the model, the GPU count and the global batch (``check_config`` has the last word);
-2. **prune by memory** with :func:`evenpipe.cost.memory_per_stage` (closed form, no simulation);
-3. **bound**: a step-time lower bound from the stage costs alone (:func:`step_time_lower_bound`); candidates are
-   visited in increasing bound order and a candidate is estimated (simulated) only if its bound could still beat
-   the ones already kept, so the kept top ``k`` are exactly the top ``k`` of the whole space;
-4. **estimate** the survivors with :func:`evenpipe.cost.estimate` (which simulates the schedule); estimates are
-   cached on the configuration, so a configuration is never simulated twice in one :class:`Searcher`.
+1. **enumerate** every (tp, pp, dp, chunks, micro-batch size, recomputation, schedule) that is structurally
+   plausible for the model, the GPU count and the global batch; ``check_config`` rejects the rest;
+2. **prune whole (tp, pp, dp) groups** whose model states alone overflow a rank (one ``memory_per_stage`` call
+   per group);
+3. **bound** every remaining configuration from its stage costs (:mod:`evenpipe.plan.bounds`: no schedule, no
+   simulation) and visit them in increasing bound order; a configuration whose bound cannot beat the ``k``-th best
+   estimate so far is skipped, so the kept top ``k`` are exactly the top ``k`` of the whole space;
+4. for the others, skip it if **dominated** (a fitting twin with lighter recomputation), check **memory** with
+   :func:`evenpipe.cost.memory_per_stage` (closed form), and **estimate** it with :func:`evenpipe.cost.estimate`
+   (which builds and simulates the schedule). Estimates, memory peaks and bounds are cached on the configuration
+   in a :class:`Searcher`, so nothing is simulated twice across its searches.
 
 Step time ranks candidates (for a fixed model, GPU count and global batch, MFU is inversely proportional to it).
 """
@@ -33,6 +36,7 @@ from evenpipe.cost import (
     check_config,
     estimate,
     memory_per_stage,
+    stage_sim_costs,
 )
 from evenpipe.errors import ConfigError, EvenpipeError
 from evenpipe.plan.bounds import step_time_lower_bound
@@ -44,7 +48,7 @@ __all__ = [
     "SearchStats",
     "PlanResult",
     "Searcher",
-    "search",
+    "plan_configs",
     "enumerate_configs",
     "PLANNED_SCHEDULES",
 ]
@@ -137,20 +141,19 @@ class SearchStats:
     num_enumerated: int
     """Configurations produced by the enumeration."""
     num_invalid: int
-    """Rejected by ``check_config`` (e.g. layers not divisible as the schedule needs)."""
+    """Rejected by ``check_config`` or by the schedule generator (e.g. interleaved needs m divisible by p)."""
     num_over_memory: int
-    """Rejected because some stage does not fit in GPU memory."""
+    """Found not to fit in GPU memory (whole (tp, pp, dp) groups by their model states, then one by one)."""
+    num_bounded: int
+    """Skipped because their step-time lower bound could not beat the kept candidates (memory never checked)."""
     num_dominated: int
     """Skipped because the same configuration with lighter recomputation fits (recomputation only adds time)."""
-    num_bounded: int
-    """Skipped because their step-time lower bound could not beat the kept candidates."""
     num_estimated: int
-    """Estimated (simulated); each distinct configuration once."""
+    """Estimated (simulated) because they fit and could still win; each distinct configuration once."""
 
-    @property
-    def num_fitting(self) -> int:
-        """Valid configurations that fit in memory (dominated ones included)."""
-        return self.num_enumerated - self.num_invalid - self.num_over_memory
+    def to_dict(self) -> dict[str, int]:
+        return {"enumerated": self.num_enumerated, "invalid": self.num_invalid, "over_memory": self.num_over_memory,
+                "bounded": self.num_bounded, "dominated": self.num_dominated, "estimated": self.num_estimated}
 
 
 @dataclass(slots=True)
@@ -159,6 +162,8 @@ class _Counts:
     invalid: int = 0
     over_memory: int = 0
     dominated: int = 0
+    bounded: int = 0
+    estimated: int = 0
     last_error: str = ""
 
 
@@ -184,7 +189,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _chunk_options(model: ModelSpec, pp: int, family: ScheduleFamily, space: SearchSpace) -> list[int]:
-    if family is not ScheduleFamily.INTERLEAVED:
+    if not family.has_chunks:
         return [1]
     if pp < 2 or model.num_layers % pp:
         return []
@@ -303,71 +308,65 @@ class Searcher:
             raise ConfigError(f"--top must be >= 1, got {top_k}")
         counts = _Counts()
         pending = self._prune(num_gpus, global_batch, space, where, counts)
-        if not pending:
+        top, best_by_family = self._branch_and_bound(pending, top_k, best_per_schedule, counts) if pending \
+            else ([], {})
+        if not top:
             raise self._nothing_fits(num_gpus, global_batch, counts)
-        num_candidates = len(pending)
-        top, best_by_family, num_bounded = self._branch_and_bound(pending, top_k, best_per_schedule)
         stats = SearchStats(num_enumerated=counts.enumerated, num_invalid=counts.invalid,
                             num_over_memory=counts.over_memory, num_dominated=counts.dominated,
-                            num_bounded=num_bounded, num_estimated=num_candidates - num_bounded)
+                            num_bounded=counts.bounded, num_estimated=counts.estimated)
         log.debug("plan search: %s", stats)
         return PlanResult(candidates=tuple(top), best_by_schedule=best_by_family, stats=stats)
 
     # -- steps ----------------------------------------------------------------------------------------------
     def _prune(self, num_gpus: int, global_batch: int, space: SearchSpace,
                where: Callable[[ParallelConfig], bool] | None, counts: _Counts) -> list[_Pending]:
-        """Enumerate, check, memory-prune and drop dominated configurations; bound the rest.
+        """Enumerate and check; drop (tp, pp, dp) groups whose model states alone overflow; bound the rest.
 
-        Shortcuts keep ``memory_per_stage`` calls few. Model states (weights, gradients, optimizer) depend only
-        on (tp, pp, dp): when they alone overflow a rank, the whole group is over memory. Activations grow with the
-        micro-batch size (b sequences times a number of micro-batches in flight that never falls faster than 1/b),
-        so once a micro-batch size overflows, larger ones with the same other choices are over memory too. And a
-        configuration whose lighter-recomputation twin fits is dominated: recomputation adds time and saves only
-        memory (BPipe excepted, where full recomputation also shrinks the evicted bytes).
+        Model states (weights, gradients, optimizer) depend only on (tp, pp, dp), so one ``memory_per_stage``
+        call per group prunes every configuration of a group that cannot fit whatever its activations.
         """
         pending: list[_Pending] = []
         states_fit: dict[tuple[int, int, int], bool] = {}
-        overflow_at: dict[tuple[object, ...], int] = {}  # choices except b -> smallest b that overflowed
-        fitting: set[ParallelConfig] = set()
         for cfg in enumerate_configs(self.model, self.hw, num_gpus=num_gpus, global_batch=global_batch,
                                      space=space):
             if where is not None and not where(cfg):
                 continue
             counts.enumerated += 1
-            if self._dominated(cfg, fitting):
-                counts.dominated += 1
-                continue
             try:
                 check_config(self.model, self.hw, cfg, num_gpus)
-                group = (cfg.tp, cfg.pp, cfg.dp)
-                if group not in states_fit:
-                    states_fit[group] = self._states_fit(cfg)
-                key = (group, cfg.schedule, cfg.chunks, cfg.recompute)
-                fits = states_fit[group] and cfg.microbatch_size < overflow_at.get(key, cfg.microbatch_size + 1) \
-                    and self.fits(cfg)  # builds the schedule, whose generator may reject the shape too
             except EvenpipeError as e:
                 counts.invalid += 1
                 counts.last_error = str(e).splitlines()[0]
                 continue
-            if not fits:
+            group = (cfg.tp, cfg.pp, cfg.dp)
+            if group not in states_fit:
+                states_fit[group] = self._states_fit(cfg)
+            if not states_fit[group]:
                 counts.over_memory += 1
-                if states_fit[group]:
-                    overflow_at[key] = min(overflow_at.get(key, cfg.microbatch_size), cfg.microbatch_size)
                 continue
-            fitting.add(cfg)
             pending.append(_Pending(self.lower_bound(cfg), len(pending), cfg))
         return pending
 
-    @staticmethod
-    def _dominated(cfg: ParallelConfig, fitting: set[ParallelConfig]) -> bool:
-        if cfg.schedule is ScheduleFamily.BPIPE:
-            return False
-        lighter = _LIGHTER_RECOMPUTE[cfg.recompute]
-        return any(replace_config(cfg, recompute=r) in fitting for r in lighter)
+    def _dominated(self, cfg: ParallelConfig, fitting: set[ParallelConfig]) -> bool:
+        """Whether a fitting twin with lighter recomputation is at least as fast: it computes no more, and (for
+        BPipe, whose transfers carry the saved activations) moves no more bytes."""
+        for r in _LIGHTER_RECOMPUTE[cfg.recompute]:
+            twin = _replace_config(cfg, recompute=r)
+            if twin in fitting and (cfg.schedule is not ScheduleFamily.BPIPE or self._moves_no_more(twin, cfg)):
+                return True
+        return False
+
+    def _moves_no_more(self, a: ParallelConfig, b: ParallelConfig) -> bool:
+        """Whether every stage of ``a`` saves (and so evicts) no more bytes than the same stage of ``b``."""
+        costs_a = stage_sim_costs(self.model, self.hw, a, self.efficiency)
+        costs_b = stage_sim_costs(self.model, self.hw, b, self.efficiency)
+        return all(sa.activation_bytes <= sb.activation_bytes and sa.checkpoint_bytes <= sb.checkpoint_bytes
+                   for sa, sb in zip(costs_a.stages, costs_b.stages))
 
     def _states_fit(self, cfg: ParallelConfig) -> bool:
         """Whether the model states of ``cfg``'s (tp, pp, dp) leave room on every rank (activations aside)."""
-        probe = replace_config(cfg, schedule=ScheduleFamily.ONE_F_ONE_B, chunks=1, bpipe_budget=None,
+        probe = _replace_config(cfg, schedule=ScheduleFamily.ONE_F_ONE_B, chunks=1, bpipe_budget=None,
                                microbatch_size=1, recompute=Recompute.FULL)
         try:
             stages = memory_per_stage(self.model, self.hw, probe)
@@ -375,12 +374,23 @@ class Searcher:
             return True  # cannot probe this shape; let each configuration decide
         return max(sm.model_states for sm in stages) <= self.hw.usable_memory_gib
 
-    def _branch_and_bound(self, pending: list[_Pending], top_k: int, per_family: bool
-                          ) -> tuple[list[Candidate], dict[ScheduleFamily, Candidate], int]:
+    def _branch_and_bound(self, pending: list[_Pending], top_k: int, per_family: bool, counts: _Counts
+                          ) -> tuple[list[Candidate], dict[ScheduleFamily, Candidate]]:
+        """Visit configurations in increasing bound order; check memory, then estimate, only those that could
+        still enter the top ``k`` (or beat their family's best).
+
+        Memory is checked lazily, so configurations skipped by the bound never cost a ``memory_per_stage`` call.
+        A configuration whose lighter-recomputation twin fits is dominated: recomputation adds time and saves only
+        memory (under BPipe only when the twin also evicts no more bytes); the twin's bound is no
+        larger, so it was visited first. Once a micro-batch size overflows, larger ones with the same other
+        choices are taken as over memory too (activations are b sequences times an in-flight count that never
+        falls faster than 1/b).
+        """
         heapq.heapify(pending)
         top: list[Candidate] = []  # sorted fastest first, at most top_k
         best: dict[ScheduleFamily, Candidate] = {}
-        num_bounded = 0
+        fitting: set[ParallelConfig] = set()
+        overflow_at: dict[tuple[object, ...], int] = {}  # choices except b -> smallest b that overflowed
         while pending:
             item = heapq.heappop(pending)
             cfg = item.config
@@ -388,18 +398,39 @@ class Searcher:
             fam = best.get(cfg.schedule)
             fam_best = fam.step_time_s if fam is not None else float("inf")
             if item.bound > kth and (not per_family or item.bound > fam_best):
-                num_bounded += 1
+                counts.bounded += 1
                 continue
-            cand = Candidate(config=cfg, estimate=self.estimate(cfg))
+            if self._dominated(cfg, fitting):
+                counts.dominated += 1
+                continue
+            key = (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.recompute)
+            try:
+                fits = cfg.microbatch_size < overflow_at.get(key, cfg.microbatch_size + 1) and self.fits(cfg)
+            except EvenpipeError as e:  # the schedule generator may reject the shape (e.g. interleaved m % p)
+                counts.invalid += 1
+                counts.last_error = str(e).splitlines()[0]
+                continue
+            if not fits:
+                counts.over_memory += 1
+                overflow_at[key] = min(overflow_at.get(key, cfg.microbatch_size), cfg.microbatch_size)
+                continue
+            try:
+                cand = Candidate(config=cfg, estimate=self.estimate(cfg))
+            except EvenpipeError as e:  # the full-length schedule may break a rule the truncated one kept
+                counts.invalid += 1
+                counts.last_error = str(e).splitlines()[0]
+                continue
+            counts.estimated += 1
             if not cand.estimate.fits:  # memory_per_stage said it fits; keep the two views consistent
                 continue
+            fitting.add(cfg)
             if cand.step_time_s < kth:
                 top.append(cand)
                 top.sort(key=lambda c: c.step_time_s)
                 del top[top_k:]
             if cand.step_time_s < fam_best:
                 best[cfg.schedule] = cand
-        return top, best, num_bounded
+        return top, best
 
     def _nothing_fits(self, num_gpus: int, global_batch: int, counts: _Counts) -> ConfigError:
         if counts.enumerated == 0:
@@ -408,21 +439,22 @@ class Searcher:
                 f"({self.model.num_heads} heads, {self.model.num_layers} layers) and --global-batch {global_batch}"
                 f"; dp must divide the global batch and tp the heads (tp <= {self.hw.gpus_per_node})")
         if counts.over_memory == 0:
-            return ConfigError(f"no valid configuration of {num_gpus} GPUs for {self.model.name}: "
-                               f"{counts.last_error}")
+            return ConfigError(f"--gpus {num_gpus} has no valid tp·pp·dp split for {self.model.name} and "
+                               f"--global-batch {global_batch}; for example: {counts.last_error}")
         return ConfigError(
             f"no configuration of {self.model.name} fits in {num_gpus} x {self.hw.name} "
             f"({self.hw.memory_gib:g} GiB each): all {counts.over_memory} valid ones exceed memory; use more GPUs or a "
             f"smaller model")
 
 
-def search(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_batch: int, space: SearchSpace | None = None,
-           top_k: int = 10, efficiency: Efficiency | None = None) -> PlanResult:
+def plan_configs(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_batch: int,
+                 space: SearchSpace | None = None, top_k: int = 10,
+                 efficiency: Efficiency | None = None) -> PlanResult:
     """Search the whole space once; see :class:`Searcher`."""
     return Searcher(model, hw, efficiency=efficiency).search(num_gpus=num_gpus, global_batch=global_batch,
                                                              space=space, top_k=top_k)
 
 
-def replace_config(cfg: ParallelConfig, **changes: object) -> ParallelConfig:
-    """``dataclasses.replace`` for a configuration (kept here so callers need not know it is a dataclass)."""
+def _replace_config(cfg: ParallelConfig, **changes: object) -> ParallelConfig:
+    """``dataclasses.replace`` with the keyword changes typed loosely (mypy cannot check ``**changes``)."""
     return dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]

@@ -84,10 +84,11 @@ def save_memory(trace: Trace, path: str | pathlib.Path, *, units: str = "activat
         if budget is not None:
             ax.axhline(budget, color="black", linestyle="--", linewidth=0.9)
         _finish(ax, trace, units)
-        ax.set_ylim(0, max(top, budget or 0.0) * 1.18 or 1.0)
-        ax.set_ylabel(f"rank {rank}", rotation=0, ha="right", va="center")
-        ax.text(0.995, 0.9, f"peak {peak:.3g}" + (f"  (budget {budget:g})" if budget is not None else ""),
-                transform=ax.transAxes, ha="right", va="top", fontsize=8)
+        ax.set_ylim(0, max(top, budget or 0.0) * 1.3 or 1.0)  # headroom: the label sits above the peak
+        ax.set_ylabel(f"rank {rank}", rotation=0, ha="right", va="center", labelpad=8)
+        ax.text(0.995, 0.97, f"peak {peak:.3g}" + (f"  (budget {budget:g})" if budget is not None else ""),
+                transform=ax.transAxes, ha="right", va="top", fontsize=8,
+                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1.0})
     axes[-1].set_xlabel("time (s)")
     s = trace.schedule
     fig.suptitle(title if title is not None else

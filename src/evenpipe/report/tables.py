@@ -64,7 +64,7 @@ def comparison_table(traces: Mapping[str, Trace]) -> str:
         rows.append([str(r)] + units + sizes)
     rows.append(["max"] + [f"{max(traces[n].peak_activations):.3g}" for n in names]
                 + [format_bytes(max(traces[n].peak_activation_bytes)) for n in names])
-    rows.append(["step"] + [f"{traces[n].step_time:.4g}" for n in names] + [""] * len(names))
+    rows.append(["step s"] + [f"{traces[n].step_time:.4g}" for n in names] + [""] * len(names))
     rows.append(["bubble"] + [f"{traces[n].bubble_fraction:.1%}" for n in names] + [""] * len(names))
-    rows.append(["exposed"] + [f"{traces[n].exposed_transfer_time:.3g}" for n in names] + [""] * len(names))
+    rows.append(["exposed s"] + [f"{traces[n].exposed_transfer_time:.3g}" for n in names] + [""] * len(names))
     return _grid(rows)

@@ -34,25 +34,31 @@ def plot_timeline(trace: Trace, ax: Axes, *, title: str | None = None, show_tran
     """Draw the timeline of ``trace`` on ``ax`` (rank 0 at the top) and return ``ax``."""
     step = trace.step_time or 1.0
     width_px = ax.get_figure().get_figwidth() * ax.get_figure().dpi * ax.get_position().width  # type: ignore[union-attr]
-    used: set[ActionKind] = set()
+    boxes: dict[tuple[int, ActionKind], list[tuple[float, float]]] = {}
     for rec in trace.compute_records():
         kind, y = rec.action.kind, rec.rank
-        used.add(kind)
-        ax.broken_barh([(rec.start, rec.duration)], (y - _COMPUTE_H / 2, _COMPUTE_H), facecolors=KIND_COLOR[kind],
-                       edgecolors="white", linewidth=0.6)
+        boxes.setdefault((y, kind), []).append((rec.start, rec.duration))
         label = str(rec.action.microbatch)
         if rec.duration / step * width_px >= 7 * len(label) + 4:
             dark = kind in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECOMPUTE)
             ax.text(rec.start + rec.duration / 2, y, label, ha="center", va="center", fontsize=7,
                     color="white" if dark else "black")
+    for (y, kind), spans in boxes.items():  # one collection per rank and kind keeps big traces fast
+        ax.broken_barh(spans, (y - _COMPUTE_H / 2, _COMPUTE_H), facecolors=KIND_COLOR[kind], edgecolors="white",
+                       linewidth=0.6 if len(spans) * 40 < width_px else 0)
+    used = {kind for _, kind in boxes}
     if show_transfers:
+        bars: dict[tuple[int, ActionKind, bool], list[tuple[float, float]]] = {}
         for t in trace.transfers:
-            used.add(t.kind)
-            lane_y = t.src + _COMPUTE_H / 2 + _XFER_H / 2 + 0.02
             dur = max(t.end - t.start, _MIN_XFER_FRAC * step)
-            edge = "black" if t.exposed_s > 0 else "none"
-            ax.broken_barh([(t.start, dur)], (lane_y - _XFER_H / 2, _XFER_H), facecolors=KIND_COLOR[t.kind],
-                           hatch=TRANSFER_HATCH.get(t.kind), edgecolors=edge, linewidth=0.8 if t.exposed_s else 0)
+            bars.setdefault((t.src, t.kind, t.exposed_s > 0), []).append((t.start, dur))
+        for (src, kind, exposed), spans in bars.items():
+            used.add(kind)
+            lane_y = src + _COMPUTE_H / 2 + _XFER_H / 2 + 0.02
+            ax.broken_barh(spans, (lane_y - _XFER_H / 2, _XFER_H), facecolors=KIND_COLOR[kind],
+                           hatch=TRANSFER_HATCH.get(kind),  # hatch lines take the edge colour
+                           edgecolors="black" if exposed else ("#444444" if kind in TRANSFER_HATCH else "none"),
+                           linewidth=0.8 if exposed else 0)
     n = trace.num_ranks
     ax.set_ylim(n - 0.5 + _XFER_H + 0.1, -0.6)
     ax.set_yticks(range(n))

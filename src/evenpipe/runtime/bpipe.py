@@ -123,7 +123,8 @@ class BpipeOps:
         t = inc.header_batch.transfers[0]
         tags = [t.tag + 1, t.tag + 2]
         inc.data_batch = post_batch([Transfer(send=False, tensor=b, peer=t.peer, group=t.group, tag=tag, what=t.what)
-                                     for b, tag in zip((inc.meta_buf, inc.flat), tags)])
+                                     for b, tag in zip((inc.meta_buf, inc.flat), tags)],
+                                    timeout_s=ex.groups.timeout_s)
 
     def _complete(self, key: tuple[int, int]) -> tuple[Any, torch.Tensor]:
         inc = self.incoming[key]
@@ -149,7 +150,7 @@ class BpipeOps:
             return
         meta, flat = self._complete(key)
         del self.incoming[key]
-        if meta.storage_bytes:
+        if key in self.run.ex.stash.keys():  # dropped at EVICT (possibly an empty unit)
             self.run.ex.stash.restore(key, meta, flat)
 
     def finish(self) -> None:

@@ -61,6 +61,8 @@ class ParallelGroups:
     """Second process group of the replica: BPipe evict/accept/return/load."""
     dp_group: object = field(repr=False)
     """Process group across replicas for this pipeline rank (gradient all-reduce); ``None`` when dp == 1."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """How long any wait on these groups may take before it fails."""
 
     def global_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` of this replica."""
@@ -105,7 +107,7 @@ def build_groups(pp: int, dp: int, *, base: int = 0, timeout_s: float = DEFAULT_
             for r, g in enumerate(ranks):
                 made[g] = ParallelGroups(pp=pp, dp=dp, pp_rank=r, dp_rank=d, pp_ranks=ranks, dp_ranks=columns[r],
                                          pp_group=pp_groups[ranks][0], bpipe_group=pp_groups[ranks][1],
-                                         dp_group=dp_groups[columns[r]])
+                                         dp_group=dp_groups[columns[r]], timeout_s=timeout_s)
         _GROUP_CACHE[key] = made
     return _GROUP_CACHE[key].get(me)
 
@@ -131,12 +133,13 @@ class Transfer:
 class PendingBatch:
     """The works of one ``batch_isend_irecv`` call; waited once, as a whole."""
 
-    __slots__ = ("works", "transfers", "done")
+    __slots__ = ("works", "transfers", "done", "timeout_s")
 
-    def __init__(self, works: list[object], transfers: Sequence[Transfer]) -> None:
+    def __init__(self, works: list[object], transfers: Sequence[Transfer], timeout_s: float) -> None:
         self.works = works
         self.transfers = tuple(transfers)
         self.done = False
+        self.timeout_s = timeout_s
 
     def wait(self) -> None:
         if not self.done:
@@ -146,8 +149,10 @@ class PendingBatch:
         return self.done or all(w.is_completed() for w in self.works)  # type: ignore[attr-defined]
 
 
-def post_batch(transfers: Sequence[Transfer]) -> PendingBatch:
-    """Post sends and receives of one process group together (NCCL needs them grouped to avoid deadlock)."""
+def post_batch(transfers: Sequence[Transfer], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> PendingBatch:
+    """Post sends and receives of one process group together (NCCL needs them grouped to avoid deadlock).
+
+    ``timeout_s`` bounds the later wait (gloo's point-to-point works otherwise wait forever)."""
     groups = {id(t.group) for t in transfers}
     assert len(groups) == 1, "one batch per process group"
     ops = [dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer, t.group, t.tag) for t in transfers]
@@ -155,7 +160,7 @@ def post_batch(transfers: Sequence[Transfer]) -> PendingBatch:
         works = list(dist.batch_isend_irecv(ops)) if ops else []
     except RuntimeError as e:
         raise PeerFailure(f"posting {', '.join(t.what for t in transfers)} failed: {_first_line(e)}") from e
-    return PendingBatch(works, transfers)
+    return PendingBatch(works, transfers, timeout_s)
 
 
 def wait_all(batches: Sequence[PendingBatch]) -> None:
@@ -165,7 +170,7 @@ def wait_all(batches: Sequence[PendingBatch]) -> None:
             continue
         try:
             for w in b.works:
-                w.wait()  # type: ignore[attr-defined]
+                w.wait(datetime.timedelta(seconds=b.timeout_s))  # type: ignore[attr-defined]
         except RuntimeError as e:
             names = ", ".join(f"{t.what} (rank {t.peer})" for t in b.transfers)
             raise PeerFailure(f"rank {dist.get_rank()}: waiting for {names} failed, a peer probably failed or "

@@ -54,6 +54,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _K = ActionKind
 _BPIPE_KINDS = frozenset({_K.EVICT, _K.ACCEPT, _K.RETURN, _K.LOAD})
+_HANDSHAKE_TAG = 2**30
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8)
 
 
@@ -195,11 +196,15 @@ class PipelineExecutor:
                     x = self.stages[s](x)
                     shapes[s] = (tuple(x.shape), x.dtype)
                     if nxt != here:
-                        header = torch.tensor(_encode_shape(x), dtype=torch.int64)
-                        dist.send(header, g.global_rank(nxt), group=g.pp_group)
+                        header = torch.tensor(_encode_shape(x), dtype=torch.int64, device=self.device)
+                        post_batch([Transfer(send=True, tensor=header, peer=g.global_rank(nxt), group=g.pp_group,
+                                             tag=_HANDSHAKE_TAG, what=f"shape of stage {s} output")],
+                                   timeout_s=g.timeout_s).wait()
                 elif nxt == g.pp_rank:
-                    header = torch.zeros(10, dtype=torch.int64)
-                    dist.recv(header, g.global_rank(here), group=g.pp_group)
+                    header = torch.zeros(10, dtype=torch.int64, device=self.device)
+                    post_batch([Transfer(send=False, tensor=header, peer=g.global_rank(here), group=g.pp_group,
+                                         tag=_HANDSHAKE_TAG, what=f"shape of stage {s} output")],
+                               timeout_s=g.timeout_s).wait()
                     shapes[s] = _decode_shape(header)
                     x = None
         self._shapes[key] = shapes
@@ -322,7 +327,7 @@ class _StepRun:
                 rec.end = now
 
     def _post(self, indices: list[int]) -> None:
-        """Post a run of transfer actions, batched per process group in list order."""
+        """Post a run of transfer actions: pipeline messages as one batch, each BPipe action as its own."""
         g = self.ex.groups
         by_group: dict[int, list[tuple[Transfer, Any, Action]]] = {}
         t0 = time.perf_counter()
@@ -330,15 +335,13 @@ class _StepRun:
             a = self.ex.actions[idx]
             self.current = a
             if a.kind in _BPIPE_KINDS:
-                made = self.bpipe.transfers(a)
-                grp = g.bpipe_group
+                # each BPipe action alone: a header receive must be waitable without waiting for other sends
+                by_group[-idx - 1] = [(t, on_posted, a) for t, on_posted in self.bpipe.transfers(a)]
             else:
-                made = [self._pp_transfer(a)]
-                grp = g.pp_group
-            for t, on_posted in made:
-                by_group.setdefault(id(grp), []).append((t, on_posted, a))
+                t, on_posted = self._pp_transfer(a)
+                by_group.setdefault(id(g.pp_group), []).append((t, on_posted, a))
         for items in by_group.values():
-            batch = post_batch([t for t, _, _ in items])
+            batch = post_batch([t for t, _, _ in items], timeout_s=g.timeout_s)
             for t, on_posted, a in items:
                 if on_posted is not None:
                     on_posted(batch)

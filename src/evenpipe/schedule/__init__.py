@@ -1,6 +1,15 @@
 """The schedule layer: the IR, generators, communication derivation, the BPipe transform and the validator.
 
-Pure Python (no torch, numpy or matplotlib). The usual entry point is :func:`build_schedule`.
+Pure Python (no torch, numpy or matplotlib). The usual entry point is :func:`build_schedule`::
+
+    >>> from evenpipe.schedule import build_schedule, held_units
+    >>> s = build_schedule("bpipe", num_ranks=4, num_microbatches=8)
+    >>> held_units(s)  # peak activation units per rank, own plus hosted
+    [3, 3, 2, 3]
+
+Pipeline: a generator (``generate/``) gives each rank's compute order; :func:`add_recompute` optionally inserts
+``R`` before every backward; :func:`bpipe_transform` adds evict/load markers; :func:`derive_communication` adds
+every transfer in a deadlock-free order; :func:`validate` checks the result (``build_schedule`` does all of it).
 """
 
 from evenpipe.schedule.bpipe import (

@@ -6,13 +6,18 @@ no partner. An **activation unit** is what one micro-batch leaves on one stage f
 units it hosts for its partner. The budget ``K`` (default ``ceil((p+1)/2)``) bounds held units at every point of
 every rank's program order.
 
-The evictor walks its 1F1B order. Before a forward that would exceed ``K`` it evicts the held micro-batch whose
-backward is farthest away (in 1F1B the one forwarded last). Each evicted micro-batch is loaded back one compute
-slot before its first use (``R``, ``B`` or ``I``), so the transfer overlaps that compute; if the load would exceed
-``K`` there it is either paid for by another eviction (before a forward) or moved after the compute (before a
-backward, which frees a unit). Markers are ordered so that held units never exceed ``K`` even between actions.
-The acceptor's own plus hosted units are then checked in its derived program order. When no schedule meets
-``K``, the error names the smallest budget that works.
+The evictor walks its 1F1B order. When a compute would push it over ``K`` it evicts the held micro-batch whose
+backward is farthest away (in 1F1B the one forwarded last; none is evicted twice). The ``EVICT`` goes right
+after that micro-batch's ``F`` and its ``SEND_F``, so the transfer overlaps the next compute; if that keeps the
+acceptor's window too long for ``K``, the ``EVICT`` moves down to just before the compute that needs the room.
+Each evicted micro-batch is loaded back one compute slot before its first use (``R``, ``B`` or ``I``), so the
+transfer overlaps that compute; if the load would exceed ``K`` there it is paid for by another eviction (before
+a forward) or moved after the compute (before a backward, which frees a unit). Markers are ordered so that
+held units never exceed ``K`` even between actions. The acceptor's own plus hosted units are checked in the
+program order :func:`derive_communication` gives it. By default the middle pair of an even ``p`` (whose
+evictor needs no room) still moves one micro-batch, so every rank peaks at ``K``: balanced memory, which is
+the point of BPipe. When no schedule meets ``K``, the error names the smallest budget that works (tests check
+that the default is met, exactly, for every ``M >= p``).
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ __all__ = ["bpipe_partner", "bpipe_transform", "default_bpipe_budget", "held_uni
 _F, _B, _I, _W, _R = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
                       ActionKind.BACKWARD_WEIGHT, ActionKind.RECOMPUTE)
 _DELTA = {_F: 1, _B: -1, _W: -1, ActionKind.EVICT: -1, ActionKind.LOAD: 1, ActionKind.ACCEPT: 1,
-          ActionKind.RETURN: -1}
+          ActionKind.RETURN: -1, ActionKind.OFFLOAD: -1, ActionKind.RELOAD: 1}
 """Change in held activation units caused by each action kind (others: 0)."""
+_DELTA_BY_TOKEN = {k.value: d for k, d in _DELTA.items()}
+"""The same, keyed by token: ``kind._value_`` is a plain attribute and a str hashes faster than an enum member."""
 
 
 def bpipe_partner(rank: int, num_ranks: int) -> int | None:
@@ -50,8 +57,9 @@ def default_bpipe_budget(num_ranks: int) -> int:
 def held_units_trace(actions: tuple[Action, ...]) -> list[int]:
     """Held units (own plus hosted) after each action of one rank, in program order."""
     held, out = 0, []
+    delta = _DELTA_BY_TOKEN
     for a in actions:
-        held += _DELTA.get(a.kind, 0)
+        held += delta.get(a.kind._value_, 0)
         out.append(held)
     return out
 
@@ -61,8 +69,13 @@ def held_units(schedule: Schedule) -> list[int]:
     return [max(held_units_trace(acts), default=0) for acts in schedule.actions]
 
 
-def bpipe_transform(schedule: Schedule, *, budget: int | None = None) -> Schedule:
+def bpipe_transform(schedule: Schedule, *, budget: int | None = None, balance: bool = True) -> Schedule:
     """Add BPipe's EVICT/LOAD (and derived ACCEPT/RETURN plus all SEND/RECV) so every rank holds <= ``budget``.
+
+    With ``balance`` (default) and a budget no larger than the default, a pair whose acceptor would peak below
+    the budget (the middle pair of an even ``p``, whose evictor needs no room) moves one micro-batch anyway, so
+    that with ``M >= p`` every rank peaks at the budget: balanced memory for one extra overlapped evict/load per
+    step. A larger budget is slack the caller asked for, and nothing moves that need not.
 
     ``schedule`` must have one stage per rank (BPipe is defined on 1F1B); its transfers are ignored and derived
     again. Raises ``ConfigError`` naming the smallest budget that works when ``budget`` cannot be met.
@@ -77,7 +90,7 @@ def bpipe_transform(schedule: Schedule, *, budget: int | None = None) -> Schedul
     compute = schedule.compute_only()
     timing = witness_timing(compute)
     meta = {**schedule.meta, "family": "bpipe", "budget": K, "chunks": 1}
-    lists = _plan(compute, timing, K)
+    lists = _plan(compute, timing, K, balance=balance and K <= default_bpipe_budget(P))
     if lists is None:
         no_eviction = max(held_units(compute), default=0)
         smallest = next((k for k in range(K + 1, no_eviction + 1) if _plan(compute, timing, k) is not None),
@@ -89,9 +102,11 @@ def bpipe_transform(schedule: Schedule, *, budget: int | None = None) -> Schedul
     return result.with_actions(result.actions, name="bpipe", meta=meta)
 
 
-def _plan(compute: Schedule, timing: WitnessTiming, budget: int) -> list[list[Action]] | None:
+def _plan(compute: Schedule, timing: WitnessTiming, budget: int, *,
+          balance: bool = False) -> list[list[Action]] | None:
     """Every rank's compute list with EVICT/LOAD markers on evictors, or ``None`` if some rank would exceed
-    ``budget``. Acceptors are checked in the program order :func:`derive_communication` will give them."""
+    ``budget``. Acceptors are checked in the program order :func:`derive_communication` will give them.
+    With ``balance``, pairs whose acceptor would stay below the budget move one extra micro-batch."""
     P = compute.num_ranks
     lists = [list(acts) for acts in compute.actions]
     for r in range(P):
@@ -100,13 +115,45 @@ def _plan(compute: Schedule, timing: WitnessTiming, budget: int) -> list[list[Ac
             if partner is None and max(held_units_trace(compute.actions[r]), default=0) > budget:
                 return None
             continue
-        marked = _evict_and_load(compute.actions[r], budget, partner=partner)
-        if marked is None:
+        peak = budget + 1
+        for early in (True, False):  # prefer overlapping the eviction with compute; fall back for the acceptor
+            marked = _evict_and_load(compute.actions[r], budget, partner=partner, early=early)
+            if marked is None:
+                return None
+            peak = _acceptor_peak(compute.actions[partner], timing.start[partner], marked, timing.start[r])
+            if peak <= budget:
+                break
+        else:
             return None
-        if _acceptor_peak(compute.actions[partner], timing.start[partner], marked, timing.start[r]) > budget:
-            return None
+        if balance and peak < budget:
+            marked = _balanced(compute, timing, budget, r, partner, peak) or marked
         lists[r] = marked
     return lists
+
+
+_BALANCE_TRIES = 4
+"""Forwards tried (from the end of the warm-up on) for the one extra eviction of :func:`_balanced`."""
+
+
+def _balanced(compute: Schedule, timing: WitnessTiming, budget: int, rank: int, partner: int,
+              peak: int) -> list[Action] | None:
+    """The evictor's list with one extra micro-batch moved so that the acceptor also peaks at ``budget``.
+
+    Used where the acceptor would stay below the budget (the middle pair of an even ``p``): evicting one
+    micro-batch while the acceptor is at its own peak balances the pair without raising either above ``budget``.
+    Returns ``None`` when none of the first few steady-state forwards does it.
+    """
+    acts = compute.actions[rank]
+    first_backward = next((i for i, a in enumerate(acts) if a.kind is not _F), len(acts))
+    forwards = [a.key for a in acts[max(0, first_backward - 1):] if a.kind is _F]
+    for key in forwards[:_BALANCE_TRIES]:
+        marked = _evict_and_load(acts, budget, partner=partner, early=True, forced=frozenset({key}))
+        if marked is None:
+            continue
+        moved = _acceptor_peak(compute.actions[partner], timing.start[partner], marked, timing.start[rank])
+        if peak < moved <= budget:
+            return marked
+    return None
 
 
 def _marker_times(marked: list[Action], compute_starts: tuple[int, ...]) -> list[tuple[int, Action]]:
@@ -144,77 +191,91 @@ def _acceptor_peak(own: tuple[Action, ...], own_starts: tuple[int, ...], marked:
     return peak
 
 
-def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int) -> list[Action] | None:
-    """The evictor's compute list with EVICT/LOAD markers inserted, or ``None`` if ``budget`` is unreachable."""
+def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int, early: bool,
+                    forced: frozenset[tuple[int, int]] = frozenset()) -> list[Action] | None:
+    """The evictor's compute list with EVICT/LOAD markers inserted, or ``None`` if ``budget`` is unreachable.
+
+    Walks the list keeping ``held`` (units in program order). Before a compute that would push ``held`` over
+    the budget, it picks victims (farthest first use; a micro-batch is evicted at most once). With ``early``
+    each ``EVICT`` goes right after the victim's own ``F`` (and its send), so the transfer overlaps the computes
+    in between, which only lowers ``held`` there; otherwise it goes right before the compute that needs the
+    room, which keeps the acceptor's hosting window one slot shorter. Micro-batches in ``forced`` are evicted
+    right after their ``F`` whether or not room is needed.
+    """
     first_use: dict[tuple[int, int], int] = {}
     for i, a in enumerate(acts):
         if a.kind in (_R, _B, _I):
             first_use.setdefault(a.key, i)
     held = 0
     away: set[tuple[int, int]] = set()
-    resident: set[tuple[int, int]] = set()  # own units forwarded, not freed, not away
+    evictable: set[tuple[int, int]] = set()  # own units forwarded, not yet used, never evicted
     farthest: list[tuple[int, tuple[int, int]]] = []  # max-heap on first use, lazily pruned
-    out: list[Action] = []
+    evict_after_forward: dict[tuple[int, int], Action] = {}
+    markers_before: dict[int, list[Action]] = {}  # placed right before compute i
     deferred: list[tuple[int, int]] = []
     for i, a in enumerate(acts):
+        uses = a.kind in (_R, _B, _I)
         must = [k for k in deferred if k in away]
-        if a.kind in (_R, _B, _I) and a.key in away and a.key not in must:
+        if uses and a.key in away and a.key not in must:
             must.append(a.key)
         nxt = acts[i + 1] if i + 1 < len(acts) else None
-        early = [nxt.key] if (nxt is not None and nxt.kind in (_R, _B, _I) and nxt.key in away
-                              and first_use.get(nxt.key) == i + 1 and nxt.key not in must) else []
-        grows = 1 if a.kind is _F else 0
-        if a.kind is not _F and held + len(must) + len(early) > budget:
-            deferred, early = early, []  # load after this compute instead; a backward frees a unit
+        ahead = [nxt.key] if (nxt is not None and nxt.kind in (_R, _B, _I) and nxt.key in away
+                              and nxt.key not in must) else []
+        if a.kind is not _F and held + len(must) + len(ahead) > budget:
+            deferred, ahead = ahead, []  # load after this compute instead: a backward frees a unit
         else:
             deferred = []
-        loads = must + early
-        protected = set(loads) | ({a.key} if a.kind is not _F else set())
-        num_evict = max(0, held + len(loads) + grows - budget)
-        num_first = max(0, held + len(loads) - budget)
-        victims = _pick_victims(farthest, resident, protected, num_evict)
+        loads = must + ahead
+        grows = 1 if a.kind is _F else 0
+        victims = _pick_victims(farthest, evictable, set(loads) | {a.key},
+                                max(0, held + len(loads) + grows - budget))
         if victims is None:
             return None
-        for k in victims[:num_first]:
-            out.append(Action(ActionKind.EVICT, k[0], k[1], partner))
-        for k in loads:
-            out.append(Action(ActionKind.LOAD, k[0], k[1], partner))
-        for k in victims[num_first:]:
-            out.append(Action(ActionKind.EVICT, k[0], k[1], partner))
-        for k in victims:
-            resident.discard(k)
-            away.add(k)
-        for k in loads:
-            away.discard(k)
-            resident.add(k)
-            heapq.heappush(farthest, (-first_use.get(k, len(acts)), k))
-        held += len(loads) - len(victims)
-        out.append(a)
-        held += _DELTA.get(a.kind, 0)
-        if a.kind is _F:
-            resident.add(a.key)
+        evicts = [Action(ActionKind.EVICT, k[0], k[1], partner) for k in victims]
+        if early:
+            evict_after_forward.update(zip(victims, evicts))
+            evicts = []
+        first = max(0, held + len(loads) - budget) if evicts else 0  # these must leave before the loads land
+        markers = evicts[:first] + [Action(ActionKind.LOAD, k[0], k[1], partner) for k in loads] + evicts[first:]
+        if markers:
+            markers_before[i] = markers
+        evictable.difference_update(victims)
+        away.update(victims)
+        away.difference_update(loads)
+        held += len(loads) - len(victims) + _DELTA.get(a.kind, 0)
+        if a.kind is _F and a.key in forced:
+            evict_after_forward[a.key] = Action(ActionKind.EVICT, a.stage, a.microbatch, partner)
+            away.add(a.key)
+            held -= 1
+        elif a.kind is _F:
+            evictable.add(a.key)
             heapq.heappush(farthest, (-first_use.get(a.key, len(acts)), a.key))
-        elif _DELTA.get(a.kind, 0) < 0:
-            resident.discard(a.key)
+        elif uses:
+            evictable.discard(a.key)
         if held > budget:
             return None
+    out: list[Action] = []
+    for i, a in enumerate(acts):
+        out.extend(markers_before.get(i, ()))
+        out.append(a)
+        if a.kind is _F and a.key in evict_after_forward:
+            out.append(evict_after_forward[a.key])
     return out
 
 
-def _pick_victims(farthest: list[tuple[int, tuple[int, int]]], resident: set[tuple[int, int]],
+def _pick_victims(farthest: list[tuple[int, tuple[int, int]]], evictable: set[tuple[int, int]],
                   protected: set[tuple[int, int]], count: int) -> list[tuple[int, int]] | None:
-    """Pop ``count`` resident, unprotected micro-batches whose first backward use is farthest away."""
+    """Pop ``count`` evictable, unprotected micro-batches whose first backward use is farthest away."""
     victims: list[tuple[int, int]] = []
     skipped: list[tuple[int, tuple[int, int]]] = []
     while len(victims) < count and farthest:
         entry = heapq.heappop(farthest)
-        key = entry[1]
-        if key not in resident:
-            continue  # stale entry: freed, or away (it is pushed again when loaded back)
-        if key in protected:
+        if entry[1] not in evictable:
+            continue  # stale: used, freed or already evicted
+        if entry[1] in protected:
             skipped.append(entry)
             continue
-        victims.append(key)
+        victims.append(entry[1])
     for entry in skipped:
         heapq.heappush(farthest, entry)
     return victims if len(victims) == count else None

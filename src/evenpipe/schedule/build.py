@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator
 
 from evenpipe.errors import ConfigError
 from evenpipe.schedule.bpipe import bpipe_transform
 from evenpipe.schedule.comm import derive_communication
 from evenpipe.schedule.family import ScheduleFamily
 from evenpipe.schedule.generate import gpipe, interleaved, looped_bfs, one_f_one_b, zb_h1
+from evenpipe.schedule.generate.interleaved import interleaved_round_size
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.schedule.validate import validate
 
@@ -23,7 +24,8 @@ def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbat
     """A complete schedule (compute, SEND/RECV, and for bpipe EVICT/ACCEPT/RETURN/LOAD), already validated.
 
     ``num_chunks`` is V, the stages per rank, for ``interleaved`` and ``looped-bfs`` (others need 1).
-    Interleaved requires ``num_microbatches % num_ranks == 0`` (Megatron's rule). ``bpipe_budget`` is the
+    Interleaved takes micro-batches in equal rounds (``M % max(1, M // P) == 0``; any multiple of P gives
+    Megatron's schedule exactly). ``bpipe_budget`` is the
     activation units a rank may hold under BPipe (default ``ceil((P+1)/2)``). ``recompute`` inserts ``R`` right
     before every backward (``B`` or ``I``). Bad values raise ``ConfigError``.
     """
@@ -50,10 +52,10 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
            bpipe_budget: int | None, recompute: bool) -> Schedule:
     compute = compute_order(fam, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
     if bpipe_budget is not None and fam is not ScheduleFamily.BPIPE:
-        warnings.warn(f"bpipe_budget={bpipe_budget} has no effect on schedule {fam.value!r}", stacklevel=4)
+        warnings.warn(f"bpipe_budget={bpipe_budget} has no effect on schedule {fam.value!r}", stacklevel=3)
     if recompute:
         compute = add_recompute(compute)
-    meta: dict[str, object] = {"family": fam.value, "chunks": num_chunks, "recompute": recompute}
+    meta: dict[str, object] = {**compute.meta, "family": fam.value, "chunks": num_chunks, "recompute": recompute}
     if fam is ScheduleFamily.BPIPE:
         full = bpipe_transform(compute, budget=bpipe_budget)
         meta.update(full.meta)
@@ -77,18 +79,23 @@ def compute_order(family: ScheduleFamily, *, num_ranks: int, num_microbatches: i
     if V != 1 and not family.has_chunks:
         raise ConfigError(f"schedule {family.value!r} has one stage per rank; got num_chunks={V}, allowed: 1 "
                           f"(use interleaved or looped-bfs for chunks)")
-    if family is ScheduleFamily.GPIPE:
-        return gpipe(num_ranks=P, num_microbatches=M)
-    if family in (ScheduleFamily.ONE_F_ONE_B, ScheduleFamily.BPIPE):
-        return one_f_one_b(num_ranks=P, num_microbatches=M)
-    if family is ScheduleFamily.ZB_H1:
-        return zb_h1(num_ranks=P, num_microbatches=M)
-    if family is ScheduleFamily.LOOPED_BFS:
-        return looped_bfs(num_ranks=P, num_microbatches=M, num_chunks=V)
-    if M % P != 0:
-        raise ConfigError(f"interleaved needs num_microbatches divisible by num_ranks; got {M} micro-batches for "
-                          f"{P} ranks (allowed: multiples of {P})")
-    return interleaved(num_ranks=P, num_microbatches=M, num_chunks=V)
+    if family is ScheduleFamily.INTERLEAVED and interleaved_round_size(P, M) is None:
+        near = [m for m in range(max(1, M - P), M + P + 1) if interleaved_round_size(P, m) is not None]
+        raise ConfigError(f"interleaved needs num_microbatches M with M % max(1, M // P) == 0 (equal rounds); "
+                          f"got M={M} for P={P} ranks (nearby allowed: {', '.join(map(str, near))}; any multiple "
+                          f"of {P} works)")
+    return _GENERATORS[family](P, M, V)
+
+
+_GENERATORS: dict[ScheduleFamily, Callable[[int, int, int], Schedule]] = {
+    ScheduleFamily.GPIPE: lambda P, M, V: gpipe(num_ranks=P, num_microbatches=M),
+    ScheduleFamily.ONE_F_ONE_B: lambda P, M, V: one_f_one_b(num_ranks=P, num_microbatches=M),
+    ScheduleFamily.INTERLEAVED: lambda P, M, V: interleaved(num_ranks=P, num_microbatches=M, num_chunks=V),
+    ScheduleFamily.LOOPED_BFS: lambda P, M, V: looped_bfs(num_ranks=P, num_microbatches=M, num_chunks=V),
+    ScheduleFamily.ZB_H1: lambda P, M, V: zb_h1(num_ranks=P, num_microbatches=M),
+    ScheduleFamily.BPIPE: lambda P, M, V: one_f_one_b(num_ranks=P, num_microbatches=M),  # transformed later
+}
+"""Compute order of each family from (ranks, micro-batches, chunks): the named presets."""
 
 
 def add_recompute(schedule: Schedule) -> Schedule:

@@ -19,15 +19,18 @@ Ordering and why it cannot deadlock
 3. Give every event a sort key: a compute starting at ``t`` gets ``(t, 1, position)``; both the send and the
    receive of message ``k`` get ``(t_k, 0, k)``. Sort each rank's events by key.
 
-Then on every rank (a) the communication events appear in increasing global index; (b) a receive precedes the
-compute that consumes it (``t_k <= start``, and class 0 sorts before 1); (c) a send follows the compute that
-produces it (that compute started before ``t_k``). Now take any state of a run with **rendezvous** semantics
-(a send and its receive complete together, only when both are at the heads of their ranks' lists) in which some
-rank is not finished, and let ``k`` be the smallest index of a message not yet exchanged. On each of its two
-ranks, every communication event before it has a smaller index, so it is done; every compute before it has its
-inputs received earlier on the same rank (b) or produced earlier on the same rank, so it can run. Hence both
-sides of ``k`` reach their heads and ``k`` completes: the run always progresses, under any buffering. The
-validator re-checks this by a dry run.
+Then on every rank (a) the communication events appear in increasing global index, so between any two ranks
+sends and receives are posted in the same order (what FIFO point-to-point channels need); (b) a receive
+precedes the compute that consumes it (``t_k <= start``, and the middle key 0 sorts before 1); (c) a send
+follows the compute that produces it (that compute started before ``t_k``); (d) an ``EVICT``/``LOAD`` stays
+between the same two computes as in the input, and a ``RETURN`` follows its ``ACCEPT`` (earlier time, or the
+same time and an earlier marker). Now take any state of a run with **rendezvous** semantics (a send and its
+receive complete together, only when both are at the heads of their ranks' lists) in which some rank is not
+finished, and let ``k`` be the smallest index of a message not yet exchanged. On each of its two ranks, every
+communication event before it has a smaller index, so it is done; every compute before it has its inputs
+received earlier on the same rank (b) or produced earlier on the same rank, so it can run. Hence both sides of
+``k`` reach their heads and ``k`` completes: the run always progresses, and more buffering (non-blocking
+sends, receives posted early) only removes waits. The validator re-checks this by a dry run.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ _F, _B, _I = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT
 _EVICT, _LOAD = ActionKind.EVICT, ActionKind.LOAD
 
 _COMPUTE = frozenset(k.value for k in COMPUTE_KINDS)
-_KEPT = _COMPUTE | {_EVICT.value, _LOAD.value}
+_LOCAL = frozenset({ActionKind.OFFLOAD.value, ActionKind.RELOAD.value})
+_KEPT = _COMPUTE | _LOCAL | {_EVICT.value, _LOAD.value}
 """Token sets, tested with ``kind._value_`` (hashing a str is much cheaper than hashing an enum member)."""
 
 _Message = tuple[tuple[int, int, int, int], int, Action, int, Action]
@@ -51,8 +55,9 @@ _Message = tuple[tuple[int, int, int, int], int, Action, int, Action]
 def derive_communication(compute: Schedule) -> Schedule:
     """``compute`` plus all SEND/RECV (and BPipe ACCEPT/RETURN) actions, ordered so that it cannot deadlock.
 
-    The input's compute actions and its ``EVICT``/``LOAD`` markers are kept in their order; other transfers are
-    recomputed. Raises ``ScheduleValidationError`` if the compute order itself has a cyclic wait.
+    The input's compute actions, its ``EVICT``/``LOAD`` markers and any host ``OFFLOAD``/``RELOAD`` are kept in
+    their order; other transfers are recomputed. Raises ``ScheduleValidationError`` if the compute order itself
+    has a cyclic wait.
     """
     kept = compute.with_actions([[a for a in acts if a.kind._value_ in _KEPT] for acts in compute.actions])
     timing = witness_timing(kept)
@@ -68,17 +73,23 @@ def derive_communication(compute: Schedule) -> Schedule:
 def _merge(acts: tuple[Action, ...], starts: tuple[int, ...], comm: list[tuple[int, Action]]) -> list[Action]:
     """Merge a rank's computes (key ``(start, 1)``) with its messages (key ``(t_k, 0, k)``, already sorted)."""
     out: list[Action] = []
+    local: list[Action] = []  # OFFLOAD/RELOAD: kept right before the next compute, as in the input
     j, n = 0, len(comm)
     for i, a in enumerate(acts):
-        if a.kind._value_ not in _COMPUTE:
+        token = a.kind._value_
+        if token not in _COMPUTE:
+            if token in _LOCAL:
+                local.append(a)
             continue  # EVICT/LOAD markers come back through ``comm``
         start = starts[i]
         while j < n and comm[j][0] <= start:
             out.append(comm[j][1])
             j += 1
+        out.extend(local)
+        local.clear()
         out.append(a)
     out.extend(a for _, a in comm[j:])
-    return out
+    return out + local
 
 
 def _anchor_time(timing: WitnessTiming, acts: tuple[Action, ...], rank: int, i: int) -> int:

@@ -10,7 +10,8 @@ Rules (the first broken one is reported):
 - ``dependency``: in each rank's program order ``F(s,m)`` follows ``F(s-1,m)`` or its ``RECV_F``; ``B``/``I`` of
   ``(s,m)`` follows ``F(s,m)`` and ``B``/``I(s+1,m)`` or its ``RECV_B``; ``W`` follows ``I``; ``R`` follows ``F``
   and precedes the backward; sends follow what they send; ``LOAD`` follows ``EVICT`` and ``RETURN`` follows
-  ``ACCEPT``; evicted activations are not used between ``EVICT`` and ``LOAD``.
+  ``ACCEPT``; evicted activations are not used between ``EVICT`` and ``LOAD`` (nor offloaded ones between
+  ``OFFLOAD`` and ``RELOAD``, which follows its ``OFFLOAD``).
 - ``matching``: every send has exactly one matching receive on its peer and vice versa.
 - ``deadlock``: a dry run with rendezvous semantics (a send and its receive complete together, only when both
   are at the heads of their ranks' lists) completes. Computes at a head always complete, because their data
@@ -36,15 +37,17 @@ F, B, I, W, R = (_C[ActionKind.FORWARD], _C[ActionKind.BACKWARD], _C[ActionKind.
                  _C[ActionKind.BACKWARD_WEIGHT], _C[ActionKind.RECOMPUTE])
 SF, RF, SB, RB = _C[ActionKind.SEND_F], _C[ActionKind.RECV_F], _C[ActionKind.SEND_B], _C[ActionKind.RECV_B]
 EV, AC, RT, LD = _C[ActionKind.EVICT], _C[ActionKind.ACCEPT], _C[ActionKind.RETURN], _C[ActionKind.LOAD]
+OF, RL = _C[ActionKind.OFFLOAD], _C[ActionKind.RELOAD]
 _TRANSFER = frozenset({SF, RF, SB, RB, EV, AC, RT, LD})
 _CHANNEL = {SF: 0, RF: 0, SB: 1, RB: 1, EV: 2, AC: 2, RT: 3, LD: 3}
 _STAGE_SHIFT = {SF: 0, RF: -1, SB: 0, RB: 1, EV: 0, AC: 0, RT: 0, LD: 0}
 """Offset from an action's stage to the sending stage of its message (RECV_F(s) carries F(s-1)'s output)."""
 _COUNTERPART = {SF: RF, RF: SF, SB: RB, RB: SB, EV: AC, AC: EV, RT: LD, LD: RT}
-_USES_ACTIVATIONS = frozenset({B, I, W, R, SF, EV})
+_USES_ACTIVATIONS = frozenset({B, I, W, R, SF, EV, OF})
 _NEIGHBOUR = {SF: 1, RB: 1, RF: -1, SB: -1}
 """Activation/gradient transfers: offset from the action's stage to the stage whose rank must be the peer."""
-_NEEDS = {W: (I, "I"), R: (F, "F"), SF: (F, "F"), EV: (F, "F"), LD: (EV, "EVICT"), RT: (AC, "ACCEPT")}
+_NEEDS = {W: (I, "I"), R: (F, "F"), SF: (F, "F"), EV: (F, "F"), LD: (EV, "EVICT"), RT: (AC, "ACCEPT"),
+          OF: (F, "F"), RL: (OF, "OFFLOAD")}
 """Single same-rank prerequisite of some kinds: (kind code, token for the message)."""
 
 
@@ -98,34 +101,43 @@ class _Scan:
 
     def rank(self, r: int, acts: tuple[Action, ...]) -> None:
         S, M, P, layout, done, away = self.S, self.M, self.P, self.layout, self.done, self.away
+        code_of, transfers, uses_activations, missing_of = _CODE, _TRANSFER, _USES_ACTIVATIONS, self.missing
+        check = self.first_dependency_error is None
         keys: list[int] = []
+        append = keys.append
         for i, a in enumerate(acts):
-            code, s, m, peer = _CODE[a.kind._value_], a.stage, a.microbatch, a.peer
+            code, s, m, peer = code_of[a.kind._value_], a.stage, a.microbatch, a.peer
             if s >= S or m >= M or (peer is not None and not 0 <= peer < P):
                 raise self.fail("range", f"rank {r} action {i} {a}: stages are 0..{S - 1}, micro-batches "
                                 f"0..{M - 1}, ranks 0..{P - 1}", r, i)
             home = layout[s]
-            if (home != r) if code not in (AC, RT) else (home != peer):
+            if (home != r) if code != AC and code != RT else (home != peer):
                 raise self.fail("placement", f"rank {r} action {i} {a} references stage {s}, which lives on rank "
                                 f"{home}", r, i)
             u = s * M + m
-            if done[code][u]:
+            row = done[code]
+            if row[u]:
                 raise self.fail("duplicate", f"rank {r} action {i} {a} appears twice", r, i)
-            if self.first_dependency_error is None:
-                missing = self.missing(code, s, m, u, r)
+            if check:
+                missing = missing_of(code, s, m, u, r)
                 if missing:
                     self.first_dependency_error = self.fail(
                         "dependency", f"rank {r} action {i} {a} runs before {missing} on the same rank", r, i)
-                elif code in _USES_ACTIVATIONS and away[u]:
+                elif code in uses_activations and away[u]:
                     self.first_dependency_error = self.fail(
-                        "dependency", f"rank {r} action {i} {a} uses activations evicted by {s}EVICT{m} before "
-                        f"their {s}LOAD{m}", r, i)
-            if code in _TRANSFER:
+                        "dependency", f"rank {r} action {i} {a} uses activations sent away ({s}EVICT{m} or "
+                        f"{s}OFFLOAD{m}) before they are back ({s}LOAD{m} or {s}RELOAD{m})", r, i)
+                check = self.first_dependency_error is None
+            if code in transfers:
                 self.transfer(code, a, r, i, u)
-                keys.append((_CHANNEL[code] * S + s + _STAGE_SHIFT[code]) * M + m)
+                append((_CHANNEL[code] * S + s + _STAGE_SHIFT[code]) * M + m)
             else:
-                keys.append(-1)
-            done[code][u] = r + 1
+                if code == OF:
+                    away[u] = 1
+                elif code == RL:
+                    away[u] = 0
+                append(-1)
+            row[u] = r + 1
         self.keys.append(keys)
 
     def transfer(self, code: int, a: Action, r: int, i: int, u: int) -> None:
@@ -173,6 +185,7 @@ class _Scan:
         return ""
 
     def completeness(self) -> None:
+        """Every (stage, mb) has one F and either one B or one I and one W."""
         done, M = self.done, self.M
         f, b, i_, w = done[F], done[B], done[I], done[W]
         for u in range(self.S * M):
@@ -188,7 +201,8 @@ class _Scan:
                 f"one B or one I and one W, on rank {r}", format_grid(self.schedule, {r: idx}))
 
     def matching(self) -> None:
-        S, M, layout = self.S, self.M, self.layout
+        """Every recorded transfer has its counterpart on its peer, naming this rank as peer."""
+        S, M = self.S, self.M
         for (code, u), (r, i) in self.where.items():
             other = _COUNTERPART[code]
             shift = _STAGE_SHIFT[code] - _STAGE_SHIFT[other]
@@ -197,9 +211,8 @@ class _Scan:
             ok = 0 <= v < S * M and self.done[other][v] == peer + 1 and self.peer[other][v] == r
             if not ok:
                 a = self.schedule.actions[r][i]
-                want = ActionKind(_KINDS[other]).value
+                want = _KINDS[other].value
                 raise self.fail("matching", f"rank {r} action {i} {a} has no matching {want} on rank {peer}", r, i)
-        del layout
 
 
 def _dry_run(schedule: Schedule, keys: list[list[int]]) -> None:

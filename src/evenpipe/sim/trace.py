@@ -71,7 +71,8 @@ class TransferRecord(NamedTuple):
     end: float
     """When the message arrived."""
     exposed_s: float = 0.0
-    """How long the consuming compute waited on this message beyond its rank and the data being ready."""
+    """How long the consuming compute waited on this message beyond its rank and the data being ready (for an
+    ``EVICT``: how long the sender's next ``F``/``R`` waited for it to land, beyond its other inputs)."""
 
     @property
     def label(self) -> str:

@@ -67,3 +67,20 @@ def test_bad_configs_raise_one_line(cfg: ParallelConfig, gpus: int | None, needl
 def test_parallel_config_rejects_non_positive() -> None:
     with pytest.raises(ConfigError, match="tp must be a positive integer"):
         ParallelConfig(tp=0, global_batch=8)
+
+
+def test_load_hardware_profile(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from evenpipe.cost import load_hardware
+
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"base": "h100-80gb", "name": "lab-h100", "internode_gbps": 40.0}))
+    hw = load_hardware(path)
+    assert (hw.name, hw.internode_gbps, hw.peak_tflops) == ("lab-h100", 40.0, 989.0)
+    path.write_text(json.dumps({"base": "h100-80gb", "nvlink": 1}))
+    with pytest.raises(ConfigError, match="unknown field"):
+        load_hardware(path)
+    path.write_text(json.dumps({"name": "x", "memory_gib": 16.0}))
+    with pytest.raises(ConfigError, match="hardware profile"):
+        load_hardware(path)

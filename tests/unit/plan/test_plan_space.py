@@ -6,9 +6,10 @@ import pytest
 
 from evenpipe.cost import ParallelConfig, Recompute, hardware_preset, model_preset
 from evenpipe.errors import ConfigError
-from evenpipe.plan.search import SearchSpace, enumerate_configs, step_time_lower_bound
+from evenpipe.plan.bounds import PipelineBounds, pipeline_bounds, stage_layout
+from evenpipe.plan.search import SearchSpace, enumerate_configs
 from evenpipe.schedule import ScheduleFamily
-from evenpipe.sim.costs import SimCosts, StageCosts
+from evenpipe.sim.costs import Link, SimCosts, StageCosts
 
 A100 = hardware_preset("a100-80gb")
 
@@ -70,26 +71,48 @@ def test_bad_space_is_a_config_error(bad: dict[str, object]) -> None:
         SearchSpace(**bad)  # type: ignore[arg-type]
 
 
-def test_lower_bound_is_exact_for_uniform_1f1b() -> None:
+def _bounds(costs: SimCosts, layout: tuple[int, ...], m: int, *, recompute: bool = False,
+            split: bool = False) -> PipelineBounds:
+    return pipeline_bounds(costs, layout, m, recompute=recompute, split_backward=split)
+
+
+def test_makespan_bound_is_exact_for_uniform_1f1b() -> None:
     p, m = 4, 8
-    costs = SimCosts.uniform(num_stages=p, forward=1.0, backward=2.0)
-    lb = step_time_lower_bound(costs, tuple(range(p)), m, recompute=False)
-    assert lb == pytest.approx((m + p - 1) * 3.0)
+    b = _bounds(SimCosts.uniform(num_stages=p, forward=1.0, backward=2.0), tuple(range(p)), m)
+    assert b.makespan == pytest.approx((m + p - 1) * 3.0)
+    assert b.first_rank_end == pytest.approx(b.makespan)  # rank 0 finishes last in 1F1B
+    assert b.first_rank_hideable == pytest.approx(2.0)
 
 
-def test_lower_bound_counts_recompute_and_weight_grad_and_chunks() -> None:
+def test_bounds_count_recompute_weight_grad_and_chunks() -> None:
     p, v, m = 2, 2, 4
     costs = SimCosts.uniform(num_stages=p * v, num_chunks=v, forward=1.0, backward=2.0, weight=1.0)
-    layout = tuple(s % p for s in range(p * v))
+    layout = stage_layout(p, v)
+    assert layout == (0, 1, 0, 1)
     # last rank: stage 0's forward (0.5) and input-gradient (1.0) bracket m * (F + B + W) = 4 * 4
-    assert step_time_lower_bound(costs, layout, m, recompute=False) == pytest.approx(0.5 + 16 + 1.0)
+    assert _bounds(costs, layout, m).makespan == pytest.approx(0.5 + 16 + 1.0)
     # recomputation adds one forward per micro-batch and stage
-    assert step_time_lower_bound(costs, layout, m, recompute=True) == pytest.approx(0.5 + 20 + 1.0)
+    assert _bounds(costs, layout, m, recompute=True).makespan == pytest.approx(0.5 + 20 + 1.0)
+    # split backward: rank 0 may run its trailing W after the last input gradient, so rank 1's W do not count
+    split = _bounds(costs, layout, m, split=True)
+    assert split.first_rank_end == pytest.approx(max(16.0, 0.5 + 4 * 3 + 1.0))
+    assert split.makespan == pytest.approx(max(0.5 + 16.0, split.first_rank_end))
 
 
-def test_lower_bound_takes_the_slowest_rank() -> None:
+def test_bounds_take_the_slowest_rank() -> None:
     slow = StageCosts(forward=5.0, backward_input=5.0)
     fast = StageCosts(forward=1.0, backward_input=1.0)
     costs = SimCosts.from_stages([fast, slow, fast])
     # rank 1: stage 0 forward 1 + 3 * 10 + stage 0 input-grad 1
-    assert step_time_lower_bound(costs, (0, 1, 2), 3, recompute=False) == pytest.approx(32.0)
+    assert _bounds(costs, (0, 1, 2), 3).makespan == pytest.approx(32.0)
+
+
+def test_bounds_count_the_messages_on_the_chain() -> None:
+    p, m = 3, 4
+    link = Link(latency_s=0.25, bandwidth_bytes_per_s=4.0)
+    costs = SimCosts.uniform(num_stages=p, forward=1.0, backward=2.0, output_bytes=2.0, link=link)
+    # two hops of 0.25 + 2/4 = 0.75 s each way, on top of (m + p - 1)(F + B)
+    assert _bounds(costs, tuple(range(p)), m).makespan == pytest.approx((m + p - 1) * 3.0 + 4 * 0.75)
+    # stages on one rank exchange no messages
+    one_rank = SimCosts.uniform(num_stages=1, forward=1.0, backward=2.0, output_bytes=2.0, link=link)
+    assert _bounds(one_rank, (0,), m).makespan == pytest.approx(m * 3.0)

@@ -31,7 +31,7 @@ def test_peak_is_ceil_half_and_held_in_program_order(P: int, factor: int) -> Non
     M = factor * P + (P % 3)
     s = build_schedule("bpipe", num_ranks=P, num_microbatches=M)
     budget = math.ceil((P + 1) / 2)
-    assert max(held_units(s)) == budget
+    assert held_units(s) == [budget] * P  # balanced: every rank, own plus hosted
     for acts in s.actions:
         trace = held_units_trace(acts)
         assert min(trace) >= 0 and max(trace) <= budget and trace[-1] == 0
@@ -67,7 +67,8 @@ def test_loads_one_compute_slot_before_first_use() -> None:
 
 
 def test_impossible_budget_names_the_smallest_that_works() -> None:
-    with pytest.raises(ConfigError, match=r"bpipe budget 1 cannot be met .* smallest budget that works is (\d+)") as info:
+    pattern = r"bpipe budget 1 cannot be met .* smallest budget that works is (\d+)"
+    with pytest.raises(ConfigError, match=pattern) as info:
         build_schedule("bpipe", num_ranks=4, num_microbatches=8, bpipe_budget=1)
     smallest = int(str(info.value).rsplit(" ", 1)[-1])
     assert smallest > 1
@@ -111,3 +112,34 @@ def test_needs_one_chunk() -> None:
 def test_evictor_holds_budget_with_recompute() -> None:
     s = build_schedule("bpipe", num_ranks=6, num_microbatches=13, recompute=True)
     assert max(held_units(s)) == 4
+
+
+@pytest.mark.parametrize("P,M", [(4, 8), (8, 16), (6, 20)])
+def test_evictions_overlap_the_next_compute(P: int, M: int) -> None:
+    # with an even P the acceptor has room for the early placement: EVICT(m) right after F(m) and its send
+    s = build_schedule("bpipe", num_ranks=P, num_microbatches=M)
+    evicted = 0
+    for acts in s.actions[: P // 2]:
+        computes_since_forward = {}
+        count = 0
+        for a in acts:
+            if a.kind is K.FORWARD:
+                computes_since_forward[a.key] = count
+            if a.kind.is_compute:
+                count += 1
+            if a.kind is K.EVICT:
+                evicted += 1
+                assert count - computes_since_forward[a.key] == 1  # no compute between F and EVICT
+    assert evicted > 0
+
+
+def test_balance_moves_one_more_on_the_middle_pair() -> None:
+    one = build_schedule("1f1b", num_ranks=4, num_microbatches=8)
+    plain = bpipe_transform(one, balance=False)
+    balanced = bpipe_transform(one)
+    assert held_units(plain) == [3, 3, 2, 3]  # rank 1 never needs room, so rank 2 hosts nothing
+    assert held_units(balanced) == [3, 3, 3, 3]
+    moved = [a for a in balanced.actions[1] if a.kind is K.EVICT]
+    assert len(moved) == 1 and not any(a.kind is K.EVICT for a in plain.actions[1])
+    validate(plain)
+    validate(balanced)

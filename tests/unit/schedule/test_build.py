@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from evenpipe.errors import ConfigError
@@ -18,7 +20,7 @@ def test_unknown_family_lists_valid_names() -> None:
     ({"num_ranks": 2, "num_microbatches": 0}, "num_microbatches must be >= 1, got 0"),
     ({"num_ranks": 2, "num_microbatches": 4, "num_chunks": 0}, "num_chunks must be >= 1, got 0"),
 ])
-def test_bad_sizes(kwargs: dict[str, int], pattern: str) -> None:
+def test_bad_sizes(kwargs: dict[str, Any], pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         build_schedule("1f1b", **kwargs)
 
@@ -29,9 +31,11 @@ def test_chunks_for_a_family_without_chunks(family: str) -> None:
         build_schedule(family, num_ranks=2, num_microbatches=4, num_chunks=2)
 
 
-def test_interleaved_needs_multiple_of_ranks() -> None:
-    with pytest.raises(ConfigError, match="got 6 micro-batches for 4 ranks"):
-        build_schedule("interleaved", num_ranks=4, num_microbatches=6, num_chunks=2)
+def test_interleaved_needs_equal_rounds() -> None:
+    with pytest.raises(ConfigError, match=r"got M=9 for P=4 ranks \(nearby allowed: 5, 6, 7, 8, 10, 12\b"):
+        build_schedule("interleaved", num_ranks=4, num_microbatches=9, num_chunks=2)
+    for M in (1, 3, 4, 6, 7, 10, 12):  # one round when M < 2P, else rounds of M // (M // P)
+        build_schedule("interleaved", num_ranks=4, num_microbatches=M, num_chunks=2)
 
 
 def test_budget_on_other_family_warns() -> None:

@@ -61,3 +61,34 @@ def test_derived_bpipe_keeps_evict_after_forward_send() -> None:
             before = [str(b) for b in acts[:i]]
             assert f"0SEND_F{a.microbatch}@1" in before
     validate(s)
+
+
+GOLDEN_1F1B_P2_M3 = """\
+# 1f1b ranks=2 microbatches=3 layout=0,1
+0: 0F0 0SEND_F0@1 0F1 0SEND_F1@1 0RECV_B0@1 0B0 0F2 0SEND_F2@1 0RECV_B1@1 0B1 0RECV_B2@1 0B2
+1: 1RECV_F0@0 1F0 1RECV_F1@0 1B0 1SEND_B0@0 1F1 1B1 1RECV_F2@0 1SEND_B1@0 1F2 1B2 1SEND_B2@0
+"""
+
+GOLDEN_BPIPE_P4_M4_RANK0 = ("0F0 0SEND_F0@1 0F1 0SEND_F1@1 0F2 0SEND_F2@1 0EVICT2@3 0F3 0SEND_F3@1 0RECV_B0@1 "
+                            "0EVICT3@3 0B0 0RECV_B1@1 0LOAD2@3 0B1 0RECV_B2@1 0LOAD3@3 0B2 0RECV_B3@1 0B3")
+
+
+def test_golden_full_schedules() -> None:
+    # pins the derived order the runtime executes; a change here is a change of wire protocol
+    assert build_schedule("1f1b", num_ranks=2, num_microbatches=3).to_text() == GOLDEN_1F1B_P2_M3
+    rank0 = build_schedule("bpipe", num_ranks=4, num_microbatches=4).actions[0]
+    assert " ".join(str(a) for a in rank0) == GOLDEN_BPIPE_P4_M4_RANK0
+
+
+def test_each_pair_posts_in_the_same_order() -> None:
+    # FIFO point-to-point channels (gloo, NCCL) match the k-th send from a to b with the k-th receive on b
+    for family, V in (("1f1b", 1), ("interleaved", 3), ("zb-h1", 1), ("bpipe", 1), ("looped-bfs", 2)):
+        s = build_schedule(family, num_ranks=5, num_microbatches=10, num_chunks=V)
+        sent: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        received: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for r, _, a in s.iter_actions():
+            if a.kind.is_send:
+                sent.setdefault((r, a.peer or 0), []).append(message_key(r, a))
+            elif a.kind.is_recv:
+                received.setdefault((a.peer or 0, r), []).append(message_key(r, a))
+        assert sent == received

@@ -38,6 +38,14 @@ def test_interleaved_matches_megatron_p2_m4_v2() -> None:
     assert rows[1] == "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"
 
 
+def test_interleaved_one_round_when_m_below_2p() -> None:
+    # M=6, P=4: one round of 6 (torch's rounds); warm-up 2(P-r-1) + (V-1)*6
+    rows = compute_text("interleaved", 4, 6, 2)
+    assert rows[0].split()[:13] == ["0F0", "0F1", "0F2", "0F3", "0F4", "0F5", "4F0", "4F1", "4F2", "4F3", "4F4",
+                                    "4F5", "4B0"]
+    assert rows[3].split()[:8] == ["3F0", "3F1", "3F2", "3F3", "3F4", "3F5", "7F0", "7B0"]
+
+
 def test_interleaved_v1_is_1f1b() -> None:
     assert compute_text("interleaved", 4, 8, 1) == compute_text("1f1b", 4, 8)
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from evenpipe.errors import ConfigError
 from evenpipe.schedule import (ActionKind, Schedule, ScheduleFamily, build_schedule, held_units, held_units_trace,
                                validate)
+from evenpipe.schedule.generate.interleaved import interleaved_round_size
 
 K = ActionKind
 
@@ -18,8 +21,8 @@ K = ActionKind
 def configs(draw: st.DrawFn) -> tuple[ScheduleFamily, int, int, int, bool]:
     family = draw(st.sampled_from(list(ScheduleFamily)))
     P = draw(st.integers(1, 16))
-    if family is ScheduleFamily.INTERLEAVED:
-        M = P * draw(st.integers(1, max(1, 64 // P)))
+    if family is ScheduleFamily.INTERLEAVED and draw(st.booleans()):
+        M = P * draw(st.integers(1, max(1, 64 // P)))  # Megatron's case
     else:
         M = draw(st.integers(1, 64))
     V = draw(st.integers(1, 4)) if family.has_chunks else 1
@@ -39,6 +42,10 @@ def check_complete(s: Schedule) -> None:
 @given(configs())
 def test_every_generated_schedule_validates(config: tuple[ScheduleFamily, int, int, int, bool]) -> None:
     family, P, M, V, recompute = config
+    if family is ScheduleFamily.INTERLEAVED and interleaved_round_size(P, M) is None:
+        with pytest.raises(ConfigError, match=f"got M={M} for P={P}"):
+            build_schedule(family, num_ranks=P, num_microbatches=M, num_chunks=V)
+        return
     s = build_schedule(family, num_ranks=P, num_microbatches=M, num_chunks=V, recompute=recompute)
     validate(s)
     check_complete(s)

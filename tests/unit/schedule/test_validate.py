@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from evenpipe.errors import ScheduleValidationError
-from evenpipe.schedule import Action, ActionKind, Schedule, build_schedule, derive_communication, validate
-from evenpipe.schedule import witness_timing
+from evenpipe.schedule import ActionKind, Schedule, build_schedule, derive_communication, validate, witness_timing
 
 K = ActionKind
 
@@ -76,7 +75,7 @@ def test_load_after_its_backward() -> None:
     row.pop(load)
     row.insert(row.index("0B2") + 1, "0LOAD2@3")
     err = reject(edit(s, 0, row), "dependency")
-    assert "0B2 uses activations evicted by 0EVICT2" in str(err)
+    assert "0B2 uses activations sent away (0EVICT2" in str(err)
     assert ">0B2<" in err.grid
 
 
@@ -134,3 +133,16 @@ def test_long_schedule_grid_is_a_window() -> None:
     lines = err.grid.splitlines()
     assert len(lines) == 2 and all(len(line.split()) < 20 for line in lines)
     assert "@" in lines[0]  # the window says where it starts
+
+
+def test_offload_and_reload_are_kept_and_checked() -> None:
+    s = Schedule.from_text("# x ranks=2 microbatches=2 layout=0,1\n"
+                           "0: 0F0 0OFFLOAD0 0F1 0RELOAD0 0B0 0B1\n1: 1F0 1B0 1F1 1B1\n")
+    full = derive_communication(s)
+    validate(full)
+    assert [str(a) for a in full.compute_only().actions[0]] == ["0F0", "0F1", "0B0", "0B1"]
+    assert "0OFFLOAD0" in [str(a) for a in full.actions[0]] and "0RELOAD0" in [str(a) for a in full.actions[0]]
+    assert derive_communication(full).actions == full.actions
+    no_reload = full.with_actions([[a for a in full.actions[0] if a.kind is not K.RELOAD], full.actions[1]])
+    err = reject(no_reload, "dependency")
+    assert "0B0 uses activations sent away" in str(err)

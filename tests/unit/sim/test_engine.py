@@ -162,3 +162,94 @@ def test_backward_of_evicted_microbatch_without_load_is_rejected() -> None:
             "1: 0ACCEPT0@0 1RECV_F0@0 1F0 1B0 1SEND_B0@0 0RETURN0@0")
     with pytest.raises(ScheduleValidationError, match="no load brings back"):
         simulate(Schedule.from_text(text), SimCosts.uniform(num_stages=2))
+
+
+# BPipe rule shared with the runtime: a rank's EVICTs land (sent, local copy freed) before its next F or R.
+_EVICT_THEN_F = ("# bp ranks=2 microbatches=2 layout=0,1\n"
+                 "0: 0F0 0SEND_F0@1 0EVICT0@1 0F1 0SEND_F1@1 0RECV_B1@1 0B1 0LOAD0@1 0RECV_B0@1 0B0\n"
+                 "1: 0ACCEPT0@0 1RECV_F0@0 1F0 1RECV_F1@0 1F1 1B1 1SEND_B1@0 0RETURN0@0 1B0 1SEND_B0@0")
+
+
+def _evict_costs(bandwidth: float) -> SimCosts:
+    stage = StageCosts(forward=1, backward_input=2, activation_bytes=4, output_bytes=0)
+    return SimCosts.from_stages([stage, stage], default_link=Link(bandwidth_bytes_per_s=bandwidth))
+
+
+def test_forward_waits_for_the_eviction_before_it() -> None:
+    trace = simulate(Schedule.from_text(_EVICT_THEN_F), _evict_costs(1.0))
+    evict = next(t for t in trace.transfers if t.kind is K.EVICT)
+    assert (evict.start, evict.end) == pytest.approx((1.0, 5.0))  # 4 bytes at 1 B/s after 0F0
+    f1 = next(rec for rec in trace.records(0) if str(rec.action) == "0F1")
+    assert f1.start == pytest.approx(5.0)  # not 1.0: the room is made first
+    assert evict.exposed_s == pytest.approx(4.0)
+    assert trace.exposed_transfers[0] == evict
+    assert trace.peak_activation_bytes[0] == pytest.approx(4.0)  # one unit at a time, never two
+    assert trace.memory[0].points[:3] == ((0, 0), (0, 4), (5, 4))  # freed and re-allocated at 5
+
+
+def test_free_eviction_costs_no_time() -> None:
+    trace = simulate(Schedule.from_text(_EVICT_THEN_F), _evict_costs(float("inf")))
+    f1 = next(rec for rec in trace.records(0) if str(rec.action) == "0F1")
+    assert f1.start == pytest.approx(1.0)
+    assert trace.exposed_transfer_time == 0.0
+    assert trace.peak_activation_bytes[0] == pytest.approx(4.0)
+
+
+def test_eviction_overlaps_backward() -> None:
+    # EVICT1 is followed by a backward, which does not wait for it; only the later F2 does
+    text = ("# bp ranks=2 microbatches=3 layout=0,1\n"
+            "0: 0F0 0SEND_F0@1 0F1 0SEND_F1@1 0EVICT1@1 0RECV_B0@1 0B0 0F2 0SEND_F2@1 0LOAD1@1 0RECV_B1@1 0B1 "
+            "0RECV_B2@1 0B2\n"
+            "1: 0ACCEPT1@0 1RECV_F0@0 1F0 1B0 1SEND_B0@0 1RECV_F1@0 1F1 1B1 1SEND_B1@0 0RETURN1@0 1RECV_F2@0 1F2 1B2 "
+            "1SEND_B2@0")
+    stage = StageCosts(forward=1, backward_input=2, activation_bytes=6, output_bytes=0)
+    trace = simulate(Schedule.from_text(text), SimCosts.from_stages([stage, stage],
+                                                                    default_link=Link(bandwidth_bytes_per_s=1)))
+    recs = {str(rec.action): rec for rec in trace.records(0)}
+    evict = next(t for t in trace.transfers if t.kind is K.EVICT)
+    assert (evict.start, evict.end) == pytest.approx((2.0, 8.0))
+    assert recs["0B0"].start == pytest.approx(4.0)  # 1F0 [1,2], 1B0 [2,4]: B0 runs during the eviction
+    assert recs["0B0"].end < evict.end
+    assert recs["0F2"].start == pytest.approx(8.0)  # B0 ends at 6; F2 waits two more for the eviction
+    assert evict.exposed_s == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("act_latency,exposed", [(0.0, (1.5, 1.5)), (2.5, (0.0, 0.5)), (4.0, (0.0, 0.0))])
+def test_gate_delay_is_split_among_evictions_and_not_charged_for_late_inputs(
+        act_latency: float, exposed: tuple[float, float]) -> None:
+    # rank 1 evicts two units to rank 0 back to back (one link, so they queue), then runs F2
+    text = ("# bp ranks=2 microbatches=3 layout=0,1\n"
+            "0: 1ACCEPT0@1 1ACCEPT1@1 0F0 0SEND_F0@1 0F1 0SEND_F1@1 0F2 0SEND_F2@1 1RETURN0@1 1RETURN1@1 "
+            "0RECV_B2@1 0B2 0RECV_B0@1 0B0 0RECV_B1@1 0B1\n"
+            "1: 1RECV_F0@0 1F0 1RECV_F1@0 1F1 1EVICT0@0 1EVICT1@0 1RECV_F2@0 1F2 1B2 1SEND_B2@0 1LOAD0@0 1LOAD1@0 "
+            "1B0 1SEND_B0@0 1B1 1SEND_B1@0")
+    first = StageCosts(forward=1, backward_input=1, activation_bytes=0, output_bytes=0)
+    second = StageCosts(forward=1, backward_input=1, activation_bytes=1.5, output_bytes=0)
+    links = {(0, 1): Link(latency_s=act_latency)}  # activations 0 -> 1; evictions 1 -> 0 take 1.5 each
+    trace = simulate(Schedule.from_text(text), SimCosts.from_stages(
+        [first, second], default_link=Link(bandwidth_bytes_per_s=1), links=links))
+    recs = {str(rec.action): rec for rec in trace.records(1)}
+    e0, e1 = sorted((t for t in trace.transfers if t.kind is K.EVICT), key=lambda t: t.microbatch)
+    input_at = next(t.end for t in trace.transfers if t.kind is K.SEND_F and t.microbatch == 2)
+    assert e1.start == pytest.approx(e0.end) and e1.end - e1.start == pytest.approx(1.5)
+    assert recs["1F2"].start == pytest.approx(max(e1.end, input_at))
+    # (a receive moves only once posted, i.e. after the rank's previous compute)
+    # latency 0: input at 3, evictions [3,4.5] [4.5,6]: the 3 s wait is split 1.5 + 1.5, not 1.5 + 3;
+    # latency 2.5: input at 10.5, evictions [8,9.5] [9.5,11]: only the last 0.5 s is the evictions' fault;
+    # latency 4: input at 15 after both evictions landed (at 14): nothing is theirs
+    assert (e0.exposed_s, e1.exposed_s) == pytest.approx(exposed)
+    assert recs["1F2"].start - max(recs["1F1"].end, input_at) == pytest.approx(sum(exposed))
+
+
+def test_recompute_waits_for_the_eviction_before_it() -> None:
+    text = ("# bp ranks=2 microbatches=2 layout=0,1\n"
+            "0: 0F0 0SEND_F0@1 0F1 0SEND_F1@1 0EVICT1@1 0RECV_B0@1 0R0 0B0 0LOAD1@1 0RECV_B1@1 0R1 0B1\n"
+            "1: 0ACCEPT1@0 1RECV_F0@0 1F0 1B0 1SEND_B0@0 1RECV_F1@0 1F1 1B1 1SEND_B1@0 0RETURN1@0")
+    stage = StageCosts(forward=1, backward_input=2, activation_bytes=8, checkpoint_bytes=8, output_bytes=0)
+    trace = simulate(Schedule.from_text(text), SimCosts.from_stages([stage, stage],
+                                                                    default_link=Link(bandwidth_bytes_per_s=1)))
+    recs = {str(rec.action): rec for rec in trace.records(0)}
+    evict = next(t for t in trace.transfers if t.kind is K.EVICT)
+    assert (evict.start, evict.end) == pytest.approx((2.0, 10.0))  # the checkpoint: 8 bytes at 1 B/s
+    assert recs["0R0"].start == pytest.approx(10.0)  # ready at 2 (R needs no message); waited for the eviction
+    assert evict.exposed_s == pytest.approx(8.0)

@@ -7,12 +7,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from evenpipe.errors import ConfigError
-from evenpipe.sim import Link, SimCosts, StageCosts, simulate
-
-schedule_api = pytest.importorskip("evenpipe.schedule")
-if not hasattr(schedule_api, "build_schedule"):  # pragma: no cover - only while the generators are missing
-    pytest.skip("evenpipe.schedule.build_schedule is missing", allow_module_level=True)
-build_schedule = schedule_api.build_schedule
+from evenpipe.schedule import build_schedule
+from evenpipe.schedule.ir import ActionKind
+from evenpipe.sim import Link, SimCosts, StageCosts, Trace, simulate
 
 FAMILIES = ["gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "bpipe"]
 positive = st.floats(min_value=0.01, max_value=10.0, allow_nan=False)
@@ -27,12 +24,14 @@ def stage_costs(draw: st.DrawFn) -> StageCosts:
                       weight_grad_bytes=draw(st.floats(min_value=0.0, max_value=act)), output_bytes=draw(positive))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(family=st.sampled_from(FAMILIES), p=st.integers(1, 16), m=st.integers(1, 64), v=st.integers(1, 4),
        recompute=st.booleans(), data=st.data())
 def test_random_schedules_simulate_soundly(family: str, p: int, m: int, v: int, recompute: bool,
                                            data: st.DataObject) -> None:
     chunks = v if family in ("interleaved", "looped-bfs") else 1
+    if family == "interleaved":
+        m = max(p, m - m % p)  # Megatron's rule: M a multiple of P
     try:
         sched = build_schedule(family, num_ranks=p, num_microbatches=m, num_chunks=chunks, recompute=recompute)
     except ConfigError:
@@ -52,3 +51,27 @@ def test_random_schedules_simulate_soundly(family: str, p: int, m: int, v: int, 
     busiest = max(trace.busy_time(r) for r in range(p))
     assert trace.step_time >= busiest - 1e-9
     assert 0.0 <= trace.bubble_fraction < 1.0
+    _check_evictions_land_before_allocation(trace)
+
+
+def _check_evictions_land_before_allocation(trace: Trace) -> None:
+    """Every F/R starts no earlier than the arrival of each EVICT its rank issued before it."""
+    evict_end = {(t.src, t.stage, t.microbatch): t.end for t in trace.transfers if t.kind is ActionKind.EVICT}
+    for r in range(trace.num_ranks):
+        landed_by = 0.0  # latest arrival among the evictions issued so far on this rank
+        for rec in trace.records(r):
+            if rec.kind is ActionKind.EVICT:
+                landed_by = max(landed_by, evict_end[(r, rec.action.stage, rec.action.microbatch)])
+            elif rec.kind in (ActionKind.FORWARD, ActionKind.RECOMPUTE):
+                assert rec.start >= landed_by - 1e-9, (r, rec)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.integers(3, 8), extra=st.integers(0, 16), recompute=st.booleans(), data=st.data())
+def test_bpipe_forwards_wait_for_earlier_evictions(p: int, extra: int, recompute: bool, data: st.DataObject) -> None:
+    sched = build_schedule("bpipe", num_ranks=p, num_microbatches=p + extra, recompute=recompute)
+    stages = [data.draw(stage_costs()) for _ in range(sched.num_stages)]
+    link = Link(latency_s=data.draw(st.floats(0, 1)), bandwidth_bytes_per_s=data.draw(st.floats(0.1, 10)))
+    trace = simulate(sched, SimCosts.from_stages(stages, default_link=link))
+    assert any(t.kind is ActionKind.EVICT for t in trace.transfers)
+    _check_evictions_land_before_allocation(trace)

@@ -1,0 +1,181 @@
+"""Memory per pipeline rank: in-flight counts come from the schedule, components land on the right ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from evenpipe.cost import (GIB, Arch, Attention, ModelSpec, ParallelConfig, Recompute, ScheduleFamily,
+                           activation_bytes, hardware_preset, memory_per_stage, model_preset)
+from evenpipe.cost.memory import _peak_activations, counting_schedule
+from evenpipe.schedule import bpipe_transform, compute_order
+
+A100 = hardware_preset("a100-80gb")
+GPT3 = model_preset("gpt3-175b")
+
+
+def _cfg(**kw: object) -> ParallelConfig:
+    base: dict[str, object] = dict(tp=8, pp=8, dp=1, global_batch=64, attention=Attention.EAGER)
+    base.update(kw)
+    return ParallelConfig(**base)  # type: ignore[arg-type]
+
+
+def _acts(cfg: ParallelConfig, model: ModelSpec = GPT3) -> list[float]:
+    return [m.activations + m.hosted for m in memory_per_stage(model, A100, cfg)]
+
+
+def _unit(cfg: ParallelConfig, model: ModelSpec = GPT3) -> float:
+    """Saved activations of one micro-batch on one whole stage (p stages), GiB."""
+    return activation_bytes(model, cfg).layer_saved * model.num_layers / cfg.pp / GIB
+
+
+def test_one_f_one_b_first_stage_largest_and_linear() -> None:
+    cfg = _cfg()
+    acts, unit = _acts(cfg), _unit(cfg)
+    assert acts == pytest.approx([(8 - r) * unit for r in range(8)], rel=1e-12)
+
+
+def test_gpipe_holds_every_microbatch() -> None:
+    cfg = _cfg(schedule=ScheduleFamily.GPIPE, global_batch=12)
+    assert _acts(cfg) == pytest.approx([12 * _unit(cfg)] * 8, rel=1e-12)
+
+
+def test_bpipe_balances_to_the_budget() -> None:
+    one = _acts(_cfg())
+    bp = memory_per_stage(GPT3, A100, _cfg(schedule=ScheduleFamily.BPIPE))
+    unit = _unit(_cfg())
+    totals = [m.activations + m.hosted for m in bp]
+    assert max(totals) == pytest.approx(5 * unit, rel=1e-12)  # ceil((8 + 1) / 2)
+    assert max(totals) < one[0]
+    assert all(m.hosted > 0 for m in bp[5:]) and all(m.hosted == 0 for m in bp[:4])
+    assert max(totals) - min(totals) <= unit * (1 + 1e-12)
+
+
+def test_bpipe_budget_option_is_respected() -> None:
+    unit = _unit(_cfg())
+    totals = _acts(_cfg(schedule=ScheduleFamily.BPIPE, bpipe_budget=6))
+    assert max(totals) == pytest.approx(6 * unit, rel=1e-12)
+
+
+@pytest.mark.parametrize("p,v,layers", [(8, 3, 96), (4, 2, 32), (6, 2, 24)])
+def test_interleaved_first_rank_gets_megatrons_factor(p: int, v: int, layers: int) -> None:
+    model = dataclasses.replace(GPT3, num_layers=layers)
+    base = _cfg(pp=p, global_batch=8 * p)
+    inter = _cfg(pp=p, chunks=v, schedule=ScheduleFamily.INTERLEAVED, global_batch=8 * p)
+    assert _acts(inter, model)[0] == pytest.approx(_acts(base, model)[0] * (1 + (p - 1) / (p * v)), rel=1e-12)
+
+
+def test_zero_bubble_keeps_one_f_one_b_peak() -> None:
+    assert max(_acts(_cfg(schedule=ScheduleFamily.ZB_H1))) <= max(_acts(_cfg())) * (1 + 1e-12)
+
+
+def test_embedding_first_head_last() -> None:
+    mem = memory_per_stage(GPT3, A100, _cfg())
+    assert mem[0].embedding > 0 and all(m.embedding == 0 for m in mem[1:])
+    assert mem[-1].head > 0 and all(m.head == 0 for m in mem[:-1])
+    # tied embeddings with pp > 1: the last stage holds Megatron's copy of the word embeddings
+    assert mem[-1].head * GIB >= GPT3.vocab * GPT3.hidden / 8 * 18
+
+
+def test_untied_head_single_stage() -> None:
+    llama = model_preset("llama-7b")
+    mem = memory_per_stage(llama, A100, ParallelConfig(global_batch=8))
+    assert len(mem) == 1 and mem[0].embedding > 0 and mem[0].head > 0
+
+
+def test_distributed_optimizer_shards_optimizer_state_only() -> None:
+    plain = memory_per_stage(GPT3, A100, _cfg(dp=16, global_batch=256))[3]
+    dist = memory_per_stage(GPT3, A100, _cfg(dp=16, global_batch=256, distributed_optimizer=True))[3]
+    assert dist.optimizer == pytest.approx(plain.optimizer / 16, rel=1e-12)
+    assert (dist.weights, dist.grads) == (plain.weights, plain.grads)
+    assert plain.model_states / (plain.weights / 2) == pytest.approx(18, rel=1e-3)  # 18 bytes per parameter
+
+
+def test_full_recompute_keeps_layer_inputs_plus_one_layer() -> None:
+    cfg = _cfg(recompute=Recompute.FULL)
+    s, h = GPT3.seq_len, GPT3.hidden
+    inputs = 8 * (96 // 8) * 2 * s * h  # p micro-batches in flight x L/p layers x 2sbh (not split without sp)
+    full_layer = activation_bytes(GPT3, _cfg()).layer_full
+    assert memory_per_stage(GPT3, A100, cfg)[0].activations * GIB == pytest.approx(inputs + full_layer, rel=1e-12)
+
+
+def test_flash_and_selective_drop_the_score_terms() -> None:
+    eager = activation_bytes(GPT3, _cfg()).layer_saved
+    flash = activation_bytes(GPT3, _cfg(attention=Attention.FLASH)).layer_saved
+    sel = activation_bytes(GPT3, _cfg(recompute=Recompute.SELECTIVE)).layer_saved
+    s, h, a = GPT3.seq_len, GPT3.hidden, GPT3.num_heads
+    assert flash == sel == s * h * (10 + 24 / 8)
+    assert eager - flash == 5 * a * s * s / 8
+
+
+def test_llama_block_derivation() -> None:
+    m = model_preset("llama2-70b")  # h 8192, 64 heads, 8 KV heads (h_kv 1024), f 28672, s 4096
+    flash = activation_bytes(m, ParallelConfig(tp=8, global_batch=8)).layer_saved
+    assert flash == 4096 * (8 * 8192 + (4 * 8192 + 6 * 28672) / 8 + 4 * 1024 / 8)
+    eager = activation_bytes(m, ParallelConfig(tp=8, global_batch=8, attention=Attention.EAGER)).layer_saved
+    assert eager - flash == 2 * 64 * 4096 ** 2 / 8  # softmax output only: LLaMA has no attention dropout
+    sp = activation_bytes(m, ParallelConfig(tp=8, global_batch=8, sequence_parallel=True)).layer_saved
+    assert sp == 4096 * (8 * 8192 + 4 * 8192 + 6 * 28672 + 4 * 1024) / 8
+
+
+@pytest.mark.parametrize("family,v", [(ScheduleFamily.ONE_F_ONE_B, 1), (ScheduleFamily.INTERLEAVED, 2),
+                                      (ScheduleFamily.ZB_H1, 1), (ScheduleFamily.BPIPE, 1)])
+@pytest.mark.parametrize("p", [2, 4, 5, 6])
+def test_truncated_counting_matches_the_full_schedule(family: ScheduleFamily, v: int, p: int) -> None:
+    m = 8 * p
+    cfg = ParallelConfig(pp=p, chunks=v, global_batch=m, schedule=family)
+    short = counting_schedule(cfg)
+    assert short.num_microbatches < m
+    full = compute_order(family, num_ranks=p, num_microbatches=m, num_chunks=v)
+    if family is ScheduleFamily.BPIPE:
+        full = bpipe_transform(full)
+    unit = [1.0] * (p * v)
+    wg = [0.25] * (p * v)
+    for r in range(p):
+        assert _peak_activations(short, r, unit, 0.1, 0.2, wg, 0.05) == \
+            _peak_activations(full, r, unit, 0.1, 0.2, wg, 0.05)
+
+
+def test_gpt_model_with_gqa_is_allowed() -> None:
+    m = ModelSpec(name="g", arch=Arch.GPT, num_layers=8, hidden=1024, num_heads=16, num_kv_heads=4,
+                  ffn_hidden=4096, vocab=1000, seq_len=512, tied_embeddings=True)
+    mem = memory_per_stage(m, A100, ParallelConfig(tp=8, pp=2, global_batch=16))
+    assert mem[0].activations > mem[1].activations > 0
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(schedule=ScheduleFamily.ZB_H1),
+    dict(schedule=ScheduleFamily.INTERLEAVED, chunks=3),
+    dict(recompute=Recompute.FULL),
+    dict(recompute=Recompute.FULL, schedule=ScheduleFamily.INTERLEAVED, chunks=2),
+    dict(schedule=ScheduleFamily.GPIPE, global_batch=12),
+])
+def test_program_order_count_agrees_with_the_simulator(kw: dict[str, object]) -> None:
+    """memory_per_stage counts in program order on a truncated schedule; the simulator tracks bytes in time on
+    the full one with the same per-stage bytes (stage_sim_costs). Their per-rank peaks must agree. (BPipe is
+    left out: the simulator frees evicted activations when the transfer lands, after the next forward has
+    allocated, so it peaks one unit above the program-order count; see Estimate.activation_peak_simulated_gib.)"""
+    from evenpipe.cost import stage_sim_costs
+    from evenpipe.cost.memory import build_cost_schedule
+    from evenpipe.sim import simulate
+
+    cfg = _cfg(**kw)
+    trace = simulate(build_cost_schedule(cfg), stage_sim_costs(GPT3, A100, cfg))
+    mem = memory_per_stage(GPT3, A100, cfg)
+    emb_state = mem[0].embedding * GIB - trace_free_embedding_state(cfg)
+    for r, m in enumerate(mem):
+        ours = (m.activations + m.hosted) * GIB
+        ours += emb_state if r == 0 else 0.0
+        ours += (m.head * GIB - head_state(cfg)) if r == cfg.pp - 1 else 0.0
+        assert ours == pytest.approx(trace.peak_activation_bytes[r], rel=1e-9), r
+
+
+def trace_free_embedding_state(cfg: ParallelConfig) -> float:
+    params = GPT3.vocab // cfg.tp * GPT3.hidden + (GPT3.vocab % cfg.tp > 0) * GPT3.hidden + GPT3.seq_len * GPT3.hidden
+    return params * 18.0
+
+
+def head_state(cfg: ParallelConfig) -> float:
+    return (-(-GPT3.vocab // cfg.tp) * GPT3.hidden + 2 * GPT3.hidden) * 18.0

@@ -1,0 +1,175 @@
+"""Branch and bound returns exactly what exhaustive estimation would; the bound never exceeds the estimate."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from evenpipe.cost import (
+    Attention,
+    Hardware,
+    ModelSpec,
+    ParallelConfig,
+    Recompute,
+    check_config,
+    estimate,
+    hardware_preset,
+    memory_per_stage,
+    model_preset,
+)
+from evenpipe.errors import ConfigError, EvenpipeError
+from evenpipe.plan import Searcher, SearchSpace, enumerate_configs, plan_configs, step_time_lower_bound
+from evenpipe.schedule import ScheduleFamily
+
+A100 = hardware_preset("a100-80gb")
+A100_40 = hardware_preset("a100-40gb")
+SMALL = model_preset("gpt-1.7b")
+# a small but non-trivial space: 16 GPUs, every family, micro-batches up to 4
+SPACE = SearchSpace(max_microbatch_size=4, max_chunks=4, attention=Attention.EAGER)
+
+
+def _exhaustive(model: ModelSpec, hw: Hardware, gpus: int, batch: int,
+                space: SearchSpace) -> list[tuple[float, ParallelConfig]]:
+    out = []
+    for cfg in enumerate_configs(model, hw, num_gpus=gpus, global_batch=batch, space=space):
+        try:
+            check_config(model, hw, cfg, gpus)
+            est = estimate(model, hw, cfg)
+        except EvenpipeError:
+            continue
+        if est.fits:
+            out.append((est.step_time_s, cfg))
+    out.sort(key=lambda t: t[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def exhaustive_40gb() -> list[tuple[float, ParallelConfig]]:
+    # gpt-1.7b on 8 x A100-40GB, batch 32: memory binds for large micro-batches without recomputation
+    return _exhaustive(SMALL, A100_40, 8, 32, SPACE)
+
+
+def test_top_k_matches_exhaustive_search(exhaustive_40gb: list[tuple[float, ParallelConfig]]) -> None:
+    result = plan_configs(SMALL, A100_40, num_gpus=8, global_batch=32, space=SPACE, top_k=5)
+    got = [c.step_time_s for c in result.candidates]
+    want = [t for t, _ in exhaustive_40gb[:5]]
+    assert got == pytest.approx(want, rel=1e-12)
+    assert result.best.step_time_s == exhaustive_40gb[0][0]
+    assert all(c.estimate.fits for c in result.candidates)
+    s = result.stats
+    assert s.num_estimated < len(exhaustive_40gb)  # the bound saved simulations
+    assert s.num_enumerated == s.num_invalid + s.num_over_memory + s.num_bounded + s.num_dominated \
+        + s.num_estimated
+
+
+def test_best_per_schedule_matches_exhaustive(exhaustive_40gb: list[tuple[float, ParallelConfig]]) -> None:
+    result = Searcher(SMALL, A100_40).search(num_gpus=8, global_batch=32, space=SPACE, top_k=1,
+                                             best_per_schedule=True)
+    for family in SPACE.schedules:
+        times = [t for t, c in exhaustive_40gb if c.schedule is family]
+        if times:
+            assert result.best_by_schedule[family].step_time_s == pytest.approx(min(times), rel=1e-12)
+
+
+def test_dominated_configurations_are_really_slower(exhaustive_40gb: list[tuple[float, ParallelConfig]]) -> None:
+    # the dominance rule: all else equal, lighter recomputation is never slower (under BPipe: when it also
+    # evicts no more bytes)
+    by_cfg = {c: t for t, c in exhaustive_40gb}
+    searcher = Searcher(SMALL, A100_40)
+    checked = {ScheduleFamily.BPIPE: 0, ScheduleFamily.ONE_F_ONE_B: 0}
+    for cfg, t in by_cfg.items():
+        for lighter in (Recompute.NONE, Recompute.SELECTIVE):
+            if lighter is cfg.recompute or (lighter is Recompute.SELECTIVE and cfg.recompute is Recompute.NONE):
+                continue
+            twin = dataclasses.replace(cfg, recompute=lighter)
+            if twin not in by_cfg:
+                continue
+            if cfg.schedule is ScheduleFamily.BPIPE and not searcher._moves_no_more(twin, cfg):
+                continue
+            assert by_cfg[twin] <= t * (1 + 1e-12), (twin.describe(), cfg.describe())
+            if cfg.schedule in checked:
+                checked[cfg.schedule] += 1
+    assert all(n > 0 for n in checked.values()), checked
+
+
+@pytest.mark.parametrize("name,hw,gpus,batch", [("gpt-1.7b", A100_40, 8, 32), ("llama-7b", A100, 8, 16),
+                                                ("gpt-7.5b", A100, 16, 32)])
+def test_lower_bound_never_exceeds_the_estimate(name: str, hw: Hardware, gpus: int, batch: int) -> None:
+    model = model_preset(name)
+    space = SearchSpace(max_microbatch_size=2, max_chunks=2)
+    checked = 0
+    for cfg in enumerate_configs(model, hw, num_gpus=gpus, global_batch=batch, space=space):
+        try:
+            check_config(model, hw, cfg, gpus)
+            est = estimate(model, hw, cfg)
+        except EvenpipeError:
+            continue
+        bound = step_time_lower_bound(model, hw, cfg)
+        assert bound <= est.step_time_s * (1 + 1e-9), cfg.describe()
+        assert bound >= 0.8 * est.step_time_s, cfg.describe()  # and it is useful: within 20%
+        checked += 1
+    assert checked > 10
+
+
+def test_candidates_fit_and_are_sorted() -> None:
+    result = plan_configs(model_preset("gpt-7.5b"), A100, num_gpus=16, global_batch=64, top_k=4)
+    times = [c.step_time_s for c in result.candidates]
+    assert times == sorted(times) and len(times) == 4
+    for c in result.candidates:
+        assert c.config.num_gpus == 16
+        assert c.peak_memory_gib <= A100.usable_memory_gib
+        peak = max(m.total for m in memory_per_stage(c.estimate.model, A100, c.config))
+        assert peak == pytest.approx(c.peak_memory_gib)
+        d = c.to_dict()
+        for key in ("tp", "pp", "dp", "chunks", "microbatch_size", "recompute", "schedule", "step_time_s", "mfu",
+                    "peak_memory_gib"):
+            assert key in d
+
+
+def test_cache_makes_a_second_search_free() -> None:
+    searcher = Searcher(SMALL, A100)
+    searcher.search(num_gpus=8, global_batch=32, space=SPACE, top_k=3)
+    n = searcher.num_estimated
+    again = searcher.search(num_gpus=8, global_batch=32, space=SPACE, top_k=3)
+    assert searcher.num_estimated == n
+    assert again.stats.num_estimated > 0
+
+
+def test_nothing_fits_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="fits in 8 x a100-40gb"):
+        plan_configs(model_preset("gpt-1t"), A100_40, num_gpus=8, global_batch=64)
+
+
+def test_unfactorable_gpu_count_is_a_config_error() -> None:
+    # 7 GPUs: tp=7 does not divide 24 heads, pp=7 does not divide 24 layers, dp=7 does not divide 64
+    with pytest.raises(ConfigError, match="--gpus 7"):
+        plan_configs(SMALL, A100, num_gpus=7, global_batch=64)
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_gpus=0, global_batch=8), dict(num_gpus=8, global_batch=0),
+                                    dict(num_gpus=8, global_batch=8, top_k=0)])
+def test_bad_numbers_are_config_errors(kwargs: dict[str, int]) -> None:
+    with pytest.raises(ConfigError):
+        plan_configs(SMALL, A100, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name,gpus,batch", [("gpt-1.7b", 8, 64), ("llama-7b", 16, 32)])
+def test_peak_memory_grows_with_the_microbatch_size(name: str, gpus: int, batch: int) -> None:
+    # the search assumes it: once a micro-batch size overflows, larger ones (all else equal) are not checked
+    model = model_preset(name)
+    peaks: dict[tuple[object, ...], list[tuple[int, float]]] = {}
+    for cfg in enumerate_configs(model, A100, num_gpus=gpus, global_batch=batch,
+                                 space=SearchSpace(max_microbatch_size=8, max_chunks=4)):
+        try:
+            check_config(model, A100, cfg, gpus)
+            peak = max(m.total for m in memory_per_stage(model, A100, cfg))
+        except EvenpipeError:
+            continue
+        key = (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.recompute)
+        peaks.setdefault(key, []).append((cfg.microbatch_size, peak))
+    series = [sorted(v) for v in peaks.values() if len(v) > 1]
+    assert len(series) > 5
+    for s in series:
+        values = [p for _, p in s]
+        assert values == sorted(values), s
