@@ -7,9 +7,10 @@ Both runtimes get the same stage modules (``build_stage_modules`` over ``build_m
 same seed, balanced layout), the same global batches (``TokenBatches``, random tokens) and the same loss; each
 (runtime, P) runs in its own fresh world of P processes, one after the other. Per step: barrier, grads set to
 None, one pipeline step (forward and backward of every micro-batch; no optimizer), then the slowest rank's
-wall time; the table shows the median over timed steps. Memory, measured identically for both with the probes
-of ``pipe_probe.py``: autograd-saved bytes (peak), heap growth during a step (peak over the step's start: saved
-tensors plus kept stage outputs, in-flight message buffers and gradients) and peak RSS. Ratios are
+wall time and the CPU seconds of all ranks; the table shows medians over timed steps. Memory, measured
+identically for both with the probes of ``pipe_probe.py``: autograd-saved bytes (peak), heap peak during a step
+above the heap before the runtime existed (saved tensors plus kept stage outputs, receive buffers, in-flight
+messages and gradients) and peak RSS. Ratios are
 torch / evenpipe: above 1 means evenpipe is faster or smaller.
 """
 
@@ -47,10 +48,14 @@ def _worker(rank: int, world: int, runtime: str, opts: dict[str, Any]) -> dict[s
 
     from evenpipe.models import lm_loss
 
+    import evenpipe.runtime.executor  # noqa: F401  (import both runtimes before the heap base line)
+    import torch.distributed.pipelining  # noqa: F401
+
     stage, data, _cfg = _setup(rank, world, opts)
     m, b = opts["microbatches"], opts["microbatch_size"]
     saved = SavedBytes([stage])
     heap = HeapSampler(stage)
+    heap.set_base()  # model built, runtime not yet: its persistent buffers count
     if runtime == "evenpipe":
         from evenpipe.runtime.comm import build_groups
         from evenpipe.runtime.executor import PipelineExecutor
@@ -80,23 +85,24 @@ def _worker(rank: int, world: int, runtime: str, opts: dict[str, Any]) -> dict[s
                 sched.step(return_outputs=False)
             return float(torch.stack(losses).detach().mean()) if losses else None
 
-    times, saved_peaks, heap_peaks, losses = [], [], [], []
+    times, cpus, saved_peaks, heap_peaks, losses = [], [], [], [], []
     for i in range(opts["warmup"] + opts["steps"]):
         batch = data.batch(i, m * b)
         for p in stage.parameters():
             p.grad = None
         dist.barrier()
         heap.start()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = step(batch.tokens, batch.targets)
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if i >= opts["warmup"]:
             times.append(dt)
+            cpus.append(dc)
             saved_peaks.append(saved.peak_own_bytes)
-            heap_peaks.append(heap.peak_above_start())
+            heap_peaks.append(heap.peak_above_base())
         losses.append(loss)
     params = sum(t.numel() * t.element_size() for t in stage.parameters())
-    return {"times": times, "saved": max(saved_peaks), "heap": max(heap_peaks), "rss": peak_rss_bytes(),
+    return {"times": times, "cpus": cpus, "saved": max(saved_peaks), "heap": max(heap_peaks), "rss": peak_rss_bytes(),
             "losses": losses, "params": params}
 
 
@@ -118,7 +124,8 @@ def _measure(runtime: str, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     steps = len(ranks[0]["times"])
     slowest = [max(r["times"][i] for r in ranks) for i in range(steps)]
     last_losses = ranks[-1]["losses"]
-    return {"step_s": statistics.median(slowest), "saved": [r["saved"] for r in ranks],
+    cpu = [sum(r["cpus"][i] for r in ranks) for i in range(steps)]
+    return {"step_s": statistics.median(slowest), "cpu_s": statistics.median(cpu), "saved": [r["saved"] for r in ranks],
             "heap": [r["heap"] for r in ranks], "rss": [r["rss"] for r in ranks], "losses": last_losses,
             "params": [r["params"] for r in ranks]}
 
@@ -130,6 +137,8 @@ def _mib(n: float) -> str:
 def _report(world: int, ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     print(f"\nP={world}: median step time  evenpipe {ours['step_s']:.3f} s   torch {theirs['step_s']:.3f} s   "
           f"ratio torch/evenpipe {theirs['step_s'] / ours['step_s']:.2f}")
+    print(f"  median CPU seconds per step, all ranks: evenpipe {ours['cpu_s']:.2f}   torch {theirs['cpu_s']:.2f}   "
+          f"ratio {theirs['cpu_s'] / ours['cpu_s']:.2f}")
     print(f"  first-step loss  evenpipe {ours['losses'][0]:.6f}   torch {theirs['losses'][0]:.6f}")
     print("  rank | saved MiB  ours  torch  ratio | step heap MiB  ours  torch  ratio | peak RSS MiB  ours  torch"
           " | grads MiB")

@@ -7,9 +7,10 @@ Three measures, taken the same way whatever runs the pipeline:
   down when autograd frees them). evenpipe's executor takes it as its stash; for another runtime, wrap the stage
   module (and the loss) in :func:`captured` so every forward runs inside ``capture``.
 - **heap**: bytes malloc has handed out and not taken back (glibc ``mallinfo2``: ``uordblks + hblkhd``, every
-  arena), sampled by :class:`HeapSampler` after every submodule forward and whenever a block output's gradient
-  is computed. The step's heap peak minus the heap at its start covers everything the step allocates and keeps
-  at once: saved tensors, stage outputs a runtime keeps, buffers of transfers still in flight, gradients.
+  arena), sampled by :class:`HeapSampler` after every submodule forward and whenever a submodule output's
+  gradient is computed. A step's heap peak minus the heap after the model was built (before the runtime was
+  created) covers everything the runtime allocates and keeps at once: saved tensors, stage outputs it keeps,
+  receive buffers (including ones it keeps between steps), transfers still in flight, gradients.
 - **peak RSS**: ``getrusage`` high-water mark of the process (whole run, warm-up included).
 """
 
@@ -107,10 +108,15 @@ class HeapSampler:
     def _on_grad(self, grad: torch.Tensor) -> None:
         self.sample()
 
-    def start(self) -> None:
+    def set_base(self) -> None:
+        """Take the heap now as the zero line (e.g. after building the model, before any step)."""
         self.base = self.peak = heap_bytes()
 
-    def peak_above_start(self) -> int:
+    def start(self) -> None:
+        """Start a new peak window (the base stays)."""
+        self.peak = heap_bytes()
+
+    def peak_above_base(self) -> int:
         self.sample()
         return self.peak - self.base
 

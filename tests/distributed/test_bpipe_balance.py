@@ -11,11 +11,11 @@ that stage (the embedding and the head make the end stages differ, so each stage
 - rank 0's BPipe peak <= ``ceil((P+1)/2)/P`` x its 1F1B peak x 1.10;
 - the simulator (``evenpipe.sim.simulate`` on the same ``build_schedule`` schedules, stage costs carrying the
   measured unit bytes) predicts every rank's measured peak within 10%, for 1F1B and for BPipe;
-- balance: every rank's BPipe peak is within 15% of the mean over ranks. BPipe moves whole units and each pair
-  ``(x, P-1-x)`` holds ``P+1`` of them, so the best split is ceil/floor of ``(P+1)/2``: 5,5,5,5,4,4,4,4 at P=8
-  (at most +11% from the mean: checked as stated), but 3,3,2,2 at P=4, +-20% of the mean with equal units, which
-  no whole-unit schedule can beat. At P=4 the test checks the best achievable balance instead: no rank above
-  ``ceil((P+1)/2)`` units (of the larger unit of its pair) and a spread below one unit (1F1B fails both).
+- balance: every rank's BPipe peak is within 15% of the mean over ranks (1F1B's are not: its rank 0 holds P
+  units, its last rank one).
+
+The measured unit includes the stage output, which the executor frees once sent; the simulator does not model
+that, so it overestimates by about one output per held unit (~5% here).
 """
 
 from __future__ import annotations
@@ -182,16 +182,9 @@ def test_simulator_predicts_measured_peaks(measured: tuple[int, list[dict[str, A
 def test_bpipe_balances_ranks(measured: tuple[int, list[dict[str, Any]]]) -> None:
     P, reports = measured
     peaks = [rep["bpipe"]["peak"] for rep in reports]
-    units = _units(reports)
     mean = sum(peaks) / P
-    if P % 4 == 0 and P >= 8:  # ceil/floor((P+1)/2) units are within 15% of their mean
-        bad = [f"rank {r}: {p} B vs mean {mean:.0f} B" for r, p in enumerate(peaks)
-               if abs(p - mean) > BALANCE_TOLERANCE * mean]
-        assert not bad, "BPipe peaks more than 15% from the mean:\n" + "\n".join(bad) + "\n" + _table(P, reports)
-        return
-    budget = math.ceil((P + 1) / 2)  # best whole-unit balance (see the module docstring)
-    over = [f"rank {r}: {p} B > {budget} x {max(units[r], units[P - 1 - r])} B" for r, p in enumerate(peaks)
-            if p > budget * max(units[r], units[P - 1 - r])]
-    assert not over, "BPipe peaks above the budget:\n" + "\n".join(over) + "\n" + _table(P, reports)
-    assert max(peaks) - min(peaks) < max(units), (
-        f"BPipe spread {max(peaks) - min(peaks)} B is a unit ({max(units)} B) or more\n{_table(P, reports)}")
+    bad = [f"rank {r}: {p} B is {p / mean - 1:+.1%} from the mean {mean:.0f} B" for r, p in enumerate(peaks)
+           if abs(p - mean) > BALANCE_TOLERANCE * mean]
+    assert not bad, "BPipe peaks more than 15% from the mean:\n" + "\n".join(bad) + "\n" + _table(P, reports)
+    plain = [rep["1f1b"]["peak"] for rep in reports]  # control: the same measure tells 1F1B's imbalance
+    assert max(plain) > (1 + BALANCE_TOLERANCE) * sum(plain) / P, f"1F1B looks balanced too\n{_table(P, reports)}"

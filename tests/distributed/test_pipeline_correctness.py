@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from cases import Case, free_outputs_check, run_cases
+from cases import Case, free_outputs_check, measured_trace_check, run_cases
 from harness import run_world
 
 pytestmark = pytest.mark.distributed
@@ -39,6 +39,7 @@ def _bpipe_cases() -> list[Case]:
             for model in MODELS:
                 for recompute in (False, True):
                     out.append(Case(family="bpipe", pp=pp, microbatches=m, dp=dp, model=model, recompute=recompute))
+    out.append(Case(family="bpipe", pp=4, microbatches=9, free_outputs=False))  # kept outputs travel too
     return out
 
 
@@ -55,7 +56,8 @@ TRAJECTORY_CASES = _trajectory_cases()
 
 
 def _world_fn(rank: int, world: int) -> list[str]:
-    return run_cases(SCHEDULE_CASES + BPIPE_CASES + TRAJECTORY_CASES) + free_outputs_check()
+    return (run_cases(SCHEDULE_CASES + BPIPE_CASES + TRAJECTORY_CASES) + free_outputs_check()
+            + measured_trace_check())
 
 
 @pytest.fixture(scope="module")
@@ -86,4 +88,9 @@ def test_loss_trajectory_matches_single_process(world_failures: list[str], case:
 
 def test_freeing_outputs_lowers_peak_and_keeps_gradients(world_failures: list[str]) -> None:
     mine = [f for f in world_failures if f.startswith("free-outputs") or " raised " in f]
+    assert not mine, "\n".join(mine)
+
+
+def test_measured_trace_shows_bpipe_transfers(world_failures: list[str]) -> None:
+    mine = [f for f in world_failures if f.startswith("measured trace") or " raised " in f]
     assert not mine, "\n".join(mine)

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bpipe-budget", type=int, default=None,
                    help="BPipe: activation units a rank may hold (default ceil((P+1)/2))")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--corpus", default=None, help="text file to train on (bytes as tokens)")
+    src.add_argument("--corpus", default=None, help="text file to train on, bytes as tokens (default: the shipped corpus)")
     src.add_argument("--random-tokens", action="store_true", help="train on uniformly random tokens")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
@@ -85,13 +85,9 @@ def check_options(args: argparse.Namespace) -> dict[str, Any]:
     world = pp * dp
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != world:
         raise ConfigError(f"world size {os.environ['WORLD_SIZE']} != stages x dp = {pp} x {dp} = {world}")
-    if args.corpus and not os.path.isfile(args.corpus):
-        raise ConfigError(f"--corpus {args.corpus!r} is not a readable file")
-    if args.corpus and os.path.getsize(args.corpus) <= cfg.seq_len + 1:
-        raise ConfigError(f"--corpus {args.corpus!r} is shorter than one sequence ({cfg.seq_len + 1} bytes)")
-    if args.corpus and cfg.vocab < 256:
-        raise ConfigError(f"--corpus uses bytes as tokens, which needs a vocab of >= 256; {args.model} has "
-                          f"{cfg.vocab}")
+    from evenpipe.runtime.data import TokenBatches, TokenSource
+    TokenBatches(source=TokenSource.RANDOM if args.random_tokens else TokenSource.CORPUS, seq_len=cfg.seq_len,
+                 vocab=cfg.vocab, seed=args.seed, path=args.corpus)  # checks the corpus and the vocabulary
     if not math.isfinite(args.timeout) or args.timeout <= 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
     return {

@@ -311,7 +311,7 @@ class Searcher:
         top, best_by_family = self._branch_and_bound(pending, top_k, best_per_schedule, counts) if pending \
             else ([], {})
         if not top:
-            raise self._nothing_fits(num_gpus, global_batch, counts)
+            raise self._nothing_fits(num_gpus, global_batch, counts, space)
         stats = SearchStats(num_enumerated=counts.enumerated, num_invalid=counts.invalid,
                             num_over_memory=counts.over_memory, num_dominated=counts.dominated,
                             num_bounded=counts.bounded, num_estimated=counts.estimated)
@@ -432,7 +432,7 @@ class Searcher:
                 best[cfg.schedule] = cand
         return top, best
 
-    def _nothing_fits(self, num_gpus: int, global_batch: int, counts: _Counts) -> ConfigError:
+    def _nothing_fits(self, num_gpus: int, global_batch: int, counts: _Counts, space: SearchSpace) -> ConfigError:
         if counts.enumerated == 0:
             return ConfigError(
                 f"no (tp, pp, dp) factorisation of --gpus {num_gpus} suits {self.model.name} "
@@ -443,8 +443,9 @@ class Searcher:
                                f"--global-batch {global_batch}; for example: {counts.last_error}")
         return ConfigError(
             f"no configuration of {self.model.name} fits in {num_gpus} x {self.hw.name} "
-            f"({self.hw.memory_gib:g} GiB each): all {counts.over_memory} valid ones exceed memory; use more GPUs or a "
-            f"smaller model")
+            f"({self.hw.memory_gib:g} GiB each): all {counts.over_memory} valid ones exceed memory; use more GPUs, "
+            + ("" if space.distributed_optimizer else "the distributed optimizer, ")
+            + "or a smaller model")
 
 
 def plan_configs(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_batch: int,

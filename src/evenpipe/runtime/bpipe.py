@@ -5,22 +5,27 @@ frees it; the acceptor holds it; before the backward the acceptor returns it and
 
 What travels: the stash's ``export(key)``, every unique storage of the unit (what autograd saved in the stage's
 forward plus the tensors the executor holds for it: received input, kept output) as one flat ``uint8`` buffer,
-with its small picklable ``StashMeta``. ``drop`` frees those storages in place, so the graph's and the
+with its small ``StashMeta``. ``drop`` frees those storages in place, so the graph's and the
 executor's own references really lose their memory, and ``restore`` refills them. Under recomputation the unit
 holds only the stage input, so only the stage input travels (a recomputed first stage keeps nothing but token
 ids, which are not activations: its unit is empty). The stage output's send is waited before the drop, since
 the drop may free the storage being sent.
 
-Wire format, per unit, all on the BPipe group: an ``int64[2]`` header ``(meta bytes, flat bytes)``, then the
-pickled meta, then the flat buffer. The receiver posts the header receive where ACCEPT/LOAD stands, posts the two
-data receives as soon as it sees the header arrive (polled between actions), and waits for them just before the
-data is needed (LOAD: before the stage's RECOMPUTE or backward; ACCEPT: at RETURN). The sender posts all three at
-once, so transfers overlap compute on both sides.
+Wire format, per unit, all on the BPipe group: the meta as ``StashMeta.to_tensor()`` (``int64``), then the flat
+``uint8`` buffer. Sizes are learned on the first step of each micro-batch shape: that step prefixes every unit
+with an ``int64[2]`` header (meta length, flat length); the receiver posts the header receive where ACCEPT/LOAD
+stands and the data receives once it sees the header (polled between actions). Every later step posts the data
+receives directly where ACCEPT/LOAD stands, with buffers of the learned sizes, so the acceptor's memory is taken
+exactly there (as the simulator assumes) and the transfer overlaps compute; a unit whose size changed is an
+error. Data is waited just before it is needed (LOAD: before the stage's RECOMPUTE or backward; ACCEPT: at
+RETURN). The sender posts everything at once.
+
+Caveat (untested, no GPU here): on NCCL the first step's lazily posted data receives share the BPipe
+communicator's stream with that rank's own BPipe sends, which can serialise them; later steps post in place.
 """
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,11 +47,24 @@ def _empty_unit(key: tuple[int, int]) -> Any:
     return StashMeta(key=key, storage_bytes=())
 
 
+def _meta_from(t: torch.Tensor) -> Any:
+    from evenpipe.runtime.stash import StashMeta
+    return StashMeta.from_tensor(t)
+
+
+Sizes = dict[int, tuple[int, int]]
+"""Per evicted stage: (meta length in int64 elements, flat length in bytes) of its units."""
+
+
 @dataclass(slots=True)
 class _Incoming:
-    header_batch: PendingBatch
-    header: torch.Tensor
     role: ActionKind
+    peer: int
+    group: object
+    tag: int
+    what: str
+    header_batch: PendingBatch | None = None
+    header: torch.Tensor | None = None
     data_batch: PendingBatch | None = None
     meta_buf: torch.Tensor | None = None
     flat: torch.Tensor | None = None
@@ -56,8 +74,10 @@ class _Incoming:
 class BpipeOps:
     """BPipe transfers of one step on one rank (created by the executor's step run)."""
 
-    def __init__(self, run: "_StepRun") -> None:
+    def __init__(self, run: "_StepRun", sizes: Sizes, learning: bool) -> None:
         self.run = run
+        self.sizes = sizes
+        self.learning = learning
         self.incoming: dict[tuple[int, int], _Incoming] = {}
 
     # -- posting ---------------------------------------------------------------------------------------------
@@ -66,24 +86,58 @@ class BpipeOps:
         return ((a.stage * self.run.ex.schedule.num_microbatches + a.microbatch) * 2 + int(back)) * 3 + part
 
     def transfers(self, a: Action) -> list[tuple[Transfer, Any]]:
-        """The messages one BPipe action posts (three sends, or one header receive)."""
+        """The messages one BPipe action posts."""
         ex = self.run.ex
         assert a.peer is not None
         peer, grp = ex.groups.global_rank(a.peer), ex.groups.bpipe_group
         key = a.key
         what = f"{a.kind.name} stage {a.stage} mb {a.microbatch}"
         if a.kind in (_K.ACCEPT, _K.LOAD):
-            header = torch.zeros(2, dtype=torch.int64, device=ex.device)
+            inc = _Incoming(a.kind, peer, grp, self._tag(a, 0), what)
+            self.incoming[key] = inc
+            if self.learning:
+                inc.header = torch.zeros(2, dtype=torch.int64, device=ex.device)
 
-            def on_posted(batch: PendingBatch) -> None:
-                self.incoming[key] = _Incoming(batch, header, a.kind)
-            return [(Transfer(send=False, tensor=header, peer=peer, group=grp, tag=self._tag(a, 0), what=what),
-                     on_posted)]
-        meta, flat = self._evict(key) if a.kind is _K.EVICT else self._unhost(key)
-        meta_bytes = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8).to(ex.device)
-        header = torch.tensor([meta_bytes.numel(), flat.numel()], dtype=torch.int64, device=ex.device)
-        return [(Transfer(send=True, tensor=t, peer=peer, group=grp, tag=self._tag(a, i), what=what), None)
-                for i, t in enumerate((header, meta_bytes, flat))]
+                def on_header(batch: PendingBatch) -> None:
+                    inc.header_batch = batch
+                return [(Transfer(send=False, tensor=inc.header, peer=peer, group=grp, tag=inc.tag, what=what),
+                         on_header)]
+            n_meta, n_flat = self.sizes[a.stage]
+            made = self._data_transfers(inc, n_meta, n_flat)
+            if a.kind is _K.ACCEPT:  # the buffer exists from here on: count it as hosted now
+                assert inc.flat is not None
+                ex.stash.host(key, None, inc.flat)
+                inc.hosted = True
+
+            def on_data(batch: PendingBatch) -> None:
+                inc.data_batch = batch
+            return [(t, on_data) for t in made]
+        if a.kind is _K.EVICT:
+            meta, flat = self._evict(key)
+            meta_t = meta.to_tensor().to(ex.device)
+            self._check_size(a.stage, meta_t.numel(), flat.numel())
+        else:
+            meta_t, flat = self._unhost(key)
+        parts: tuple[torch.Tensor, ...] = (meta_t, flat)
+        if self.learning:
+            parts = (torch.tensor([meta_t.numel(), flat.numel()], dtype=torch.int64, device=ex.device), *parts)
+        first = 0 if self.learning else 1
+        return [(Transfer(send=True, tensor=t, peer=peer, group=grp, tag=self._tag(a, first + i), what=what), None)
+                for i, t in enumerate(parts)]
+
+    def _check_size(self, stage: int, n_meta: int, n_flat: int) -> None:
+        if self.learning:
+            self.sizes[stage] = (n_meta, n_flat)
+        elif self.sizes.get(stage) != (n_meta, n_flat):
+            raise RuntimeError(f"BPipe unit of stage {stage} is {n_flat} bytes ({n_meta} meta), the first step's "
+                               f"was {self.sizes.get(stage)}; units must keep their size between steps")
+
+    def _data_transfers(self, inc: _Incoming, n_meta: int, n_flat: int) -> list[Transfer]:
+        dev = self.run.ex.device
+        inc.meta_buf = torch.empty(n_meta, dtype=torch.int64, device=dev)
+        inc.flat = torch.empty(n_flat, dtype=torch.uint8, device=dev)
+        return [Transfer(send=False, tensor=b, peer=inc.peer, group=inc.group, tag=inc.tag + 1 + i, what=inc.what)
+                for i, b in enumerate((inc.meta_buf, inc.flat))]
 
     def _evict(self, key: tuple[int, int]) -> tuple[Any, torch.Tensor]:
         run, stash = self.run, self.run.ex.stash
@@ -98,33 +152,30 @@ class BpipeOps:
         run.evicted_bytes += flat.numel()
         return meta, flat
 
-    def _unhost(self, key: tuple[int, int]) -> tuple[Any, torch.Tensor]:
+    def _unhost(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         self._complete(key)
-        self.incoming.pop(key)
-        meta, flat = self.run.ex.stash.unhost(key)
-        return meta, flat
+        inc = self.incoming.pop(key)
+        _, flat = self.run.ex.stash.unhost(key)
+        assert inc.meta_buf is not None
+        return inc.meta_buf, flat
 
     # -- receiving -------------------------------------------------------------------------------------------
     def poll(self) -> None:
-        """Post the data receives of every unit whose header has arrived; host accepted units that arrived."""
+        """First step: post the data receives of every unit whose header has arrived; host arrived units."""
         for key, inc in self.incoming.items():
-            if inc.data_batch is None and inc.header_batch.is_completed():
+            if inc.data_batch is None and inc.header_batch is not None and inc.header_batch.is_completed():
                 self._post_data(key, inc)
             if (inc.role is _K.ACCEPT and not inc.hosted and inc.data_batch is not None
                     and inc.data_batch.is_completed()):
                 self._host(key, inc)
 
     def _post_data(self, key: tuple[int, int], inc: _Incoming) -> None:
-        ex = self.run.ex
+        assert inc.header_batch is not None and inc.header is not None
         inc.header_batch.wait()
         n_meta, n_flat = (int(v) for v in inc.header.tolist())
-        inc.meta_buf = torch.empty(n_meta, dtype=torch.uint8, device=ex.device)
-        inc.flat = torch.empty(n_flat, dtype=torch.uint8, device=ex.device)
-        t = inc.header_batch.transfers[0]
-        tags = [t.tag + 1, t.tag + 2]
-        inc.data_batch = post_batch([Transfer(send=False, tensor=b, peer=t.peer, group=t.group, tag=tag, what=t.what)
-                                     for b, tag in zip((inc.meta_buf, inc.flat), tags)],
-                                    timeout_s=ex.groups.timeout_s)
+        if inc.role is _K.ACCEPT:
+            self.sizes[key[0]] = (n_meta, n_flat)
+        inc.data_batch = post_batch(self._data_transfers(inc, n_meta, n_flat), timeout_s=self.run.ex.groups.timeout_s)
 
     def _complete(self, key: tuple[int, int]) -> tuple[Any, torch.Tensor]:
         inc = self.incoming[key]
@@ -134,14 +185,12 @@ class BpipeOps:
         inc.data_batch.wait()
         if inc.role is _K.ACCEPT and not inc.hosted:
             self._host(key, inc)
-        return pickle.loads(inc.meta_buf.cpu().numpy().tobytes()), inc.flat
+        return _meta_from(inc.meta_buf), inc.flat
 
     def _host(self, key: tuple[int, int], inc: _Incoming) -> None:
         assert inc.meta_buf is not None and inc.flat is not None
-        meta = pickle.loads(inc.meta_buf.cpu().numpy().tobytes())
-        self.run.ex.stash.host(key, meta, inc.flat)
+        self.run.ex.stash.host(key, None, inc.flat)
         inc.hosted = True
-        inc.flat = None  # the stash holds it now
 
     def before_backward(self, key: tuple[int, int]) -> None:
         """Make a loaded unit usable again before its stage's RECOMPUTE or backward (no-op if never evicted)."""

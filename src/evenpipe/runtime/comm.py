@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,11 +55,11 @@ class ParallelGroups:
     """Global ranks of this replica's pipeline ranks, indexed by pipeline rank."""
     dp_ranks: tuple[int, ...]
     """Global ranks of this pipeline rank in every replica, indexed by replica."""
-    pp_group: object = field(repr=False)
+    pp_group: Any = field(repr=False)
     """Process group of the replica: activations and gradients."""
-    bpipe_group: object = field(repr=False)
+    bpipe_group: Any = field(repr=False)
     """Second process group of the replica: BPipe evict/accept/return/load."""
-    dp_group: object = field(repr=False)
+    dp_group: Any = field(repr=False)
     """Process group across replicas for this pipeline rank (gradient all-reduce); ``None`` when dp == 1."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """How long any wait on these groups may take before it fails."""
@@ -122,7 +122,7 @@ class Transfer:
     """The payload (send) or the buffer to fill (receive)."""
     peer: int
     """Global rank of the other side."""
-    group: object
+    group: Any
     """Process group both sides use."""
     tag: int = 0
     """Message tag (honoured by gloo; NCCL matches by posting order, which the schedule validator guarantees)."""
@@ -135,8 +135,8 @@ class PendingBatch:
 
     __slots__ = ("works", "transfers", "done", "timeout_s")
 
-    def __init__(self, works: list[object], transfers: Sequence[Transfer], timeout_s: float) -> None:
-        self.works = works
+    def __init__(self, works: Sequence[Any], transfers: Sequence[Transfer], timeout_s: float) -> None:
+        self.works = list(works)
         self.transfers = tuple(transfers)
         self.done = False
         self.timeout_s = timeout_s

@@ -127,7 +127,7 @@ class PipelineExecutor:
         self.groups = groups
         self.loss_fn = loss_fn
         self.free_outputs = free_outputs
-        self.stash = stash if stash is not None else _NullStash()
+        self.stash: Any = stash if stash is not None else _NullStash()
         if hasattr(self.stash, "add_modules"):  # parameters and buffers are never activations
             self.stash.add_modules(self.stages.values())
         self.device = torch.device(device)
@@ -138,7 +138,12 @@ class PipelineExecutor:
             raise ConfigError("schedule has BPipe evict/load actions; the executor needs an ActivationStash")
         self.last_stage = schedule.num_stages - 1
         self._shapes: dict[tuple[int, ...], dict[int, tuple[tuple[int, ...], torch.dtype]]] = {}
+        self._bpipe_sizes: dict[tuple[int, ...], dict[int, tuple[int, int]]] = {}  # learned on the first step
         self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in self.stages.items()}
+        if dist.get_backend(groups.pp_group) == "nccl":  # NCCL: first call on a group must involve all its ranks
+            for grp in (groups.pp_group, groups.bpipe_group, groups.dp_group):
+                if grp is not None:
+                    dist.all_reduce(torch.zeros(1, device=self.device), group=grp)
 
     # ------------------------------------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
@@ -279,7 +284,9 @@ class _StepRun:
         self._send_records: dict[int, list[SendRecord]] = {}
         self.output_sends: dict[tuple[int, int], PendingBatch] = {}  # SEND_F batch per key (BPipe waits on it)
         from evenpipe.runtime.bpipe import BpipeOps  # local: BPipe is an add-on of the executor
-        self.bpipe = BpipeOps(self)
+        shape = tuple(mb_inputs[0].shape)
+        learning = shape not in ex._bpipe_sizes
+        self.bpipe = BpipeOps(self, ex._bpipe_sizes.setdefault(shape, {}), learning)
 
     # -- loop ------------------------------------------------------------------------------------------------
     def execute(self) -> None:
@@ -327,36 +334,49 @@ class _StepRun:
                 rec.end = now
 
     def _post(self, indices: list[int]) -> None:
-        """Post a run of transfer actions: pipeline messages as one batch, each BPipe action as its own."""
+        """Post a run of transfer actions: pipeline messages as one batch, then each BPipe action as its own.
+
+        Pipeline messages go first: an EVICT may drop (in place) the storage a SEND_F of the same run sends, so
+        that send must be posted, and is then waited, before the evict exports and drops.
+        """
         g = self.ex.groups
-        by_group: dict[int, list[tuple[Transfer, Any, Action]]] = {}
         t0 = time.perf_counter()
+        pp_items: list[tuple[Transfer, Any, Action]] = []
         for idx in indices:
             a = self.ex.actions[idx]
-            self.current = a
+            if a.kind not in _BPIPE_KINDS:
+                self.current = a
+                t, on_posted = self._pp_transfer(a)
+                pp_items.append((t, on_posted, a))
+        if pp_items:
+            self._post_items(pp_items, t0)
+        for idx in indices:
+            a = self.ex.actions[idx]
             if a.kind in _BPIPE_KINDS:
                 # each BPipe action alone: a header receive must be waitable without waiting for other sends
-                by_group[-idx - 1] = [(t, on_posted, a) for t, on_posted in self.bpipe.transfers(a)]
-            else:
-                t, on_posted = self._pp_transfer(a)
-                by_group.setdefault(id(g.pp_group), []).append((t, on_posted, a))
-        for items in by_group.values():
-            batch = post_batch([t for t, _, _ in items], timeout_s=g.timeout_s)
-            for t, on_posted, a in items:
-                if on_posted is not None:
-                    on_posted(batch)
-                if a.kind is _K.SEND_F:
-                    self.output_sends[a.key] = batch
-                if t.send and self.recorder is not None:
-                    rec = SendRecord(action=a, dst=a.peer if a.peer is not None else -1,
-                                     num_bytes=t.tensor.numel() * t.tensor.element_size(), start=t0)
-                    self.recorder.sends.append(rec)
-                    self._send_records.setdefault(id(batch), []).append(rec)
-            if any(t.send for t, _, _ in items):
-                self.sends.append(batch)
+                self.current = a
+                self._post_items([(t, on_posted, a) for t, on_posted in self.bpipe.transfers(a)], t0)
         if self.recorder is not None:
             for idx in indices:
                 self.recorder.action(idx, self.ex.actions[idx], t0, time.perf_counter(), self.ex.stash)
+
+    def _post_items(self, items: list[tuple[Transfer, Any, Action]], t0: float) -> None:
+        g = self.ex.groups
+        batch = post_batch([t for t, _, _ in items], timeout_s=g.timeout_s)
+        for t, on_posted, a in items:
+            if on_posted is not None:
+                on_posted(batch)
+            if a.kind is _K.SEND_F:
+                self.output_sends[a.key] = batch
+            if t.send and self.recorder is not None:  # one record per sending action (all its messages)
+                recs = self._send_records.setdefault(id(batch), [])
+                if not recs or recs[-1].action is not a:
+                    recs.append(SendRecord(action=a, dst=a.peer if a.peer is not None else -1, num_bytes=0,
+                                           start=t0))
+                    self.recorder.sends.append(recs[-1])
+                recs[-1].num_bytes += t.tensor.numel() * t.tensor.element_size()
+        if any(t.send for t, _, _ in items):
+            self.sends.append(batch)
 
     def _tag(self, a: Action) -> int:
         m = self.ex.schedule.num_microbatches

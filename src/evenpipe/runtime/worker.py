@@ -47,21 +47,16 @@ class RankReport:
 
 
 def batches(options: Mapping[str, Any], vocab: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Deterministic global batches ``(tokens, targets)`` of ``global_batch x seq_len``, identical on all ranks."""
-    n, t, seed = options["global_batch"], options["seq_len"], options["seed"]
-    corpus = None
-    if options.get("corpus"):
-        with open(options["corpus"], "rb") as f:
-            corpus = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).long()
+    """Deterministic global batches ``(tokens, targets)`` of ``global_batch x seq_len``, identical on all ranks:
+    random windows of the corpus (the shipped one unless ``--corpus``) or, with ``--random-tokens``, random ids."""
+    from evenpipe.runtime.data import TokenBatches, TokenSource
+    source = TokenSource.RANDOM if options["random_tokens"] else TokenSource.CORPUS
+    data = TokenBatches(source=source, seq_len=options["seq_len"], vocab=vocab, seed=options["seed"],
+                        path=options.get("corpus"))
     step = 0
     while True:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        if corpus is None:
-            data = torch.randint(0, vocab, (n, t + 1), generator=g)
-        else:
-            starts = torch.randint(0, corpus.numel() - t - 1, (n,), generator=g)
-            data = torch.stack([corpus[s:s + t + 1] for s in starts.tolist()])
-        yield data[:, :-1], data[:, 1:]
+        b = data.batch(step, options["global_batch"])
+        yield b.tokens, b.targets
         step += 1
 
 
@@ -122,8 +117,11 @@ def train(options: Mapping[str, Any]) -> int:
                  max(peaks[2], result.peak_activation_bytes)]
         evicted = result.evicted_bytes
         records = result.records
-        if me == 0:
-            print(f"step {step + 1:4d}/{options['steps']}  loss {result.loss:.4f}  "
+        every = max(1, options["steps"] // 50)  # long runs: about 50 progress lines
+        if me == 0 and ((step + 1) % every == 0 or step + 1 == options["steps"]):
+            done = (step + 1) / options["steps"]
+            bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
+            print(f"step {step + 1:4d}/{options['steps']} [{bar}]  loss {result.loss:.4f}  "
                   f"{tokens_per_step / dt:10.0f} tokens/s", flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     report = RankReport(pp_rank=groups.pp_rank, dp_rank=groups.dp_rank, peak_own_bytes=peaks[0],

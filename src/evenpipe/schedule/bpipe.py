@@ -14,10 +14,14 @@ Each evicted micro-batch is loaded back one compute slot before its first use (`
 transfer overlaps that compute; if the load would exceed ``K`` there it is paid for by another eviction (before
 a forward) or moved after the compute (before a backward, which frees a unit). Markers are ordered so that
 held units never exceed ``K`` even between actions. The acceptor's own plus hosted units are checked in the
-program order :func:`derive_communication` gives it. By default the middle pair of an even ``p`` (whose
-evictor needs no room) still moves one micro-batch, so every rank peaks at ``K``: balanced memory, which is
-the point of BPipe. When no schedule meets ``K``, the error names the smallest budget that works (tests check
-that the default is met, exactly, for every ``M >= p``).
+program order :func:`derive_communication` gives it (which posts an ``ACCEPT`` due during one of the acceptor's
+backwards ahead of that backward, so the evictor never waits for it and BPipe keeps 1F1B's step time). Program
+order is what bounds time: in the simulator (:mod:`evenpipe.sim.engine`, whose rule a runtime must follow too)
+an allocation never takes effect before its place in the list and a rank's ``EVICT``/``RETURN`` land before its
+next allocation, so :func:`held_units` bounds the units a rank holds at any moment, whatever the costs and links.
+By default the middle pair of an even ``p`` (whose evictor needs no room) still moves one micro-batch, so every
+rank peaks at ``K``: balanced memory, which is the point of BPipe. When no schedule meets ``K``, the error names
+the smallest budget that works (tests check that the default is met, exactly, for every ``M >= p``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ _F, _B, _I, _W, _R = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWA
 _DELTA = {_F: 1, _B: -1, _W: -1, ActionKind.EVICT: -1, ActionKind.LOAD: 1, ActionKind.ACCEPT: 1,
           ActionKind.RETURN: -1, ActionKind.OFFLOAD: -1, ActionKind.RELOAD: 1}
 """Change in held activation units caused by each action kind (others: 0)."""
+_BACKWARDS = frozenset({_B, _I, _W})
+"""Computes that allocate nothing; derive_communication posts an ACCEPT due while one runs ahead of it."""
 _DELTA_BY_TOKEN = {k.value: d for k, d in _DELTA.items()}
 """The same, keyed by token: ``kind._value_`` is a plain attribute and a str hashes faster than an enum member."""
 
@@ -120,7 +126,7 @@ def _plan(compute: Schedule, timing: WitnessTiming, budget: int, *,
             marked = _evict_and_load(compute.actions[r], budget, partner=partner, early=early)
             if marked is None:
                 return None
-            peak = _acceptor_peak(compute.actions[partner], timing.start[partner], marked, timing.start[r])
+            peak = _acceptor_peak(compute.actions[partner], timing, partner, marked, timing.start[r])
             if peak <= budget:
                 break
         else:
@@ -150,7 +156,7 @@ def _balanced(compute: Schedule, timing: WitnessTiming, budget: int, rank: int, 
         marked = _evict_and_load(acts, budget, partner=partner, early=True, forced=frozenset({key}))
         if marked is None:
             continue
-        moved = _acceptor_peak(compute.actions[partner], timing.start[partner], marked, timing.start[rank])
+        moved = _acceptor_peak(compute.actions[partner], timing, partner, marked, timing.start[rank])
         if peak < moved <= budget:
             return marked
     return None
@@ -172,17 +178,28 @@ def _marker_times(marked: list[Action], compute_starts: tuple[int, ...]) -> list
     return out + [(end, m) for m in pending]
 
 
-def _acceptor_peak(own: tuple[Action, ...], own_starts: tuple[int, ...], marked: list[Action],
+def _acceptor_peak(own: tuple[Action, ...], timing: WitnessTiming, acceptor: int, marked: list[Action],
                    evictor_starts: tuple[int, ...]) -> int:
     """Peak held units of an acceptor: its own computes merged with ACCEPT/RETURN at the evictor's marker
-    times, messages first at equal times (the order derive_communication produces)."""
+    times, messages first at equal times, and an ACCEPT due while a backward runs (with the messages before
+    it) ahead of that backward: the order :func:`derive_communication` produces."""
     events = _marker_times(marked, evictor_starts)
+    own_starts, own_finishes = timing.start[acceptor], timing.finish[acceptor]
     held = peak = j = 0
     for i, a in enumerate(own):
-        while j < len(events) and events[j][0] <= own_starts[i]:
-            held += 1 if events[j][1].kind is ActionKind.EVICT else -1
+        last = j
+        while last < len(events) and events[last][0] <= own_starts[i]:
+            last += 1
+        if a.kind in _BACKWARDS:
+            for k in range(last, len(events)):
+                if events[k][0] >= own_finishes[i]:
+                    break
+                if events[k][1].kind is ActionKind.EVICT:
+                    last = k + 1
+        for _, m in events[j:last]:
+            held += 1 if m.kind is ActionKind.EVICT else -1
             peak = max(peak, held)
-            j += 1
+        j = last
         held += _DELTA.get(a.kind, 0)
         peak = max(peak, held)
     for _, m in events[j:]:

@@ -18,6 +18,15 @@ Ordering and why it cannot deadlock
    activations and gradients, 1 for BPipe), giving index ``k``.
 3. Give every event a sort key: a compute starting at ``t`` gets ``(t, 1, position)``; both the send and the
    receive of message ``k`` get ``(t_k, 0, k)``. Sort each rank's events by key.
+4. Post BPipe receives early: on an acceptor, an ``ACCEPT`` whose time falls strictly inside one of its
+   backwards (``B``/``I``/``W``, computes that allocate nothing) moves ahead of that backward, together with
+   every message before it on that rank (in index order, so the rank's messages stay sorted). Otherwise the
+   evictor's next forward, which waits for its eviction to land, would wait for the acceptor's backward to end
+   before the eviction could even start: BPipe would be slower than 1F1B. Only receives and ``RETURN`` can
+   have a time strictly inside a compute of their own rank (a send's time is its producer's finish; an
+   ``EVICT``'s time is a compute start on its rank; a ``RETURN``'s data is its ``ACCEPT``, which comes earlier),
+   so the move keeps (a)-(d) below. Forwards are not jumped: the acceptor's allocations wait for its earlier
+   ``RETURN`` to land (:mod:`evenpipe.sim.engine`), and a ``RETURN`` jumping a forward would delay it.
 
 Then on every rank (a) the communication events appear in increasing global index, so between any two ranks
 sends and receives are posted in the same order (what FIFO point-to-point channels need); (b) a receive
@@ -30,7 +39,10 @@ finished, and let ``k`` be the smallest index of a message not yet exchanged. On
 communication event before it has a smaller index, so it is done; every compute before it has its inputs
 received earlier on the same rank (b) or produced earlier on the same rank, so it can run. Hence both sides of
 ``k`` reach their heads and ``k`` completes: the run always progresses, and more buffering (non-blocking
-sends, receives posted early) only removes waits. The validator re-checks this by a dry run.
+sends, receives posted early) only removes waits. BPipe's memory rule (a rank's allocations -- a ``F``/``R``,
+or the transfer of an ``ACCEPT``/``LOAD`` -- wait for the ``EVICT``/``RETURN`` it posted earlier to land) waits
+only for messages of a smaller index on the same rank, which rendezvous has already completed, so it keeps the
+argument. The validator re-checks progress by a dry run.
 """
 
 from __future__ import annotations
@@ -41,11 +53,13 @@ from evenpipe.schedule.witness import WitnessTiming, witness_timing
 __all__ = ["derive_communication"]
 
 _F, _B, _I = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT
-_EVICT, _LOAD = ActionKind.EVICT, ActionKind.LOAD
+_EVICT, _LOAD, _ACCEPT = ActionKind.EVICT, ActionKind.LOAD, ActionKind.ACCEPT
 
 _COMPUTE = frozenset(k.value for k in COMPUTE_KINDS)
 _LOCAL = frozenset({ActionKind.OFFLOAD.value, ActionKind.RELOAD.value})
 _KEPT = _COMPUTE | _LOCAL | {_EVICT.value, _LOAD.value}
+_FREEING = frozenset({_B.value, _I.value, ActionKind.BACKWARD_WEIGHT.value})
+"""Computes that allocate nothing (backwards): an ``ACCEPT`` due while one runs is posted before it."""
 """Token sets, tested with ``kind._value_`` (hashing a str is much cheaper than hashing an enum member)."""
 
 _Message = tuple[tuple[int, int, int, int], int, Action, int, Action]
@@ -67,14 +81,18 @@ def derive_communication(compute: Schedule) -> Schedule:
     for (t, _, _, _), src, send, dst, recv in messages:  # global index order
         comm[src].append((t, send))
         comm[dst].append((t, recv))
-    return kept.with_actions([_merge(acts, timing.start[r], comm[r]) for r, acts in enumerate(kept.actions)])
+    return kept.with_actions([_merge(acts, timing.start[r], timing.finish[r], comm[r])
+                              for r, acts in enumerate(kept.actions)])
 
 
-def _merge(acts: tuple[Action, ...], starts: tuple[int, ...], comm: list[tuple[int, Action]]) -> list[Action]:
-    """Merge a rank's computes (key ``(start, 1)``) with its messages (key ``(t_k, 0, k)``, already sorted)."""
+def _merge(acts: tuple[Action, ...], starts: tuple[int, ...], finishes: tuple[int, ...],
+           comm: list[tuple[int, Action]]) -> list[Action]:
+    """Merge a rank's computes (key ``(start, 1)``) with its messages (key ``(t_k, 0, k)``, already sorted),
+    then post an ``ACCEPT`` due while a backward runs (and the messages before it) ahead of that backward."""
     out: list[Action] = []
     local: list[Action] = []  # OFFLOAD/RELOAD: kept right before the next compute, as in the input
     j, n = 0, len(comm)
+    accepts = any(a.kind is _ACCEPT for _, a in comm)
     for i, a in enumerate(acts):
         token = a.kind._value_
         if token not in _COMPUTE:
@@ -85,6 +103,15 @@ def _merge(acts: tuple[Action, ...], starts: tuple[int, ...], comm: list[tuple[i
         while j < n and comm[j][0] <= start:
             out.append(comm[j][1])
             j += 1
+        if accepts and token in _FREEING:
+            last, finish = j, finishes[i]
+            for k in range(j, n):
+                if comm[k][0] >= finish:
+                    break
+                if comm[k][1].kind is _ACCEPT:
+                    last = k + 1
+            out.extend(m for _, m in comm[j:last])
+            j = last
         out.extend(local)
         local.clear()
         out.append(a)

@@ -8,16 +8,23 @@ Execution model (the runtime's as well):
   at a time per direction of a rank pair); it takes ``costs.link(src, dst).transfer_time(bytes)``;
 - a compute waits for the messages it consumes (its input activation or output gradient, and its evicted or
   offloaded activations coming back); transfers overlap compute;
-- BPipe: a ``F`` or ``R`` (which allocate activations) also waits until every ``EVICT`` its rank issued before it
-  in program order has landed (sent and the local copy freed), so eviction makes room before it is used; the
-  wait beyond the compute's other inputs counts as that eviction's exposed time. Evictions still overlap
-  backwards, sends and receives;
+- BPipe: an activation *move* out of a rank (``EVICT`` on an evictor, ``RETURN`` on an acceptor) frees the
+  sender's copy only when it lands, so the rank's next *allocations* wait for it: a ``F`` or ``R`` waits until
+  every ``EVICT``/``RETURN`` its rank posted before it has landed, and so does the transfer of a later
+  ``ACCEPT``/``LOAD`` (the bytes it brings start to arrive only then). The wait beyond a compute's other inputs
+  counts as those moves' exposed time. Moves still overlap backwards, sends and receives, and a receive is still
+  posted (and its link claimed) where it stands;
 - host offload/reload use the rank's host link, ``costs.link(rank, rank)``, one transfer per direction at a time.
 
 Memory per rank counts activation bytes saved for backward, own plus hosted (BPipe). ``F`` allocates
 ``activation_bytes`` (``checkpoint_bytes`` if that micro-batch is recomputed), ``R`` adds the difference, ``B``
 frees the micro-batch, ``I`` keeps ``weight_grad_bytes`` until ``W``. ``EVICT``/``RETURN``/``OFFLOAD`` free on the
-sender when the transfer ends; ``ACCEPT``/``LOAD``/``RELOAD`` allocate on the receiver when posted.
+sender when the transfer lands; ``ACCEPT``/``LOAD``/``RELOAD`` allocate on the receiver when the transfer starts
+(the first bytes arrive), not when the receive is posted, which is how the runtime takes the buffer.
+
+Consequence (pinned by the tests): every allocation takes effect no earlier than its place in the rank's program
+order and every free no later than the next allocation after it, so a rank's activation units at any time never
+exceed the largest prefix sum of its program order (``schedule.bpipe.held_units``), whatever the costs and links.
 
 The engine uses a heap of timed events (plus a queue of events due now) and per-rank cursors:
 O(actions x log events), no scans.
@@ -53,7 +60,8 @@ _CODE = {
     "SEND_F": _SEND, "SEND_B": _SEND, "EVICT": _SEND_FREES, "RETURN": _SEND_FREES, "OFFLOAD": _SEND_FREES,
     "RECV_F": _RECV, "RECV_B": _RECV, "ACCEPT": _RECV_ALLOC, "LOAD": _RECV_ALLOC, "RELOAD": _RECV_ALLOC,
 }
-"""Token -> code; ``_SEND_FREES`` sends free the sender's copy on arrival, ``_RECV_ALLOC`` receives allocate."""
+"""Token -> code; ``_SEND_FREES`` sends free the sender's copy on arrival, ``_RECV_ALLOC`` receives allocate
+when their transfer starts."""
 _MATCH = {send.value: recv.value for send, recv in MATCHING_RECV.items()}
 """Send token -> token of the receive that completes it."""
 _STAGE_SHIFT = {"SEND_F": 1, "SEND_B": -1, "EVICT": 0, "RETURN": 0}
@@ -91,6 +99,8 @@ class _Xfer:
     exposed: float = 0.0
     frees: bool = False
     """Whether arrival frees the sender's copy (EVICT, RETURN, OFFLOAD)."""
+    allocs: bool = False
+    """Whether the start allocates on the receiver (ACCEPT, LOAD, RELOAD)."""
 
 
 def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
@@ -143,7 +153,10 @@ class _Engine:
     deps: list[list[tuple[_Dep, ...]]] = field(default_factory=list)
     """Per rank and action index, what a compute waits for."""
     gates: list[list[tuple[int, ...]]] = field(default_factory=list)
-    """Per rank and action index, the EVICT transfers a ``F``/``R`` waits to land (issued since the previous one)."""
+    """Per rank and action index, the EVICT/RETURN transfers a ``F``/``R`` waits to land (posted since the previous
+    ``F``/``R``; the earlier ones landed before that one started)."""
+    gated: dict[int, list[int]] = field(default_factory=dict)
+    """EVICT/RETURN transfer id -> ACCEPT/LOAD transfers of the same rank that may not start before it lands."""
     needed: set[Hashable] = field(default_factory=set)
     """Compute-completion signals somebody waits on."""
     recomputed: set[tuple[int, int]] = field(default_factory=set)
@@ -185,7 +198,8 @@ class _Engine:
         self.xfers.append(_Xfer(src, dst, kind, stage, mb, num_bytes, duration, link,
                                 send_pos, recv_pos, tid if signal is None else signal,
                                 (send_pos is not None) + (recv_pos is not None), 0.0, -1.0, -1.0, 0.0,
-                                kind is _K.EVICT or kind is _K.RETURN or kind is _K.OFFLOAD))
+                                kind is _K.EVICT or kind is _K.RETURN or kind is _K.OFFLOAD,
+                                kind is _K.EVICT or kind is _K.RETURN or kind is _K.RELOAD))
         if send_pos is not None:
             self.xfer_at[send_pos[0]][send_pos[1]] = tid
         if recv_pos is not None:
@@ -270,7 +284,7 @@ class _Engine:
         accepted: dict[tuple[int, int], int] = {}
         offloaded: set[tuple[int, int]] = set()
         xfer_at, gates = self.xfer_at[r], self.gates[r]
-        evicting: list[int] = []  # EVICT transfers issued since the last F/R: the next F/R waits for them
+        moving: list[int] = []  # EVICT/RETURN transfers posted since the last F/R: later allocations wait for them
         out: list[tuple[_Dep, ...]] = []
         no_deps: tuple[_Dep, ...] = ()
         codes = self.codes[r]
@@ -305,13 +319,13 @@ class _Engine:
                     done.add(("F", s, m))
                 elif tok == "B" or tok == "I":
                     done.add(("G", s, m))
-                if evicting and (tok == "F" or tok == "R"):
-                    gates[i] = tuple(evicting)
-                    evicting.clear()
+                if moving and (tok == "F" or tok == "R"):
+                    gates[i] = tuple(moving)
+                    moving.clear()
             elif tok == "EVICT" or tok == "OFFLOAD":
                 away[(s, m)] = tok
                 if tok == "EVICT":
-                    evicting.append(xfer_at[i])
+                    moving.append(xfer_at[i])
                 if tok == "OFFLOAD":
                     offloaded.add((s, m))
                     self._new_xfer(r, _HOST, a.kind, s, m, self._bytes_moved(s, m), (r, i), None, (r, _HOST),
@@ -325,17 +339,27 @@ class _Engine:
                     tid = self._new_xfer(_HOST, r, a.kind, s, m, self._bytes_moved(s, m), None, (r, i),
                                          (_HOST, r))
                     self._add_data_dep(tid, ("off", r, s, m))
+                else:
+                    self._gate_transfer(xfer_at[i], moving)
             elif tok == "ACCEPT":
                 accepted[(s, m)] = i
+                self._gate_transfer(xfer_at[i], moving)
             elif tok == "RETURN":
                 if (s, m) not in accepted:
                     raise self._fail("evict", f"{a} on rank {r} returns activations it never accepted", r, i)
                 self._add_data_dep(xfer_at[i], xfer_at[accepted.pop((s, m))])
+                moving.append(xfer_at[i])
             if (tok == "EVICT" or tok == "OFFLOAD") and ("F", s, m) not in done:
                 self._add_data_dep(xfer_at[i], ("F", s, m))
                 self.needed.add(("F", s, m))
             out.append(tuple(deps) if deps else no_deps)
         return out
+
+    def _gate_transfer(self, tid: int, moving: list[int]) -> None:
+        """Transfer ``tid`` (an ACCEPT/LOAD) starts only once the rank's moves in ``moving`` have landed."""
+        for landing in moving:
+            self.xfers[tid].pending += 1
+            self.gated.setdefault(landing, []).append(tid)
 
     def _input_dep(self, r: int, s: int, m: int, src_stage: int, recv_token: str, signal: str,
                    recv_index: dict[tuple[str, int, int], int], done: set[tuple[str, int, int]]) -> list[_Dep]:
@@ -397,6 +421,8 @@ class _Engine:
     def _start_xfer(self, tid: int, now: float) -> None:
         x = self.xfers[tid]
         x.start = now
+        if x.allocs:
+            self._alloc(x.dst, (x.stage, x.microbatch), now, x.num_bytes)
         x.end = end = now + x.duration
         self.links_free[x.link] = end
         if end <= self.now:
@@ -412,6 +438,11 @@ class _Engine:
         queue = self.link_queue.get(x.link)
         if queue:
             self._start_xfer(queue.popleft(), now)
+        for g in self.gated.pop(tid, ()):  # receives that waited for this move to land
+            y = self.xfers[g]
+            y.pending -= 1
+            if not y.pending:
+                self._ready(g, y, now)
         if x.recv_pos is not None:
             self.ends[x.recv_pos[0]][x.recv_pos[1]] = now
         if x.send_pos is not None:
@@ -475,14 +506,14 @@ class _Engine:
             tid = xfer_at[i]
             starts[i] = ends[i] = now
             x = xfers[tid]
-            if c == _RECV_ALLOC:
-                self._alloc(r, acts[i].key, now, x.num_bytes)
-            elif c < _RECV and x.ready_data < now:
+            if c < _RECV and x.ready_data < now:
                 x.ready_data = now
             x.pending -= 1
             if not x.pending:
                 if x.duration == 0.0 and self.links_free.get(x.link, 0.0) <= now and not self.link_queue.get(x.link):
                     x.start = x.end = now  # instant on a free link: arrives now, link stays free
+                    if x.allocs:
+                        self._alloc(x.dst, (x.stage, x.microbatch), now, x.num_bytes)
                     self.soon.append(-(tid + 1))
                 else:
                     self._ready(tid, x, now)

@@ -9,6 +9,7 @@ import pytest
 from evenpipe.errors import ConfigError
 from evenpipe.schedule import (ActionKind, bpipe_partner, bpipe_transform, build_schedule, default_bpipe_budget,
                                held_units, held_units_trace, validate)
+from evenpipe.sim import SimCosts, simulate
 
 K = ActionKind
 
@@ -143,3 +144,13 @@ def test_balance_moves_one_more_on_the_middle_pair() -> None:
     assert len(moved) == 1 and not any(a.kind is K.EVICT for a in plain.actions[1])
     validate(plain)
     validate(balanced)
+
+
+@pytest.mark.parametrize("P", range(2, 9))
+def test_program_order_count_is_what_the_simulator_measures(P: int) -> None:
+    # free links, F=1, B=2: every rank's simulated peak (own plus hosted) is exactly its held_units
+    for M in (1, P, P + 2, 2 * P + 1, 3 * P):
+        for recompute in (False, True):
+            s = build_schedule("bpipe", num_ranks=P, num_microbatches=M, recompute=recompute)
+            costs = SimCosts.uniform(num_stages=P, checkpoint_bytes=1.0 if recompute else None)
+            assert simulate(s, costs).peak_activations == pytest.approx(held_units(s)), (M, recompute)

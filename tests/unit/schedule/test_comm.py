@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from evenpipe.schedule import ActionKind, build_schedule, derive_communication, message_key, validate
+from evenpipe.schedule.witness import witness_timing
 
 K = ActionKind
 
@@ -73,17 +74,51 @@ GOLDEN_BPIPE_P4_M4_RANK0 = ("0F0 0SEND_F0@1 0F1 0SEND_F1@1 0F2 0SEND_F2@1 0EVICT
                             "0EVICT3@3 0B0 0RECV_B1@1 0LOAD2@3 0B1 0RECV_B2@1 0LOAD3@3 0B2 0RECV_B3@1 0B3")
 
 
+GOLDEN_BPIPE_P5_M7_RANK4 = ("0ACCEPT2@0 4RECV_F0@3 0ACCEPT3@0 4F0 4RECV_F1@3 4B0 4SEND_B0@3 4F1 4B1 4RECV_F2@3 "
+                            "4SEND_B1@3 4F2 4B2 4RECV_F3@3 4SEND_B2@3 4F3 4B3 4RECV_F4@3 4SEND_B3@3 4F4 0RETURN2@0 "
+                            "0ACCEPT5@0 4B4 4RECV_F5@3 4SEND_B4@3 4F5 4B5 4RECV_F6@3 4SEND_B5@3 0RETURN3@0 4F6 4B6 "
+                            "4SEND_B6@3 0RETURN5@0")
+
+
 def test_golden_full_schedules() -> None:
     # pins the derived order the runtime executes; a change here is a change of wire protocol
     assert build_schedule("1f1b", num_ranks=2, num_microbatches=3).to_text() == GOLDEN_1F1B_P2_M3
     rank0 = build_schedule("bpipe", num_ranks=4, num_microbatches=4).actions[0]
     assert " ".join(str(a) for a in rank0) == GOLDEN_BPIPE_P4_M4_RANK0
+    # an acceptor of an odd P: RETURN2/ACCEPT5 are posted ahead of 4B4, during which rank 0 evicts 5
+    rank4 = build_schedule("bpipe", num_ranks=5, num_microbatches=7).actions[4]
+    assert " ".join(str(a) for a in rank4) == GOLDEN_BPIPE_P5_M7_RANK4
+
+
+@pytest.mark.parametrize("P,M", [(3, 7), (5, 10), (6, 13), (7, 15), (8, 20)])
+def test_accept_is_posted_before_a_backward_running_when_the_eviction_is_due(P: int, M: int) -> None:
+    # the evictor's next forward waits for its eviction to land, which needs the ACCEPT posted: the acceptor
+    # must not sit in a backward (listed before the ACCEPT) at the witness time of the eviction
+    s = build_schedule("bpipe", num_ranks=P, num_microbatches=M)
+    timing = witness_timing(s)
+    due: dict[tuple[int, int], int] = {}  # (stage, mb) -> witness start of the evictor's compute after EVICT
+    for r, acts in enumerate(s.actions):
+        for i, a in enumerate(acts):
+            if a.kind is K.EVICT:
+                due[a.key] = next(timing.start[r][j] for j in range(i + 1, len(acts)) if acts[j].kind.is_compute)
+    checked = 0
+    for r, acts in enumerate(s.actions):
+        for i, a in enumerate(acts):
+            if a.kind is not K.ACCEPT:
+                continue
+            t = due[a.key]
+            for j in range(i):
+                if acts[j].kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
+                    assert not timing.start[r][j] < t < timing.finish[r][j], (r, str(a), str(acts[j]))
+            checked += 1
+    assert checked > 0
 
 
 def test_each_pair_posts_in_the_same_order() -> None:
     # FIFO point-to-point channels (gloo, NCCL) match the k-th send from a to b with the k-th receive on b
-    for family, V in (("1f1b", 1), ("interleaved", 3), ("zb-h1", 1), ("bpipe", 1), ("looped-bfs", 2)):
-        s = build_schedule(family, num_ranks=5, num_microbatches=10, num_chunks=V)
+    for family, V, P in (("1f1b", 1, 5), ("interleaved", 3, 5), ("zb-h1", 1, 5), ("bpipe", 1, 5), ("bpipe", 1, 7),
+                         ("looped-bfs", 2, 5)):
+        s = build_schedule(family, num_ranks=P, num_microbatches=2 * P, num_chunks=V)
         sent: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         received: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         for r, _, a in s.iter_actions():

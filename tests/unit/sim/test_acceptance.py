@@ -43,6 +43,17 @@ def test_bpipe_balances_to_budget_at_1f1b_speed(p: int, m: int) -> None:
     assert bpipe.step_time == pytest.approx(base.step_time)
 
 
+@pytest.mark.parametrize("p", range(2, 9))
+def test_bpipe_matches_1f1b_speed_within_budget_for_every_small_pipeline(p: int) -> None:
+    budget = math.ceil((p + 1) / 2)
+    for m in range(p, 3 * p + 1):
+        bpipe, base = _run("bpipe", p, m), _run("1f1b", p, m)
+        assert bpipe.step_time == pytest.approx(base.step_time), m
+        assert max(bpipe.peak_activations) == pytest.approx(budget), m
+        assert all(peak <= budget + 1e-9 for peak in bpipe.peak_activations), m
+        assert bpipe.exposed_transfer_time == 0.0, m
+
+
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 16, 4), (3, 9, 3), (8, 16, 2)])
 def test_interleaved_first_rank_peak_and_bubble(p: int, m: int, v: int) -> None:
     trace, base = _run("interleaved", p, m, v), _run("1f1b", p, m)

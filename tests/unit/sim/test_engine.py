@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from evenpipe.errors import ConfigError, ScheduleValidationError
+from evenpipe.schedule.bpipe import held_units
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.sim import Link, SimCosts, StageCosts, simulate
 
@@ -118,13 +119,78 @@ def test_bpipe_evict_accept_return_load_memory() -> None:
             "1: 0ACCEPT1@0 1RECV_F0@0 1F0 1B0 1SEND_B0@0 1RECV_F1@0 0RETURN1@0 1F1 1B1 1SEND_B1@0")
     costs = SimCosts.uniform(num_stages=2)
     trace = simulate(Schedule.from_text(text), costs)
-    # rank 0: F0, F1, mb 1 leaves at t=2, B0 frees mb 0 at 6 as LOAD1 is posted, B1 frees at 9
-    assert trace.memory[0].points == ((0, 0), (0, 1), (1, 2), (2, 1), (6, 1), (9, 0))
-    # rank 1: ACCEPT1 reserves at once, then own F0; RETURN1 frees the hosted unit when it lands at 6
-    assert trace.memory[1].points == ((0, 0), (0, 1), (1, 2), (4, 2), (6, 1), (7, 0))
+    # rank 0: F0, F1, mb 1 leaves at t=2; LOAD1's transfer starts at 6 (charged then) as B0 frees mb 0; B1 at 11
+    assert trace.memory[0].points == ((0, 0), (0, 1), (1, 2), (2, 1), (6, 1), (11, 0))
+    # rank 1: ACCEPT1 is posted at 0 but charged when the eviction starts (2); own F0 at 1; RETURN1 frees the
+    # hosted unit when it lands (6, once rank 0 posts LOAD1), and 1F1 waits for that landing before allocating
+    assert trace.memory[1].points == ((0, 0), (1, 1), (2, 2), (4, 1), (6, 1), (9, 0))
+    f1 = next(rec for rec in trace.records(1) if str(rec.action) == "1F1")
+    assert f1.start == pytest.approx(6.0)
+    returned = next(t for t in trace.transfers if t.kind is K.RETURN)
+    assert returned.exposed_s == pytest.approx(2.0)  # 1F1 was ready at 4
     kinds = {t.kind for t in trace.transfers}
     assert {K.EVICT, K.RETURN} <= kinds
     assert trace.memory[0].points[-1][1] == trace.memory[1].points[-1][1] == 0.0
+
+
+def test_moves_are_charged_when_their_transfer_starts_and_freed_when_it_lands() -> None:
+    text = ("# bp ranks=2 microbatches=2 layout=0,1\n"
+            "0: 0F0 0SEND_F0@1 0EVICT0@1 0F1 0SEND_F1@1 0RECV_B1@1 0B1 0LOAD0@1 0RECV_B0@1 0B0\n"
+            "1: 0ACCEPT0@0 1RECV_F0@0 1F0 1RECV_F1@0 1F1 1B1 1SEND_B1@0 0RETURN0@0 1B0 1SEND_B0@0")
+    saves = StageCosts(forward=1, backward_input=2, activation_bytes=4)
+    keeps_nothing = StageCosts(forward=1, backward_input=2, activation_bytes=0)  # rank 1 shows hosted bytes only
+    trace = simulate(Schedule.from_text(text), SimCosts.from_stages(
+        [saves, keeps_nothing], default_link=Link(bandwidth_bytes_per_s=1)))
+    evict = next(t for t in trace.transfers if t.kind is K.EVICT)
+    back = next(t for t in trace.transfers if t.kind is K.RETURN)
+    assert (evict.start, evict.end, back.start, back.end) == pytest.approx((1.0, 5.0, 11.0, 15.0))
+    # ACCEPT0 posted at 0, charged at 1 when the bytes start to arrive, freed at 15 when RETURN0 lands
+    assert trace.memory[1].points == ((0, 0), (1, 4), (15, 0))
+    # EVICT0 frees at 5 (as F1 allocates); LOAD0 is charged at 11 when RETURN0 starts (as B1 frees), not at 15
+    assert trace.memory[0].points == ((0, 0), (0, 4), (5, 4), (11, 4), (17, 0))
+
+
+# The allocation rule: a rank's F/R, and the transfer of its ACCEPT/LOAD, wait for every EVICT/RETURN it posted
+# earlier to land. Then a rank never holds more than its program order says (schedule.bpipe.held_units).
+_RETURN_THEN_ACCEPT = ("# bp ranks=2 microbatches=2 layout=0,1\n"
+                       "0: 0F0 0SEND_F0@1 0EVICT0@1 0F1 0SEND_F1@1 0LOAD0@1 0EVICT1@1 0RECV_B0@1 0B0 0LOAD1@1 "
+                       "0RECV_B1@1 0B1\n"
+                       "1: 0ACCEPT0@0 1RECV_F0@0 1F0 1RECV_F1@0 0RETURN0@0 0ACCEPT1@0 1F1 1B0 1SEND_B0@0 0RETURN1@0 "
+                       "1B1 1SEND_B1@0")
+_EVICT_THEN_LOAD = ("# bp ranks=2 microbatches=2 layout=0,1\n"
+                    "0: 0F0 0SEND_F0@1 0EVICT0@1 0F1 0SEND_F1@1 0EVICT1@1 0LOAD0@1 0RECV_B0@1 0B0 0LOAD1@1 "
+                    "0RECV_B1@1 0B1\n"
+                    "1: 0ACCEPT0@0 1RECV_F0@0 1F0 0ACCEPT1@0 0RETURN0@0 1RECV_F1@0 1F1 1B0 1SEND_B0@0 0RETURN1@0 "
+                    "1B1 1SEND_B1@0")
+
+
+def _unit_costs(slow: tuple[int, int]) -> SimCosts:
+    stage = StageCosts(forward=1, backward_input=2, activation_bytes=4, output_bytes=0)
+    return SimCosts.from_stages([stage, stage], links={slow: Link(bandwidth_bytes_per_s=1)})
+
+
+def test_accept_and_forward_wait_for_the_return_before_them() -> None:
+    sched = Schedule.from_text(_RETURN_THEN_ACCEPT)
+    trace = simulate(sched, _unit_costs(slow=(1, 0)))  # returns take 4, evictions are instant
+    back0 = next(t for t in trace.transfers if t.kind is K.RETURN and t.microbatch == 0)
+    evict1 = next(t for t in trace.transfers if t.kind is K.EVICT and t.microbatch == 1)
+    f1 = next(rec for rec in trace.records(1) if str(rec.action) == "1F1")
+    assert (back0.start, back0.end) == pytest.approx((2.0, 6.0))
+    assert evict1.start == pytest.approx(6.0)  # posted at 2 on both ranks; starts when RETURN0 has landed
+    assert f1.start == pytest.approx(6.0)  # input there at 2
+    assert held_units(sched) == [2, 3]
+    assert trace.peak_activation_bytes == pytest.approx((8.0, 12.0))  # 3 units, not 4
+
+
+def test_load_waits_for_the_eviction_before_it() -> None:
+    sched = Schedule.from_text(_EVICT_THEN_LOAD)
+    trace = simulate(sched, _unit_costs(slow=(0, 1)))  # evictions take 4, returns are instant
+    evict1 = next(t for t in trace.transfers if t.kind is K.EVICT and t.microbatch == 1)
+    back0 = next(t for t in trace.transfers if t.kind is K.RETURN and t.microbatch == 0)
+    assert (evict1.start, evict1.end) == pytest.approx((6.0, 10.0))
+    assert back0.start == pytest.approx(10.0)  # both sides posted by 6, data there at 5
+    assert held_units(sched) == [1, 3]
+    assert trace.peak_activation_bytes == pytest.approx((4.0, 12.0))  # rank 0: 1 unit, not 2
 
 
 def test_slow_eviction_is_exposed_and_slower() -> None:

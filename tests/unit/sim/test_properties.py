@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from evenpipe.errors import ConfigError
-from evenpipe.schedule import build_schedule
+from evenpipe.schedule import build_schedule, held_units
 from evenpipe.schedule.ir import ActionKind
 from evenpipe.sim import Link, SimCosts, StageCosts, Trace, simulate
 
@@ -51,19 +51,28 @@ def test_random_schedules_simulate_soundly(family: str, p: int, m: int, v: int, 
     busiest = max(trace.busy_time(r) for r in range(p))
     assert trace.step_time >= busiest - 1e-9
     assert 0.0 <= trace.bubble_fraction < 1.0
-    _check_evictions_land_before_allocation(trace)
+    _check_moves_land_before_allocation(trace)
 
 
-def _check_evictions_land_before_allocation(trace: Trace) -> None:
-    """Every F/R starts no earlier than the arrival of each EVICT its rank issued before it."""
-    evict_end = {(t.src, t.stage, t.microbatch): t.end for t in trace.transfers if t.kind is ActionKind.EVICT}
+_MOVE_OF_RECEIVE = {ActionKind.ACCEPT: ActionKind.EVICT, ActionKind.LOAD: ActionKind.RETURN}
+
+
+def _check_moves_land_before_allocation(trace: Trace) -> None:
+    """Every F/R starts, and every ACCEPT/LOAD transfer starts, no earlier than the arrival of each EVICT/RETURN
+    its rank posted before it."""
+    moves = {(t.kind, t.src, t.dst, t.stage, t.microbatch): t for t in trace.transfers
+             if t.kind in (ActionKind.EVICT, ActionKind.RETURN)}
     for r in range(trace.num_ranks):
-        landed_by = 0.0  # latest arrival among the evictions issued so far on this rank
+        landed_by = 0.0  # latest arrival among the moves posted so far on this rank
         for rec in trace.records(r):
-            if rec.kind is ActionKind.EVICT:
-                landed_by = max(landed_by, evict_end[(r, rec.action.stage, rec.action.microbatch)])
-            elif rec.kind in (ActionKind.FORWARD, ActionKind.RECOMPUTE):
+            a = rec.action
+            if a.kind in (ActionKind.EVICT, ActionKind.RETURN):
+                landed_by = max(landed_by, moves[(a.kind, r, a.peer, a.stage, a.microbatch)].end)
+            elif a.kind in (ActionKind.FORWARD, ActionKind.RECOMPUTE):
                 assert rec.start >= landed_by - 1e-9, (r, rec)
+            elif a.kind in _MOVE_OF_RECEIVE:
+                move = moves[(_MOVE_OF_RECEIVE[a.kind], a.peer, r, a.stage, a.microbatch)]
+                assert move.start >= landed_by - 1e-9, (r, rec, move)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -74,4 +83,29 @@ def test_bpipe_forwards_wait_for_earlier_evictions(p: int, extra: int, recompute
     link = Link(latency_s=data.draw(st.floats(0, 1)), bandwidth_bytes_per_s=data.draw(st.floats(0.1, 10)))
     trace = simulate(sched, SimCosts.from_stages(stages, default_link=link))
     assert any(t.kind is ActionKind.EVICT for t in trace.transfers)
-    _check_evictions_land_before_allocation(trace)
+    _check_moves_land_before_allocation(trace)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.integers(2, 10), m=st.integers(1, 30), recompute=st.booleans(), data=st.data())
+def test_bpipe_never_exceeds_its_budget_whatever_the_costs_and_links(p: int, m: int, recompute: bool,
+                                                                     data: st.DataObject) -> None:
+    # the budget counts activation units, so every stage saves the same bytes; times and links are random
+    sched = build_schedule("bpipe", num_ranks=p, num_microbatches=m, recompute=recompute)
+    act = data.draw(positive)
+    stages = [StageCosts(forward=data.draw(positive), backward_input=data.draw(positive),
+                         recompute=data.draw(positive), activation_bytes=act,
+                         checkpoint_bytes=data.draw(st.floats(min_value=0.0, max_value=act)),
+                         output_bytes=data.draw(positive)) for _ in range(p)]
+    link = st.builds(lambda lat, bw: Link(latency_s=lat, bandwidth_bytes_per_s=bw), st.floats(0, 2),
+                     st.floats(0.05, 50))
+    pairs = st.tuples(st.integers(0, p - 1), st.integers(0, p - 1))
+    costs = SimCosts.from_stages(stages, default_link=data.draw(link),
+                                 links=data.draw(st.dictionaries(pairs, link, max_size=2 * p)))
+    trace = simulate(sched, costs)
+    budget = sched.meta["budget"]
+    assert isinstance(budget, int)
+    for peak, bound in zip(trace.peak_activation_bytes, held_units(sched)):
+        assert peak <= bound * act * (1 + 1e-9), (peak / act, bound)  # never above program order
+        assert bound <= budget
+    _check_moves_land_before_allocation(trace)

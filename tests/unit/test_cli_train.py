@@ -1,0 +1,68 @@
+"""``evenpipe train`` refuses bad options with one line and exit code 2, before starting any process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evenpipe.cli import main
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Fail loudly if a bad option ever reaches the launcher."""
+    launched: list[object] = []
+    import evenpipe.runtime.launch as launch
+
+    def fake(options: object, *, nproc: int) -> int:
+        launched.append((options, nproc))
+        return 0
+    monkeypatch.setattr(launch, "launch_local", fake)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    return launched
+
+
+BAD = {
+    "unknown model": (["--model", "gpt-huge-nope"], "unknown model 'gpt-huge-nope'"),
+    "unknown schedule": (["--schedule", "zigzag"], "unknown schedule 'zigzag'"),
+    "micro-batches the schedule cannot use": (
+        ["--schedule", "interleaved", "--stages", "2", "--chunks", "2", "--microbatches", "7"], "num_microbatches"),
+    "global batch not divisible": (["--global-batch", "7", "--microbatches", "4"], "not divisible"),
+    "layout drops a layer": (["--stages", "2", "--layout", "1,2"], "layout [1, 2]"),
+    "bpipe budget too small": (["--schedule", "bpipe", "--bpipe-budget", "1"], "budget 1"),
+    "zero steps": (["--steps", "0"], "--steps must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("argv,needle", list(BAD.values()), ids=list(BAD))
+def test_bad_option_exits_2_with_one_line(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str],
+                                          no_launch: list[object]) -> None:
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("evenpipe train: error:") and needle.lower() in err.lower(), err
+    assert not no_launch
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_nccl_without_gpu_is_refused(capsys: pytest.CaptureFixture[str], no_launch: list[object]) -> None:
+    assert main(["train", "--backend", "nccl"]) == 2
+    assert "nccl" in capsys.readouterr().err.lower() and not no_launch
+
+
+def test_world_size_must_be_pp_times_dp(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                        no_launch: list[object]) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", "--stages", "2", "--dp", "2"]) == 2
+    assert "world size 3" in capsys.readouterr().err
+
+
+def test_good_options_reach_the_launcher_with_the_world_size(no_launch: list[object]) -> None:
+    assert main(["train", "--stages", "2", "--dp", "2", "--microbatches", "4", "--steps", "1"]) == 0
+    (options, nproc), = no_launch
+    assert nproc == 4
+    assert isinstance(options, dict) and options["global_batch"] == 2 * 4 * 2 and options["backend"] == "gloo"
