@@ -2,11 +2,12 @@
 the largest micro-batch that fits a fixed per-rank activation budget.
 
 Run: ``.venv/bin/python benchmarks/bench_bpipe.py`` (defaults: gpt-mini = GPT 8 layers hidden 512 at seq 32,
-P=4 and P=8 local gloo processes, M=2P, micro-batch b0=4, 4 steps per run).
+P=4 and P=8 local gloo processes, M=2P, micro-batch b0=4, 6 steps per run).
 
 1. For each P, ``evenpipe train --schedule 1f1b`` and ``--schedule bpipe`` (same model, seed, data, P, M, b0)
-   with ``--json-out``: median step time, per-rank peak activation bytes (own plus hosted, as the runtime's
-   activation stash measures them), hosted peak, bytes evicted per step, peak RSS.
+   with ``--json-out``, alternated ``--repeat`` times: median step time of each run (the best run of each
+   schedule is compared; the machine is shared), per-rank peak activation bytes (own plus hosted, as the
+   runtime's activation stash measures them), hosted peak, bytes evicted per step, peak RSS (first run).
 2. Fit: budget = 1F1B's rank-0 peak at b0. Per-micro-batch activation bytes are measured once per size b (one
    forward of every stage in this process, counted by the same ``ActivationStash`` with the executor's holds);
    a schedule's peak at size b is predicted as its measured peak at b0 scaled by the measured unit ratio
@@ -102,7 +103,8 @@ def main() -> None:
     p.add_argument("--stages", default="4,8", help="comma-separated pipeline sizes P (M = 2P)")
     p.add_argument("--microbatch-size", type=int, default=4, help="b0: the size that sets the budget")
     p.add_argument("--max-microbatch", type=int, default=12, help="largest size the fit search considers")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--repeat", type=int, default=2, help="runs per schedule (alternating); best median is compared")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="run BPipe at the size found and check its measured peak")
@@ -113,17 +115,21 @@ def main() -> None:
     print(f"{a.model} seq {a.seq_len}, M=2P, micro-batch b0={b0}, {a.steps} steps per run; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for P in (int(x) for x in a.stages.split(",")):
-        runs = {s: _train(s, P, b0, a) for s in ("1f1b", "bpipe")}
+        tries: dict[str, list[dict[str, Any] | str]] = {"1f1b": [], "bpipe": []}
+        for _ in range(a.repeat):  # alternate the two, so load drifts hit both alike
+            for s in tries:
+                tries[s].append(_train(s, P, b0, a))
         print(f"\nP={P} M={2 * P} b0={b0}")
-        for s, r in runs.items():
-            if isinstance(r, str):
-                print(f"  {s}: FAILED ({r})")
-        if any(isinstance(r, str) for r in runs.values()):
+        failed = [f"  {s}: FAILED ({r})" for s, rs in tries.items() for r in rs if isinstance(r, str)]
+        if failed:
+            print("\n".join(failed))
             continue
+        runs: dict[str, dict[str, Any]] = {s: rs[0] for s, rs in tries.items()}  # type: ignore[misc]
         plain, bp = runs["1f1b"], runs["bpipe"]
-        assert isinstance(plain, dict) and isinstance(bp, dict)
-        print(f"  median step time: 1f1b {plain['step_time_s']:.3f} s, bpipe {bp['step_time_s']:.3f} s, "
-              f"bpipe/1f1b {bp['step_time_s'] / plain['step_time_s']:.2f}")
+        times = {s: [r["step_time_s"] for r in rs] for s, rs in tries.items()}  # type: ignore[index]
+        t0, t1 = min(times["1f1b"]), min(times["bpipe"])
+        print(f"  median step time per run: 1f1b {' '.join(f'{t:.3f}' for t in times['1f1b'])} s, bpipe "
+              f"{' '.join(f'{t:.3f}' for t in times['bpipe'])} s; best: bpipe/1f1b {t1 / t0:.2f}")
         print("  rank | peak act MiB 1f1b  bpipe (hosted)  bpipe/1f1b | evicted MiB/step | peak RSS MiB 1f1b bpipe")
         for r in range(P):
             a0, a1 = plain["peak_activation_bytes"][r], bp["peak_activation_bytes"][r]
@@ -134,8 +140,7 @@ def main() -> None:
         print(f"  largest rank peak: 1f1b {_mib(m0)} MiB, bpipe {_mib(m1)} MiB ({m1 / m0:.2f}x)")
         units = {b: unit_bytes(a.model, a.seq_len, P, b, a.seed) for b in range(1, a.max_microbatch + 1)}
         budget = plain["peak_activation_bytes"][0]
-        fit = {s: _largest_fit(runs[s]["peak_activation_bytes"], units, b0, budget)  # type: ignore[index]
-               for s in runs}
+        fit = {s: _largest_fit(runs[s]["peak_activation_bytes"], units, b0, budget) for s in runs}
         lin = max(abs(units[b][r] / units[b0][r] - b / b0) for b in units for r in range(P))
         print(f"  unit bytes per stage at b=1: {units[1]} (linear in b within {lin:.1%})")
         print(f"  budget = 1F1B rank-0 peak at b0 = {_mib(budget)} MiB; largest micro-batch that fits: "

@@ -11,29 +11,19 @@ import argparse
 import json
 import pathlib
 
-from evenpipe.cost import (Arch, Attention, Estimate, Hardware, ModelSpec, ParallelConfig, Recompute,
-                           ScheduleFamily, check_config, estimate, from_hf_config, hardware_preset, load_hardware,
-                           model_preset)
+from evenpipe.cost import (Attention, Estimate, Hardware, ParallelConfig, Recompute,
+                           ScheduleFamily, check_config, estimate, hardware_preset, load_hardware)
 from evenpipe.cost.estimate import TimeBreakdown
+from evenpipe.commands.model_args import add_model_arguments, model_from_args
 from evenpipe.errors import ConfigError
 
-__all__ = ["add_arguments", "run", "model_from_args"]
+__all__ = ["add_arguments", "run"]
 
 _SCHEDULES = [f.value for f in ScheduleFamily]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    m = parser.add_argument_group("model (one of --model, --hf-config or --arch with its sizes)")
-    m.add_argument("--model", metavar="PRESET", help="model preset, e.g. gpt3-175b, llama2-70b")
-    m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json")
-    m.add_argument("--arch", metavar="ARCH", help="explicit architecture: gpt or llama")
-    m.add_argument("--layers", type=int, help="transformer layers (with --arch)")
-    m.add_argument("--hidden", type=int, help="hidden size (with --arch)")
-    m.add_argument("--heads", type=int, help="attention heads (with --arch)")
-    m.add_argument("--kv-heads", type=int, help="key/value heads (with --arch; default --heads)")
-    m.add_argument("--ffn-hidden", type=int, help="MLP size (with --arch; default 4·h for gpt, ~8/3·h for llama)")
-    m.add_argument("--vocab", type=int, help="vocabulary size (with --arch)")
-    m.add_argument("--seq-len", type=int, help="sequence length (required with --arch; overrides a preset's)")
+    add_model_arguments(parser)
     p = parser.add_argument_group("parallelism")
     p.add_argument("--gpu", required=True, metavar="PRESET",
                    help="GPU preset (a100-40gb, a100-80gb, h100-80gb, h200) or a profile FILE.json")
@@ -54,38 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--out", metavar="DIR", help="write memory_per_stage.png (stacked bars per rank) into DIR")
     o.add_argument("--require-fit", action="store_true", help="exit 2 when the configuration does not fit")
-
-
-def model_from_args(args: argparse.Namespace) -> ModelSpec:
-    """The ModelSpec named by exactly one of --model, --hf-config, --arch (+ sizes); --seq-len overrides."""
-    chosen = [flag for flag, value in (("--model", args.model), ("--hf-config", args.hf_config),
-                                       ("--arch", args.arch)) if value is not None]
-    if len(chosen) != 1:
-        raise ConfigError(f"give exactly one of --model, --hf-config or --arch (got {', '.join(chosen) or 'none'})")
-    if args.model is not None:
-        spec = model_preset(args.model)
-    elif args.hf_config is not None:
-        spec = from_hf_config(args.hf_config)
-    else:
-        arch = Arch.parse(args.arch)
-        missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "heads", "vocab", "seq_len")
-                   if getattr(args, n) is None]
-        if missing:
-            raise ConfigError(f"--arch {arch.value} needs {', '.join(missing)}")
-        ffn = args.ffn_hidden or (4 * args.hidden if arch is Arch.GPT else _swiglu_ffn(args.hidden))
-        return ModelSpec(name=f"{arch.value}-L{args.layers}-h{args.hidden}", arch=arch, num_layers=args.layers,
-                         hidden=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads or args.heads,
-                         ffn_hidden=ffn, vocab=args.vocab, seq_len=args.seq_len,
-                         tied_embeddings=arch is Arch.GPT)
-    if args.seq_len is not None:
-        from dataclasses import replace
-        spec = replace(spec, seq_len=args.seq_len)
-    return spec
-
-
-def _swiglu_ffn(hidden: int) -> int:
-    """LLaMA's default: 2/3 of 4·h rounded up to a multiple of 256."""
-    return -(-(8 * hidden // 3) // 256) * 256
 
 
 def _config_from_args(args: argparse.Namespace) -> ParallelConfig:

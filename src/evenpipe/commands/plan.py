@@ -9,7 +9,7 @@ import json
 import time
 from typing import TypeVar
 
-from evenpipe.commands.estimate import model_from_args
+from evenpipe.commands.model_args import add_model_arguments, model_from_args
 from evenpipe.cost import Attention, Hardware, ModelSpec, Recompute, hardware_preset
 from evenpipe.errors import ConfigError, choice_error
 from evenpipe.plan.explain import BPipeExplanation, ComponentDelta, Eater, Lever, Verdict, explain_bpipe
@@ -22,17 +22,7 @@ _EXPLAIN_TOPICS = ("bpipe",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model (one of --model, --hf-config or --arch with its sizes)")
-    model.add_argument("--model", metavar="PRESET", help="model preset, e.g. gpt3-175b, llama2-70b")
-    model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json")
-    model.add_argument("--arch", metavar="ARCH", help="explicit architecture: gpt or llama")
-    model.add_argument("--layers", type=int, help="transformer layers (with --arch)")
-    model.add_argument("--hidden", type=int, help="hidden size (with --arch)")
-    model.add_argument("--heads", type=int, help="attention heads (with --arch)")
-    model.add_argument("--kv-heads", type=int, help="key/value heads (with --arch; default: --heads)")
-    model.add_argument("--ffn-hidden", type=int, help="MLP hidden size (with --arch; default from the arch)")
-    model.add_argument("--vocab", type=int, help="vocabulary size (with --arch)")
-    model.add_argument("--seq-len", type=int, help="sequence length (required with --arch; overrides presets)")
+    add_model_arguments(parser)
     parser.add_argument("--gpu", required=True, metavar="PRESET", help="GPU preset, e.g. a100-80gb, h100-80gb")
     parser.add_argument("--gpus", type=int, required=True, metavar="N", help="total number of GPUs")
     parser.add_argument("--global-batch", type=int, required=True, metavar="B", help="sequences per step")

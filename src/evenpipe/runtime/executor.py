@@ -339,7 +339,6 @@ class _StepRun:
         Pipeline messages go first: an EVICT may drop (in place) the storage a SEND_F of the same run sends, so
         that send must be posted, and is then waited, before the evict exports and drops.
         """
-        g = self.ex.groups
         t0 = time.perf_counter()
         pp_items: list[tuple[Transfer, Any, Action]] = []
         for idx in indices:

@@ -15,10 +15,10 @@ transfer overlaps that compute; if the load would exceed ``K`` there it is paid 
 a forward) or moved after the compute (before a backward, which frees a unit). Markers are ordered so that
 held units never exceed ``K`` even between actions. The acceptor's own plus hosted units are checked in the
 program order :func:`derive_communication` gives it (which posts an ``ACCEPT`` due during one of the acceptor's
-backwards ahead of that backward, so the evictor never waits for it and BPipe keeps 1F1B's step time). Program
-order is what bounds time: in the simulator (:mod:`evenpipe.sim.engine`, whose rule a runtime must follow too)
-an allocation never takes effect before its place in the list and a rank's ``EVICT``/``RETURN`` land before its
-next allocation, so :func:`held_units` bounds the units a rank holds at any moment, whatever the costs and links.
+backwards ahead of that backward, so the evictor never waits for it and BPipe keeps 1F1B's step time), and
+also its own peak plus its hosted peak must fit: in the simulator (:mod:`evenpipe.sim.engine`, whose rules a
+runtime must follow too) an evictor never holds more than :func:`held_units` says, whatever the costs and links,
+but an acceptor's forward may run while a ``RETURN`` is still in flight, so only that sum bounds it.
 By default the middle pair of an even ``p`` (whose evictor needs no room) still moves one micro-batch, so every
 rank peaks at ``K``: balanced memory, which is the point of BPipe. When no schedule meets ``K``, the error names
 the smallest budget that works (tests check that the default is met, exactly, for every ``M >= p``).
@@ -105,6 +105,7 @@ def bpipe_transform(schedule: Schedule, *, budget: int | None = None, balance: b
                           f"micro-batches; the smallest budget that works is {smallest}")
     result = derive_communication(compute.with_actions(lists))
     assert max(held_units(result), default=0) <= K, "acceptor check disagrees with the derived schedule"
+    assert all(sum(_own_and_hosted_peaks(acts)) <= K for acts in result.actions), "acceptor overlap exceeds budget"
     return result.with_actions(result.actions, name="bpipe", meta=meta)
 
 
@@ -162,6 +163,21 @@ def _balanced(compute: Schedule, timing: WitnessTiming, budget: int, rank: int, 
     return None
 
 
+def _own_and_hosted_peaks(actions: tuple[Action, ...]) -> tuple[int, int]:
+    """Program-order peaks of a rank's own units (F, LOAD minus B, W, EVICT) and of its hosted ones (ACCEPT
+    minus RETURN), each on its own."""
+    own = hosted = own_peak = hosted_peak = 0
+    for a in actions:
+        token = a.kind._value_
+        if token == "ACCEPT" or token == "RETURN":
+            hosted += _DELTA_BY_TOKEN[token]
+            hosted_peak = max(hosted_peak, hosted)
+        else:
+            own += _DELTA_BY_TOKEN.get(token, 0)
+            own_peak = max(own_peak, own)
+    return own_peak, hosted_peak
+
+
 def _marker_times(marked: list[Action], compute_starts: tuple[int, ...]) -> list[tuple[int, Action]]:
     """``(anchor time, marker)`` for the EVICT/LOAD markers of an evictor: the start of the next compute."""
     starts = iter(compute_starts)
@@ -182,10 +198,11 @@ def _acceptor_peak(own: tuple[Action, ...], timing: WitnessTiming, acceptor: int
                    evictor_starts: tuple[int, ...]) -> int:
     """Peak held units of an acceptor: its own computes merged with ACCEPT/RETURN at the evictor's marker
     times, messages first at equal times, and an ACCEPT due while a backward runs (with the messages before
-    it) ahead of that backward: the order :func:`derive_communication` produces."""
+    it) ahead of that backward: the order :func:`derive_communication` produces. At least its own peak plus its
+    hosted peak, since the acceptor's forwards do not wait for its returns to land (:mod:`evenpipe.sim.engine`)."""
     events = _marker_times(marked, evictor_starts)
     own_starts, own_finishes = timing.start[acceptor], timing.finish[acceptor]
-    held = peak = j = 0
+    held = peak = j = hosted = hosted_peak = 0
     for i, a in enumerate(own):
         last = j
         while last < len(events) and events[last][0] <= own_starts[i]:
@@ -197,15 +214,18 @@ def _acceptor_peak(own: tuple[Action, ...], timing: WitnessTiming, acceptor: int
                 if events[k][1].kind is ActionKind.EVICT:
                     last = k + 1
         for _, m in events[j:last]:
-            held += 1 if m.kind is ActionKind.EVICT else -1
-            peak = max(peak, held)
+            step = 1 if m.kind is ActionKind.EVICT else -1
+            held, hosted = held + step, hosted + step
+            peak, hosted_peak = max(peak, held), max(hosted_peak, hosted)
         j = last
         held += _DELTA.get(a.kind, 0)
         peak = max(peak, held)
     for _, m in events[j:]:
-        held += 1 if m.kind is ActionKind.EVICT else -1
-        peak = max(peak, held)
-    return peak
+        step = 1 if m.kind is ActionKind.EVICT else -1
+        held, hosted = held + step, hosted + step
+        peak, hosted_peak = max(peak, held), max(hosted_peak, hosted)
+    own_peak = max(held_units_trace(own), default=0)
+    return max(peak, own_peak + hosted_peak)
 
 
 def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int, early: bool,

@@ -25,8 +25,8 @@ Ordering and why it cannot deadlock
    before the eviction could even start: BPipe would be slower than 1F1B. Only receives and ``RETURN`` can
    have a time strictly inside a compute of their own rank (a send's time is its producer's finish; an
    ``EVICT``'s time is a compute start on its rank; a ``RETURN``'s data is its ``ACCEPT``, which comes earlier),
-   so the move keeps (a)-(d) below. Forwards are not jumped: the acceptor's allocations wait for its earlier
-   ``RETURN`` to land (:mod:`evenpipe.sim.engine`), and a ``RETURN`` jumping a forward would delay it.
+   so the move keeps (a)-(d) below. Only backwards are jumped: that is what the witness step time needs (an
+   acceptor's forward is short), and the BPipe transform re-checks its budget in exactly this order.
 
 Then on every rank (a) the communication events appear in increasing global index, so between any two ranks
 sends and receives are posted in the same order (what FIFO point-to-point channels need); (b) a receive
@@ -39,10 +39,10 @@ finished, and let ``k`` be the smallest index of a message not yet exchanged. On
 communication event before it has a smaller index, so it is done; every compute before it has its inputs
 received earlier on the same rank (b) or produced earlier on the same rank, so it can run. Hence both sides of
 ``k`` reach their heads and ``k`` completes: the run always progresses, and more buffering (non-blocking
-sends, receives posted early) only removes waits. BPipe's memory rule (a rank's allocations -- a ``F``/``R``,
-or the transfer of an ``ACCEPT``/``LOAD`` -- wait for the ``EVICT``/``RETURN`` it posted earlier to land) waits
-only for messages of a smaller index on the same rank, which rendezvous has already completed, so it keeps the
-argument. The validator re-checks progress by a dry run.
+sends, receives posted early) only removes waits. BPipe's memory rules (a ``F``/``R`` or a ``LOAD``'s transfer
+waits for the rank's earlier ``EVICT`` to land, an ``ACCEPT``'s transfer for its earlier ``RETURN``/``ACCEPT``)
+wait only for messages of a smaller index on the same rank, which rendezvous has already completed, so they
+keep the argument. The validator re-checks progress by a dry run.
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ Execution model (the runtime's as well):
   at a time per direction of a rank pair); it takes ``costs.link(src, dst).transfer_time(bytes)``;
 - a compute waits for the messages it consumes (its input activation or output gradient, and its evicted or
   offloaded activations coming back); transfers overlap compute;
-- BPipe: an activation *move* out of a rank (``EVICT`` on an evictor, ``RETURN`` on an acceptor) frees the
-  sender's copy only when it lands, so the rank's next *allocations* wait for it: a ``F`` or ``R`` waits until
-  every ``EVICT``/``RETURN`` its rank posted before it has landed, and so does the transfer of a later
-  ``ACCEPT``/``LOAD`` (the bytes it brings start to arrive only then). The wait beyond a compute's other inputs
-  counts as those moves' exposed time. Moves still overlap backwards, sends and receives, and a receive is still
-  posted (and its link claimed) where it stands;
+- BPipe: ``EVICT`` frees the evictor's copy and ``RETURN`` the acceptor's only when the transfer lands, so
+  the rank's next allocations wait for them: a ``F`` or ``R`` waits until every ``EVICT`` its rank issued
+  before it has landed, so does the transfer of a later ``LOAD``, and an ``ACCEPT``'s transfer waits for every
+  ``RETURN`` (and ``ACCEPT``) its rank posted before it. The wait beyond a compute's other inputs counts as
+  those transfers' exposed time. An acceptor's own ``F`` does not wait for its ``RETURN``s (that would stall
+  it for a slow link; the BPipe transform bounds the overlap instead, see below);
 - host offload/reload use the rank's host link, ``costs.link(rank, rank)``, one transfer per direction at a time.
 
 Memory per rank counts activation bytes saved for backward, own plus hosted (BPipe). ``F`` allocates
@@ -22,9 +22,12 @@ frees the micro-batch, ``I`` keeps ``weight_grad_bytes`` until ``W``. ``EVICT``/
 sender when the transfer lands; ``ACCEPT``/``LOAD``/``RELOAD`` allocate on the receiver when the transfer starts
 (the first bytes arrive), not when the receive is posted, which is how the runtime takes the buffer.
 
-Consequence (pinned by the tests): every allocation takes effect no earlier than its place in the rank's program
-order and every free no later than the next allocation after it, so a rank's activation units at any time never
-exceed the largest prefix sum of its program order (``schedule.bpipe.held_units``), whatever the costs and links.
+Consequences (pinned by the tests), whatever the costs and links: an evictor (or any rank without ``RETURN`` or
+``OFFLOAD``) never holds more activation units than the largest prefix sum of its program order
+(``schedule.bpipe.held_units``), since its allocations take effect no earlier than their place in the list and
+its frees no later than its next allocation; an acceptor's own units never exceed its own program-order peak
+and its hosted units never exceed its hosted program-order peak, so it never holds more than their sum, which
+the BPipe transform keeps within the budget.
 
 The engine uses a heap of timed events (plus a queue of events due now) and per-rank cursors:
 O(actions x log events), no scans.
@@ -153,10 +156,9 @@ class _Engine:
     deps: list[list[tuple[_Dep, ...]]] = field(default_factory=list)
     """Per rank and action index, what a compute waits for."""
     gates: list[list[tuple[int, ...]]] = field(default_factory=list)
-    """Per rank and action index, the EVICT/RETURN transfers a ``F``/``R`` waits to land (posted since the previous
-    ``F``/``R``; the earlier ones landed before that one started)."""
+    """Per rank and action index, the EVICT transfers a ``F``/``R`` waits to land (issued since the previous one)."""
     gated: dict[int, list[int]] = field(default_factory=dict)
-    """EVICT/RETURN transfer id -> ACCEPT/LOAD transfers of the same rank that may not start before it lands."""
+    """Transfer id -> ACCEPT/LOAD transfers of the same rank that may not start before it lands."""
     needed: set[Hashable] = field(default_factory=set)
     """Compute-completion signals somebody waits on."""
     recomputed: set[tuple[int, int]] = field(default_factory=set)
@@ -284,7 +286,8 @@ class _Engine:
         accepted: dict[tuple[int, int], int] = {}
         offloaded: set[tuple[int, int]] = set()
         xfer_at, gates = self.xfer_at[r], self.gates[r]
-        moving: list[int] = []  # EVICT/RETURN transfers posted since the last F/R: later allocations wait for them
+        evicting: list[int] = []  # EVICTs posted since the last F/R: the next F/R and LOADs wait for them to land
+        returning: list[int] = []  # RETURNs posted since the last ACCEPT, and that ACCEPT: the next ACCEPT waits
         out: list[tuple[_Dep, ...]] = []
         no_deps: tuple[_Dep, ...] = ()
         codes = self.codes[r]
@@ -319,13 +322,13 @@ class _Engine:
                     done.add(("F", s, m))
                 elif tok == "B" or tok == "I":
                     done.add(("G", s, m))
-                if moving and (tok == "F" or tok == "R"):
-                    gates[i] = tuple(moving)
-                    moving.clear()
+                if evicting and (tok == "F" or tok == "R"):
+                    gates[i] = tuple(evicting)
+                    evicting.clear()
             elif tok == "EVICT" or tok == "OFFLOAD":
                 away[(s, m)] = tok
                 if tok == "EVICT":
-                    moving.append(xfer_at[i])
+                    evicting.append(xfer_at[i])
                 if tok == "OFFLOAD":
                     offloaded.add((s, m))
                     self._new_xfer(r, _HOST, a.kind, s, m, self._bytes_moved(s, m), (r, i), None, (r, _HOST),
@@ -340,24 +343,25 @@ class _Engine:
                                          (_HOST, r))
                     self._add_data_dep(tid, ("off", r, s, m))
                 else:
-                    self._gate_transfer(xfer_at[i], moving)
+                    self._gate_transfer(xfer_at[i], evicting)
             elif tok == "ACCEPT":
                 accepted[(s, m)] = i
-                self._gate_transfer(xfer_at[i], moving)
+                self._gate_transfer(xfer_at[i], returning)
+                returning[:] = [xfer_at[i]]  # later ACCEPTs start after this one (and so after these RETURNs)
             elif tok == "RETURN":
                 if (s, m) not in accepted:
                     raise self._fail("evict", f"{a} on rank {r} returns activations it never accepted", r, i)
                 self._add_data_dep(xfer_at[i], xfer_at[accepted.pop((s, m))])
-                moving.append(xfer_at[i])
+                returning.append(xfer_at[i])
             if (tok == "EVICT" or tok == "OFFLOAD") and ("F", s, m) not in done:
                 self._add_data_dep(xfer_at[i], ("F", s, m))
                 self.needed.add(("F", s, m))
             out.append(tuple(deps) if deps else no_deps)
         return out
 
-    def _gate_transfer(self, tid: int, moving: list[int]) -> None:
-        """Transfer ``tid`` (an ACCEPT/LOAD) starts only once the rank's moves in ``moving`` have landed."""
-        for landing in moving:
+    def _gate_transfer(self, tid: int, landings: list[int]) -> None:
+        """Transfer ``tid`` (an ACCEPT/LOAD) starts only once the transfers in ``landings`` have landed."""
+        for landing in landings:
             self.xfers[tid].pending += 1
             self.gated.setdefault(landing, []).append(tid)
 

@@ -1,0 +1,57 @@
+"""The model arguments shared by `evenpipe estimate` and `evenpipe plan`: a preset, a Hugging Face config.json, or
+an explicit architecture with its sizes."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from evenpipe.cost import Arch, ModelSpec, from_hf_config, model_preset
+from evenpipe.errors import ConfigError
+
+__all__ = ["add_model_arguments", "model_from_args"]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    m = parser.add_argument_group("model (one of --model, --hf-config or --arch with its sizes)")
+    m.add_argument("--model", metavar="PRESET", help="model preset, e.g. gpt3-175b, llama2-70b")
+    m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json")
+    m.add_argument("--arch", metavar="ARCH", help="explicit architecture: gpt or llama")
+    m.add_argument("--layers", type=int, help="transformer layers (with --arch)")
+    m.add_argument("--hidden", type=int, help="hidden size (with --arch)")
+    m.add_argument("--heads", type=int, help="attention heads (with --arch)")
+    m.add_argument("--kv-heads", type=int, help="key/value heads (with --arch; default --heads)")
+    m.add_argument("--ffn-hidden", type=int, help="MLP size (with --arch; default 4·h for gpt, ~8/3·h for llama)")
+    m.add_argument("--vocab", type=int, help="vocabulary size (with --arch)")
+    m.add_argument("--seq-len", type=int, help="sequence length (required with --arch; overrides a preset's)")
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """The ModelSpec named by exactly one of --model, --hf-config, --arch (+ sizes); --seq-len overrides."""
+    chosen = [flag for flag, value in (("--model", args.model), ("--hf-config", args.hf_config),
+                                       ("--arch", args.arch)) if value is not None]
+    if len(chosen) != 1:
+        raise ConfigError(f"give exactly one of --model, --hf-config or --arch (got {', '.join(chosen) or 'none'})")
+    if args.model is not None:
+        spec = model_preset(args.model)
+    elif args.hf_config is not None:
+        spec = from_hf_config(args.hf_config)
+    else:
+        arch = Arch.parse(args.arch)
+        missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "heads", "vocab", "seq_len")
+                   if getattr(args, n) is None]
+        if missing:
+            raise ConfigError(f"--arch {arch.value} needs {', '.join(missing)}")
+        ffn = args.ffn_hidden or (4 * args.hidden if arch is Arch.GPT else _swiglu_ffn(args.hidden))
+        return ModelSpec(name=f"{arch.value}-L{args.layers}-h{args.hidden}", arch=arch, num_layers=args.layers,
+                         hidden=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads or args.heads,
+                         ffn_hidden=ffn, vocab=args.vocab, seq_len=args.seq_len,
+                         tied_embeddings=arch is Arch.GPT)
+    if args.seq_len is not None:
+        spec = dataclasses.replace(spec, seq_len=args.seq_len)
+    return spec
+
+
+def _swiglu_ffn(hidden: int) -> int:
+    """LLaMA's default: 2/3 of 4·h rounded up to a multiple of 256."""
+    return -(-(8 * hidden // 3) // 256) * 256
