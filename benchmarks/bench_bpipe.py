@@ -38,7 +38,7 @@ def _train(schedule: str, P: int, b: int, a: argparse.Namespace) -> dict[str, An
                str(a.steps), "--random-tokens", "--seed", str(a.seed), "--timeout", str(a.peer_timeout),
                "--json-out", out]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.run_timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.run_timeout, check=False)
         except subprocess.TimeoutExpired:
             return f"no result within {a.run_timeout:.0f} s"
         if proc.returncode != 0 or not os.path.exists(out):
@@ -117,16 +117,17 @@ def main() -> None:
     for P in (int(x) for x in a.stages.split(",")):
         tries: dict[str, list[dict[str, Any] | str]] = {"1f1b": [], "bpipe": []}
         for _ in range(a.repeat):  # alternate the two, so load drifts hit both alike
-            for s in tries:
-                tries[s].append(_train(s, P, b0, a))
+            for s, got in tries.items():
+                got.append(_train(s, P, b0, a))
         print(f"\nP={P} M={2 * P} b0={b0}")
         failed = [f"  {s}: FAILED ({r})" for s, rs in tries.items() for r in rs if isinstance(r, str)]
         if failed:
             print("\n".join(failed))
             continue
-        runs: dict[str, dict[str, Any]] = {s: rs[0] for s, rs in tries.items()}  # type: ignore[misc]
+        done = {s: [r for r in rs if isinstance(r, dict)] for s, rs in tries.items()}
+        runs = {s: rs[0] for s, rs in done.items()}
         plain, bp = runs["1f1b"], runs["bpipe"]
-        times = {s: [r["step_time_s"] for r in rs] for s, rs in tries.items()}  # type: ignore[index]
+        times: dict[str, list[float]] = {s: [float(r["step_time_s"]) for r in rs] for s, rs in done.items()}
         t0, t1 = min(times["1f1b"]), min(times["bpipe"])
         print(f"  median step time per run: 1f1b {' '.join(f'{t:.3f}' for t in times['1f1b'])} s, bpipe "
               f"{' '.join(f'{t:.3f}' for t in times['bpipe'])} s; best: bpipe/1f1b {t1 / t0:.2f}")

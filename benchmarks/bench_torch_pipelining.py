@@ -25,9 +25,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from pipe_probe import Captured, HeapSampler, SavedBytes, peak_rss_bytes, run_local_world  # noqa: E402
-
-RUNTIMES = ("evenpipe", "torch")
+from pipe_probe import (
+    Captured,
+    HeapSampler,
+    SavedBytes,
+    peak_rss_bytes,
+    run_local_world,
+)
+from torch import nn
 
 
 def _setup(rank: int, world: int, opts: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -45,11 +50,10 @@ def _setup(rank: int, world: int, opts: dict[str, Any]) -> tuple[Any, Any, Any]:
 def _worker(rank: int, world: int, runtime: str, opts: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-
-    from evenpipe.models import lm_loss
+    import torch.distributed.pipelining
 
     import evenpipe.runtime.executor  # noqa: F401  (import both runtimes before the heap base line)
-    import torch.distributed.pipelining  # noqa: F401
+    from evenpipe.models import lm_loss
 
     stage, data, _cfg = _setup(rank, world, opts)
     m, b = opts["microbatches"], opts["microbatch_size"]
@@ -61,6 +65,7 @@ def _worker(rank: int, world: int, runtime: str, opts: dict[str, Any]) -> dict[s
         from evenpipe.runtime.executor import PipelineExecutor
         from evenpipe.schedule import build_schedule
         groups = build_groups(world, 1)
+        assert groups is not None
         schedule = build_schedule("1f1b", num_ranks=world, num_microbatches=m)
         ex = PipelineExecutor(schedule=schedule, stages={rank: stage}, groups=groups, loss_fn=lm_loss,
                               stash=saved, free_outputs=True)
@@ -106,13 +111,14 @@ def _worker(rank: int, world: int, runtime: str, opts: dict[str, Any]) -> dict[s
             "losses": losses, "params": params}
 
 
-class _Loss:
-    """``loss_fn(output, target)`` as a module-like callable, so :class:`Captured` can wrap it."""
+class _Loss(nn.Module):
+    """``loss_fn(output, target)`` as a module, so :class:`Captured` can wrap it."""
 
     def __init__(self, fn: Any) -> None:
+        super().__init__()
         self.fn = fn
 
-    def __call__(self, out: Any, target: Any) -> Any:
+    def forward(self, out: Any, target: Any) -> Any:
         return self.fn(out, target)
 
 

@@ -23,14 +23,15 @@ import queue
 import resource
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from evenpipe.runtime.stash import ActivationStash
 
-__all__ = ["SavedBytes", "Captured", "HeapSampler", "heap_bytes", "peak_rss_bytes", "run_local_world"]
+__all__ = ["Captured", "HeapSampler", "SavedBytes", "heap_bytes", "peak_rss_bytes", "run_local_world"]
 
 
 class SavedBytes(ActivationStash):
@@ -137,7 +138,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         result: Any = fn(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException as e:  # report, never hang silently
+    except BaseException as e:  # noqa: BLE001  (report anything, never hang silently)
         result = {"error": f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"}
     out.put((rank, result))
     out.close()

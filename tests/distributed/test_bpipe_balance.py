@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
-
-from harness import run_world  # tests/distributed is on sys.path (pytest's rootdir-relative import)
+from harness import (
+    run_world,  # tests/distributed is on sys.path (pytest's rootdir-relative import)
+)
 
 pytestmark = pytest.mark.distributed
 

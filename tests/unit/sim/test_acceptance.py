@@ -67,7 +67,11 @@ def test_interleaved_first_rank_peak_and_bubble(p: int, m: int, v: int) -> None:
 def test_zb_h1_keeps_memory_and_cuts_bubble(p: int, m: int) -> None:
     zb = _run("zb-h1", p, m, forward=1, backward=1, weight=1)
     base = _run("1f1b", p, m, forward=1, backward=1, weight=1)
-    assert zb.peak_activations == pytest.approx(base.peak_activations)
+    # Qi et al.'s claim for ZB-H1: the peak memory of the pipeline (its fullest rank) stays 1F1B's, p units; the
+    # deferred weight gradients fill the later ranks' headroom without pushing any rank past that.
+    assert max(zb.peak_activations) == pytest.approx(max(base.peak_activations))
+    assert all(peak <= max(base.peak_activations) + 1e-9 for peak in zb.peak_activations)
+    assert zb.peak_activations[0] == pytest.approx(base.peak_activations[0])
     # idle time per rank: ZB-H1's bubble is (P-1)(F+B-W) against 1F1B's (P-1)(F+B+W), a third with F=B=W=1
     ratio = (zb.step_time * zb.bubble_fraction) / (base.step_time * base.bubble_fraction)
     assert 0.25 <= ratio <= 0.4, ratio
