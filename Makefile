@@ -21,6 +21,7 @@ demo: $(STAMP)
 	$(VPY) -m evenpipe.demo --out demo_out
 
 typecheck: $(STAMP)
+	$(VPY) -m ruff check --select F src tests benchmarks
 	$(VPY) -m mypy src/evenpipe/schedule src/evenpipe/sim src/evenpipe/cost src/evenpipe/plan
 
 test: $(STAMP) typecheck

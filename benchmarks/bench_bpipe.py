@@ -14,6 +14,9 @@ P=4 and P=8 local gloo processes, M=2P, micro-batch b0=4, 6 steps per run).
    ``u(b)/u(b0)`` (per rank: the larger unit of the rank and its BPipe partner). The largest b whose predicted
    peak fits the budget on every rank is reported; with ``--verify`` BPipe is then run at that b and its
    measured peak is checked against the budget.
+3. ``--heap`` (default on): the same two schedules at b0 in worlds started here, each rank's real memory measured
+   as in ``bench_torch_pipelining.py`` (glibc heap peak during a step above the heap before the runtime existed;
+   ``gc.collect()`` before each step), to check that what the stash accounts is what the process uses.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ import subprocess
 import sys
 import tempfile
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from pipe_probe import HeapSampler, run_local_world
 
 EVENPIPE = [sys.executable, "-m", "evenpipe"]
 
@@ -81,6 +88,51 @@ def unit_bytes(model: str, seq_len: int, P: int, b: int, seed: int) -> list[int]
     return out
 
 
+def _heap_worker(rank: int, world: int, schedule: str, b: int, a: argparse.Namespace) -> list[int]:
+    """One rank of a heap-probe world: peak glibc heap above the pre-runtime base, per step (bytes)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from evenpipe.models import build_model, lm_loss, model_config
+    from evenpipe.runtime.comm import build_groups
+    from evenpipe.runtime.data import TokenBatches
+    from evenpipe.runtime.executor import PipelineExecutor
+    from evenpipe.runtime.stages import build_stage_modules
+    from evenpipe.runtime.stash import ActivationStash
+    from evenpipe.schedule import build_schedule
+
+    cfg = model_config(a.model, seq_len=a.seq_len)
+    sched = build_schedule(schedule, num_ranks=world, num_microbatches=2 * world)
+    stages = build_stage_modules(build_model(cfg, seed=a.seed).pipeline_parts(), num_stages=world, stages=[rank])
+    heap = HeapSampler(stages[rank])
+    heap.set_base()
+    groups = build_groups(world, 1, timeout_s=a.peer_timeout)
+    assert groups is not None
+    ex = PipelineExecutor(schedule=sched, stages=stages, groups=groups, loss_fn=lm_loss, stash=ActivationStash())
+    data = TokenBatches(source="random", seq_len=cfg.seq_len, vocab=cfg.vocab, seed=a.seed)
+    peaks = []
+    for i in range(3):
+        batch = data.batch(i, 2 * world * b)
+        for p in stages[rank].parameters():
+            p.grad = None
+        gc.collect()  # leftovers of the previous step are not this step's memory
+        dist.barrier()
+        heap.start()
+        ex.step(batch.tokens, batch.targets)
+        peaks.append(heap.peak_above_base())
+    return peaks
+
+
+def heap_probe(P: int, b: int, a: argparse.Namespace) -> dict[str, list[int]]:
+    """Per schedule, each rank's largest step heap peak (see ``pipe_probe.py``), from its own world."""
+    out = {}
+    for schedule in ("1f1b", "bpipe"):
+        ranks = run_local_world(P, _heap_worker, schedule, b, a, timeout_s=a.run_timeout)
+        out[schedule] = [max(r) if isinstance(r, list) else -1 for r in ranks]
+    return out
+
+
 def _largest_fit(peaks: list[int], units: dict[int, list[int]], b0: int, budget: int) -> int:
     """Largest b whose predicted per-rank peaks (measured at b0, scaled by unit ratios) all fit ``budget``."""
     P = len(peaks)
@@ -108,6 +160,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="run BPipe at the size found and check its measured peak")
+    p.add_argument("--heap", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure each rank's real step heap (glibc) for both schedules at b0")
     p.add_argument("--peer-timeout", type=float, default=60.0, help="evenpipe train --timeout")
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run is abandoned")
     a = p.parse_args()
@@ -154,6 +208,13 @@ def main() -> None:
                 top = max(check["peak_activation_bytes"])
                 print(f"  verify bpipe at b={fit['bpipe']}: measured largest rank peak {_mib(top)} MiB "
                       f"{'<=' if top <= budget else '>'} budget {_mib(budget)} MiB")
+        if a.heap:
+            heap = heap_probe(P, b0, a)
+            print("  real memory, step heap above the pre-runtime base (MiB; saved tensors, kept outputs, message "
+                  "buffers, gradients):")
+            for r in range(P):
+                h0, h1 = heap["1f1b"][r], heap["bpipe"][r]
+                print(f"  {r:4d} | 1f1b {_mib(h0)}  bpipe {_mib(h1)}  bpipe/1f1b {h1 / max(h0, 1):5.2f}")
         sys.stdout.flush()
 
 

@@ -12,7 +12,6 @@ docstring of ``evenpipe.cost.fit``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import pathlib
 import sys
 import time

@@ -120,22 +120,6 @@ def _memory_lines(est: Estimate, hw: Hardware) -> list[str]:
     return lines
 
 
-def _inflight_note(est: Estimate) -> list[str]:
-    """A warning when the simulated activation peak exceeds the counted one by > 10% (evictions in flight; the
-    small embedding/head activations, counted under those columns, stay well below that margin)."""
-    worst = None
-    for m, sim in zip(est.stage_memory, est.activation_peak_simulated_gib):
-        counted = m.activations + m.hosted
-        if sim > counted * 1.10 and (worst is None or sim - counted > worst[1] - worst[2]):
-            worst = (m.rank, sim, counted)
-    if worst is None:
-        return []
-    r, sim, counted = worst
-    return [f"note: in the simulated timeline evictions are still in flight when the next forward allocates; "
-            f"rank {r} then holds {sim:.2f} GiB of activations instead of {counted:.2f} GiB unless it waits "
-            f"for them"]
-
-
 def format_estimate(est: Estimate) -> str:
     """The human-readable report printed by ``evenpipe estimate``."""
     cfg, hw, model = est.config, est.hardware, est.model
@@ -159,6 +143,5 @@ def format_estimate(est: Estimate) -> str:
         (f"fits: yes (peak {est.peak_memory_gib:.2f} GiB on rank {_peak_rank(est)})" if est.fits else
          f"fits: NO (peak {est.peak_memory_gib:.2f} GiB on rank {_peak_rank(est)} > usable "
          f"{hw.usable_memory_gib:g} GiB)"),
-        *_inflight_note(est),
     ]
     return "\n".join(lines)

@@ -151,12 +151,14 @@ def test_gpt_model_with_gqa_is_allowed() -> None:
     dict(recompute=Recompute.FULL),
     dict(recompute=Recompute.FULL, schedule=ScheduleFamily.INTERLEAVED, chunks=2),
     dict(schedule=ScheduleFamily.GPIPE, global_batch=12),
+    dict(schedule=ScheduleFamily.BPIPE),
+    dict(schedule=ScheduleFamily.BPIPE, recompute=Recompute.FULL),
 ])
 def test_program_order_count_agrees_with_the_simulator(kw: dict[str, object]) -> None:
     """memory_per_stage counts in program order on a truncated schedule; the simulator tracks bytes in time on
-    the full one with the same per-stage bytes (stage_sim_costs). Their per-rank peaks must agree. (BPipe is
-    left out: the simulator frees evicted activations when the transfer lands, after the next forward has
-    allocated, so it peaks one unit above the program-order count; see Estimate.activation_peak_simulated_gib.)"""
+    the full one with the same per-stage bytes (stage_sim_costs). Their per-rank peaks must agree, BPipe's evictors
+    included (in the simulator a forward waits for its rank's evictions to land, as in the runtime); an acceptor may
+    go above the count by at most its hosted peak."""
     from evenpipe.cost import stage_sim_costs
     from evenpipe.cost.memory import build_cost_schedule
     from evenpipe.sim import simulate
@@ -169,7 +171,13 @@ def test_program_order_count_agrees_with_the_simulator(kw: dict[str, object]) ->
         ours = (m.activations + m.hosted) * GIB
         ours += emb_state if r == 0 else 0.0
         ours += (m.head * GIB - head_state(cfg)) if r == cfg.pp - 1 else 0.0
-        assert ours == pytest.approx(trace.peak_activation_bytes[r], rel=1e-9), r
+        simulated = trace.peak_activation_bytes[r]
+        if m.hosted > 0:
+            # an acceptor's forward may run while a RETURN is still in flight, so in time it can hold up to its own
+            # program-order peak plus its hosted peak, never less than the program-order count
+            assert ours * (1 - 1e-9) <= simulated <= ours + m.hosted * GIB * (1 + 1e-9), r
+        else:
+            assert ours == pytest.approx(simulated, rel=1e-9), r
 
 
 def trace_free_embedding_state(cfg: ParallelConfig) -> float:
