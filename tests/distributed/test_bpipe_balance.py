@@ -28,11 +28,10 @@ from typing import Any
 
 import pytest
 import torch
-from harness import (
-    run_world,  # tests/distributed is on sys.path (pytest's rootdir-relative import)
-)
+from harness import run_world
 
 pytestmark = pytest.mark.distributed
+# `harness` is the sibling module tests/distributed/harness.py (pytest puts this directory on sys.path).
 
 SEQ = 16
 MICROBATCH = 2
