@@ -13,15 +13,40 @@ the drop may free the storage being sent.
 
 Wire format, per unit, all on the BPipe group: the meta as ``StashMeta.to_tensor()`` (``int64``), then the flat
 ``uint8`` buffer. Sizes are learned on the first step of each micro-batch shape: that step prefixes every unit
-with an ``int64[2]`` header (meta length, flat length); the receiver posts the header receive where ACCEPT/LOAD
-stands and the data receives once it sees the header (polled between actions). Every later step posts the data
-receives directly where ACCEPT/LOAD stands, with buffers of the learned sizes, so the acceptor's memory is taken
-exactly there (as the simulator assumes) and the transfer overlaps compute; a unit whose size changed is an
-error. Data is waited just before it is needed (LOAD: before the stage's RECOMPUTE or backward; ACCEPT: at
-RETURN). The sender posts everything at once.
+with an ``int64[2]`` header (meta length, flat length); the receiver waits for the header where ACCEPT/LOAD
+stands (a blocking wait, first step only: it is the rendezvous point, see below) and posts the data receives
+right there. Every later step posts the data receives directly where ACCEPT/LOAD stands, with buffers of the
+learned sizes, so the receiver's memory is taken exactly there and the transfer overlaps compute; a unit whose
+size changed is an error. Data is waited just before it is needed (LOAD: before the stage's RECOMPUTE or
+backward; ACCEPT: at RETURN or the next ACCEPT). The sender posts everything at once.
 
-Caveat (untested, no GPU here): on NCCL the first step's lazily posted data receives share the BPipe
-communicator's stream with that rank's own BPipe sends, which can serialise them; later steps post in place.
+When memory is freed and taken (the simulator's rules, :mod:`evenpipe.sim.engine`). A send's buffer (an
+``EVICT``'s exported copy, a ``RETURN``'s hosted buffer) is freed once the send is *waited*: on gloo a send's
+``Work.is_completed()`` stays False until ``wait()``, so polling would keep every such buffer until the step's end.
+Hence, with blocking waits:
+
+1. before a ``F`` or ``R``, the rank waits for every ``EVICT`` it issued earlier and lets their buffers go, so
+   real memory falls before the new activations are allocated;
+2. before a ``LOAD`` allocates its receive buffer, the rank waits for its earlier ``EVICT``s;
+3. before an ``ACCEPT`` allocates its receive buffer, the acceptor waits for its earlier ``RETURN``s (and frees
+   their buffers) and for its previous ``ACCEPT``'s data.
+
+Everything else stays non-blocking (an acceptor's own ``F`` does not wait for its ``RETURN``s, as in the
+simulator). These waits cannot deadlock: :func:`evenpipe.schedule.comm.derive_communication` orders the schedule
+so that it progresses under *rendezvous* semantics, where a send blocks at the action itself until its receive
+is there and the transfer done. Every wait above is for a message that stands earlier in the same rank's list,
+so waiting for it at a later point is never stricter than rendezvous (the first step's header wait blocks at
+the receive action itself, exactly as rendezvous does); the validator's dry run checks that order. Once waited, the batch (its works hold the tensors) is dropped, so nothing references the buffer any more.
+
+Accounting (the activation stash) follows the same points: an ``ACCEPT``'s buffer is counted as hosted, and a
+``LOAD``'s as the evictor's own (under a stand-in key, :func:`loading_key`), when it is allocated; the ``LOAD``'s
+charge moves to the restored unit at the stage's ``R``/backward. The copies made by ``export``/``restore``
+themselves are transient and not counted (neither does the simulator model them): for a moment an evictor holds
+a unit and its copy (at ``EVICT``) or the received buffer and the restored unit (before the backward). Avoiding
+that would need the stash to ship and refill its storages directly instead of one flat copy.
+
+Caveat (untested, no GPU here): on NCCL the blocking waits and the separate header/data batches of the first
+step have not been run; the BPipe group's sends and receives share one communicator stream.
 """
 
 from __future__ import annotations
@@ -37,7 +62,7 @@ from evenpipe.schedule.ir import Action, ActionKind
 if TYPE_CHECKING:
     from evenpipe.runtime.executor import _StepRun
 
-__all__ = ["BpipeOps"]
+__all__ = ["BpipeOps", "loading_key"]
 
 _K = ActionKind
 
@@ -52,6 +77,12 @@ def _meta_from(t: torch.Tensor) -> Any:
     return StashMeta.from_tensor(t)
 
 
+def loading_key(key: tuple[int, int]) -> tuple[int, int]:
+    """Stash key under which a ``LOAD``'s receive buffer for ``key = (stage, mb)`` is counted until restored
+    (a negative micro-batch index, which no real key has)."""
+    return key[0], -1 - key[1]
+
+
 Sizes = dict[int, tuple[int, int]]
 """Per evicted stage: (meta length in int64 elements, flat length in bytes) of its units."""
 
@@ -63,12 +94,9 @@ class _Incoming:
     group: object
     tag: int
     what: str
-    header_batch: PendingBatch | None = None
-    header: torch.Tensor | None = None
     data_batch: PendingBatch | None = None
     meta_buf: torch.Tensor | None = None
     flat: torch.Tensor | None = None
-    hosted: bool = False
 
 
 class BpipeOps:
@@ -79,6 +107,54 @@ class BpipeOps:
         self.sizes = sizes
         self.learning = learning
         self.incoming: dict[tuple[int, int], _Incoming] = {}
+        self.evicts: list[PendingBatch] = []
+        """EVICT send batches not waited yet (their works hold the exported buffers)."""
+        self.returns: list[PendingBatch] = []
+        """RETURN send batches not waited yet (their works hold the returned buffers)."""
+        self.last_accept: tuple[int, int] | None = None
+        """Key of the previous ACCEPT (its data is waited before the next ACCEPT allocates)."""
+        self.loading: dict[tuple[int, int], torch.Tensor] = {}
+        """LOAD buffers counted under :func:`loading_key` until their unit is restored."""
+
+    # -- memory waits (see the module docstring) -------------------------------------------------------------
+    def posted(self, a: Action, batch: PendingBatch) -> None:
+        """Keep an EVICT's or RETURN's send batch until its wait point."""
+        if a.kind is _K.EVICT:
+            self.evicts.append(batch)
+        elif a.kind is _K.RETURN:
+            self.returns.append(batch)
+
+    def before_compute(self, a: Action) -> None:
+        """Rule 1: a ``F`` or ``R`` waits for the rank's earlier evictions and frees their buffers."""
+        if a.kind in (_K.FORWARD, _K.RECOMPUTE):
+            self._wait_sends(self.evicts)
+
+    def _wait_sends(self, batches: list[PendingBatch]) -> None:
+        """Wait every batch, stamp its send records, and drop the batches (and so the buffers they hold)."""
+        while batches:
+            batch = batches.pop(0)
+            batch.wait()
+            self.run._sent(batch)
+
+    def _before_alloc(self, inc: _Incoming, key: tuple[int, int]) -> None:
+        """Rules 2 and 3: what a LOAD's or ACCEPT's receive buffer waits for before it is allocated."""
+        if inc.role is _K.LOAD:
+            self._wait_sends(self.evicts)
+            return
+        self._wait_sends(self.returns)
+        prev = self.incoming.get(self.last_accept) if self.last_accept is not None else None
+        if prev is not None and prev.role is _K.ACCEPT and prev.data_batch is not None:
+            prev.data_batch.wait()
+
+    def _charge(self, key: tuple[int, int], inc: _Incoming) -> None:
+        """Count a just-allocated receive buffer: hosted for an ACCEPT, own (stand-in key) for a LOAD."""
+        assert inc.flat is not None
+        stash = self.run.ex.stash
+        if inc.role is _K.ACCEPT:
+            stash.host(key, None, inc.flat)
+        elif inc.flat.numel():
+            stash.hold(loading_key(key), inc.flat)
+            self.loading[key] = inc.flat
 
     # -- posting ---------------------------------------------------------------------------------------------
     def _tag(self, a: Action, part: int) -> int:
@@ -94,20 +170,21 @@ class BpipeOps:
         what = f"{a.kind.name} stage {a.stage} mb {a.microbatch}"
         if a.kind in (_K.ACCEPT, _K.LOAD):
             inc = _Incoming(a.kind, peer, grp, self._tag(a, 0), what)
+            self._before_alloc(inc, key)
             self.incoming[key] = inc
-            if self.learning:
-                inc.header = torch.zeros(2, dtype=torch.int64, device=ex.device)
-
-                def on_header(batch: PendingBatch) -> None:
-                    inc.header_batch = batch
-                return [(Transfer(send=False, tensor=inc.header, peer=peer, group=grp, tag=inc.tag, what=what),
-                         on_header)]
-            n_meta, n_flat = self.sizes[a.stage]
+            if a.kind is _K.ACCEPT:
+                self.last_accept = key
+            if self.learning:  # first step: the sizes come first (waited here, where rendezvous would block)
+                header = torch.zeros(2, dtype=torch.int64, device=ex.device)
+                post_batch([Transfer(send=False, tensor=header, peer=peer, group=grp, tag=inc.tag, what=what)],
+                           timeout_s=ex.groups.timeout_s).wait()
+                n_meta, n_flat = (int(v) for v in header.tolist())
+                if a.kind is _K.ACCEPT:
+                    self.sizes[a.stage] = (n_meta, n_flat)
+            else:
+                n_meta, n_flat = self.sizes[a.stage]
             made = self._data_transfers(inc, n_meta, n_flat)
-            if a.kind is _K.ACCEPT:  # the buffer exists from here on: count it as hosted now
-                assert inc.flat is not None
-                ex.stash.host(key, None, inc.flat)
-                inc.hosted = True
+            self._charge(key, inc)  # the buffer exists from here on
 
             def on_data(batch: PendingBatch) -> None:
                 inc.data_batch = batch
@@ -160,37 +237,11 @@ class BpipeOps:
         return inc.meta_buf, flat
 
     # -- receiving -------------------------------------------------------------------------------------------
-    def poll(self) -> None:
-        """First step: post the data receives of every unit whose header has arrived; host arrived units."""
-        for key, inc in self.incoming.items():
-            if inc.data_batch is None and inc.header_batch is not None and inc.header_batch.is_completed():
-                self._post_data(key, inc)
-            if (inc.role is _K.ACCEPT and not inc.hosted and inc.data_batch is not None
-                    and inc.data_batch.is_completed()):
-                self._host(key, inc)
-
-    def _post_data(self, key: tuple[int, int], inc: _Incoming) -> None:
-        assert inc.header_batch is not None and inc.header is not None
-        inc.header_batch.wait()
-        n_meta, n_flat = (int(v) for v in inc.header.tolist())
-        if inc.role is _K.ACCEPT:
-            self.sizes[key[0]] = (n_meta, n_flat)
-        inc.data_batch = post_batch(self._data_transfers(inc, n_meta, n_flat), timeout_s=self.run.ex.groups.timeout_s)
-
     def _complete(self, key: tuple[int, int]) -> tuple[Any, torch.Tensor]:
         inc = self.incoming[key]
-        if inc.data_batch is None:
-            self._post_data(key, inc)
         assert inc.data_batch is not None and inc.meta_buf is not None and inc.flat is not None
         inc.data_batch.wait()
-        if inc.role is _K.ACCEPT and not inc.hosted:
-            self._host(key, inc)
         return _meta_from(inc.meta_buf), inc.flat
-
-    def _host(self, key: tuple[int, int], inc: _Incoming) -> None:
-        assert inc.meta_buf is not None and inc.flat is not None
-        self.run.ex.stash.host(key, None, inc.flat)
-        inc.hosted = True
 
     def before_backward(self, key: tuple[int, int]) -> None:
         """Make a loaded unit usable again before its stage's RECOMPUTE or backward (no-op if never evicted)."""
@@ -199,10 +250,17 @@ class BpipeOps:
             return
         meta, flat = self._complete(key)
         del self.incoming[key]
-        if key in self.run.ex.stash.keys():  # dropped at EVICT (possibly an empty unit)
-            self.run.ex.stash.restore(key, meta, flat)
+        stash = self.run.ex.stash
+        if self.loading.pop(key, None) is not None:  # the unit's own charge replaces the buffer's
+            stash.release_all_of(loading_key(key))
+        if key in stash.keys():  # dropped at EVICT (possibly an empty unit)
+            stash.restore(key, meta, flat)
 
     def finish(self) -> None:
-        """End of step: every unit came back (the schedule returns everything it evicted)."""
+        """End of step: wait the last evictions and returns; every unit came back (the schedule returns
+        everything it evicted)."""
+        self._wait_sends(self.evicts)
+        self._wait_sends(self.returns)
         left = sorted(self.incoming)
         assert not left, f"BPipe units never returned/loaded: {left}"
+        assert not self.loading, f"LOAD buffers never restored: {sorted(self.loading)}"

@@ -7,9 +7,11 @@ un-pipelined training on the whole global batch (mean cross-entropy).
 
 Transfers. Consecutive transfer actions of one process group are posted together with ``batch_isend_irecv``
 (NCCL needs grouped sends and receives to avoid deadlock). A receive is posted where its action stands and waited
-just before the compute that consumes it; sends are waited lazily (polled between actions, all waited at the end
-of the step). The schedule validator guarantees the per-pair posting order matches, so NCCL (which ignores tags)
-pairs messages right; on gloo every message also carries a tag naming it.
+just before the compute that consumes it; pipeline sends are waited lazily (polled between actions, all waited at
+the end of the step). BPipe's sends are waited at the points where the simulator frees their memory (see
+:mod:`evenpipe.runtime.bpipe`): a ``F``/``R`` first waits for the rank's earlier ``EVICT``s. The schedule validator
+guarantees the per-pair posting order matches, so NCCL (which ignores tags) pairs messages right; on gloo every
+message also carries a tag naming it.
 
 Shapes. Tensor shapes between stages are learned by a *shape handshake*, not a hand-written list: the first time
 a micro-batch shape is seen, every stage runs one no-grad forward on placeholder input (under a forked RNG) in
@@ -302,12 +304,12 @@ class _StepRun:
                 i = j
                 continue
             self.current = a
+            self.bpipe.before_compute(a)  # F/R: earlier evictions land first, so their buffers are freed
             t0 = time.perf_counter()
             self._compute(a)
             if self.recorder is not None:
                 self.recorder.action(i, a, t0, time.perf_counter(), self.ex.stash)
             self._poll_sends()
-            self.bpipe.poll()
             i += 1
         self.bpipe.finish()
         wait_all(self.sends)
@@ -354,12 +356,17 @@ class _StepRun:
             if a.kind in _BPIPE_KINDS:
                 # each BPipe action alone: a header receive must be waitable without waiting for other sends
                 self.current = a
-                self._post_items([(t, on_posted, a) for t, on_posted in self.bpipe.transfers(a)], t0)
+                batch = self._post_items([(t, on_posted, a) for t, on_posted in self.bpipe.transfers(a)], t0,
+                                         track_sends=False)
+                self.bpipe.posted(a, batch)
         if self.recorder is not None:
             for idx in indices:
                 self.recorder.action(idx, self.ex.actions[idx], t0, time.perf_counter(), self.ex.stash)
 
-    def _post_items(self, items: list[tuple[Transfer, Any, Action]], t0: float) -> None:
+    def _post_items(self, items: list[tuple[Transfer, Any, Action]], t0: float, *,
+                    track_sends: bool = True) -> PendingBatch:
+        """Post ``items`` as one batch; its sends are polled and waited by the step unless ``track_sends`` is
+        False (BPipe's, which :class:`~evenpipe.runtime.bpipe.BpipeOps` waits itself)."""
         g = self.ex.groups
         batch = post_batch([t for t, _, _ in items], timeout_s=g.timeout_s)
         for t, on_posted, a in items:
@@ -374,8 +381,9 @@ class _StepRun:
                                            start=t0))
                     self.recorder.sends.append(recs[-1])
                 recs[-1].num_bytes += t.tensor.numel() * t.tensor.element_size()
-        if any(t.send for t, _, _ in items):
+        if track_sends and any(t.send for t, _, _ in items):
             self.sends.append(batch)
+        return batch
 
     def _tag(self, a: Action) -> int:
         m = self.ex.schedule.num_microbatches

@@ -3,7 +3,11 @@
 Times come from ``time.perf_counter`` (a system-wide monotonic clock on Linux, so ranks on one host share it) and
 are shifted so that the earliest step start over all ranks is 0. Memory is the stash's own plus hosted bytes
 after each action. Transfers are recorded on the sending side: ``start`` when posted, ``end`` when the executor
-first saw it complete (polled between actions), so sends look at most one action longer than they were.
+first saw it complete, an upper bound. Pipeline sends are polled between actions, but gloo may report a send-only
+batch complete only once it is waited, so such a send can look as long as the rest of the step. BPipe's
+``EVICT``/``RETURN`` are waited where the simulator frees their memory (an ``EVICT`` before the rank's next
+``F``/``R`` or ``LOAD``, a ``RETURN`` before its next ``ACCEPT``, both at the latest at the step's end), so their
+``end`` is at most that point.
 """
 
 from __future__ import annotations
