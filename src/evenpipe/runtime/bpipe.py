@@ -220,7 +220,7 @@ class BpipeOps:
         run, stash = self.run, self.run.ex.stash
         sent = run.output_sends.pop(key, None)
         if sent is not None:  # the stage output may be one of the storages dropped in place: send it first
-            sent.wait()
+            sent.wait_sends()
         if key in stash.keys():
             meta, flat = stash.export(key)
             stash.drop(key)

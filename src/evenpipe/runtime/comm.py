@@ -148,6 +148,27 @@ class PendingBatch:
     def is_completed(self) -> bool:
         return self.done or all(w.is_completed() for w in self.works)  # type: ignore[attr-defined]
 
+    def wait_sends(self) -> None:
+        """Wait for this batch's sends only, then drop every reference to their payloads (so a sent activation's
+        memory is really freed: gloo's works report completion only once waited).
+
+        gloo returns one work per operation, so the receives of the batch stay pending; a coalesced batch (NCCL:
+        one work for all operations) is waited whole."""
+        if self.done:
+            self.transfers = tuple(t for t in self.transfers if not t.send)
+            return
+        if len(self.works) != len(self.transfers):
+            wait_all([self])
+            self.transfers = tuple(t for t in self.transfers if not t.send)
+            return
+        sends = PendingBatch([w for w, t in zip(self.works, self.transfers) if t.send],
+                             [t for t in self.transfers if t.send], self.timeout_s)
+        wait_all([sends])
+        kept = [(w, t) for w, t in zip(self.works, self.transfers) if not t.send]
+        self.works = [w for w, _ in kept]
+        self.transfers = tuple(t for _, t in kept)
+        self.done = not self.works
+
 
 def post_batch(transfers: Sequence[Transfer], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> PendingBatch:
     """Post sends and receives of one process group together (NCCL needs them grouped to avoid deadlock).
@@ -176,6 +197,7 @@ def wait_all(batches: Sequence[PendingBatch]) -> None:
             raise PeerFailure(f"rank {dist.get_rank()}: waiting for {names} failed, a peer probably failed or "
                               f"timed out: {_first_line(e)}") from e
         b.done = True
+        b.works = []
 
 
 def _first_line(e: BaseException) -> str:

@@ -278,7 +278,8 @@ class _StepRun:
         self.deferred_w: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.rng: dict[tuple[int, int], Any] = {}
         self.recvs: dict[tuple[ActionKind, int, int], tuple[PendingBatch, Any]] = {}
-        self.sends: list[PendingBatch] = []
+        self.sends: list[PendingBatch] = []  # send batches posted since the last compute
+        self.earlier_sends: list[PendingBatch] = []  # ... posted before it: waited after the next compute
         self.loss_sum = 0.0
         self.evicted_bytes = 0
         self.current: Action | None = None
@@ -309,25 +310,32 @@ class _StepRun:
             self._compute(a)
             if self.recorder is not None:
                 self.recorder.action(i, a, t0, time.perf_counter(), self.ex.stash)
-            self._poll_sends()
+            self._retire_sends()
             i += 1
         self.bpipe.finish()
-        wait_all(self.sends)
         for b in self.sends:
+            b.wait_sends()
             self._sent(b)
         self.sends.clear()
+        self.earlier_sends.clear()
+        self.output_sends.clear()
         leftover = [k for k in self.recvs]
         assert not leftover, f"receives never consumed: {leftover}"
+        self.bpipe = None  # type: ignore[assignment]  # break the run <-> BpipeOps cycle: free the step at once
 
-    def _poll_sends(self) -> None:
-        still = []
-        for b in self.sends:
-            if b.is_completed():
-                b.done = True
-                self._sent(b)
-            else:
-                still.append(b)
-        self.sends = still
+    def _retire_sends(self) -> None:
+        """After each compute: wait for the sends posted before the compute that just ran, and release them.
+
+        Each send so overlaps at least one compute, and its payload (a stage output, a gradient) is freed one
+        compute later instead of at the end of the step (gloo reports a send complete only once it is waited).
+        Waiting for a send later than its own place in the rank's list is never stricter than the rendezvous
+        semantics the validator proves deadlock-free, so this cannot deadlock.
+        """
+        for b in self.earlier_sends:
+            b.wait_sends()
+            self._sent(b)
+        self.earlier_sends = self.sends
+        self.sends = []
 
     def _sent(self, batch: PendingBatch) -> None:
         if self.recorder is not None:
