@@ -43,7 +43,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from evenpipe.errors import ConfigError
-from evenpipe.runtime.comm import ParallelGroups, PendingBatch, PeerFailure, Transfer, post_batch, wait_all
+from evenpipe.runtime.comm import ParallelGroups, PendingBatch, PeerFailure, Transfer, post_batch
 from evenpipe.runtime.trace import RankRecorder, SendRecord
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 
