@@ -24,10 +24,10 @@ between the output and its gradient (Megatron's trick). Under recomputation (``R
 schedule) a stage's forward runs without a graph, keeping only its input; ``RECOMPUTE`` rebuilds the graph with
 the RNG state the forward saw.
 
-Zero-bubble split. ``I`` runs the autograd engine with respect to the stage input only, keeping the graph; ``W``
-runs it again with respect to the stage parameters and frees the graph. This repeats the backward through the
-layers (the engine has no public way to save the intermediate gradients), so ``W`` costs about a full backward:
-correct, schedule-faithful, not compute-optimal.
+Zero-bubble split. ``I`` runs the autograd engine with respect to the stage input only, keeping the graph and
+the gradients that arrive at the nodes where parameter branches leave the input path; ``W`` restarts the engine
+from those gradients and runs only the parameter branches (see :mod:`evenpipe.runtime.split_backward`), so ``I``
+plus ``W`` cost one backward.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from torch.autograd import Variable
 
 from evenpipe.errors import ConfigError
 from evenpipe.runtime.comm import ParallelGroups, PendingBatch, PeerFailure, Transfer, post_batch
+from evenpipe.runtime.split_backward import WeightState, backward_input, backward_weight
 from evenpipe.runtime.trace import RankRecorder, SendRecord
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 
@@ -275,7 +276,7 @@ class _StepRun:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.out_grads: dict[tuple[int, int], torch.Tensor] = {}   # gradient of a stage output (local handoff)
         self.in_grads: dict[tuple[int, int], torch.Tensor] = {}    # gradient of a stage input, to send
-        self.deferred_w: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.deferred_w: dict[tuple[int, int], WeightState] = {}  # I -> W hand-off
         self.rng: dict[tuple[int, int], Any] = {}
         self.recvs: dict[tuple[ActionKind, int, int], tuple[PendingBatch, Any]] = {}
         self.sends: list[PendingBatch] = []  # send batches posted since the last compute
@@ -533,12 +534,9 @@ class _StepRun:
         roots, grads = [out], [grad if grad is not None else torch.ones_like(out)]
         needs_x = x is not None and x.requires_grad
         if split:
-            gx = None
-            if needs_x:
-                assert x is not None
-                (gx,) = _run_backward(roots, grads, keep_graph=True, inputs=(x,), accumulate=False)
-            self.deferred_w[key] = (out, grads[0])
-            self._deliver_input_grad(key, gx)
+            xs = (x,) if needs_x and x is not None else ()
+            gxs, self.deferred_w[key] = backward_input(roots, grads, xs, self.ex._params[s])
+            self._deliver_input_grad(key, gxs[0] if xs else None)
             return
         if needs_x:
             assert x is not None
@@ -548,10 +546,7 @@ class _StepRun:
         self._done(key)
 
     def _weight(self, key: tuple[int, int]) -> None:
-        out, grad = self.deferred_w.pop(key)
-        params = self.ex._params[key[0]]
-        if params:
-            _run_backward([out], [grad], keep_graph=False, inputs=params, accumulate=True)
+        backward_weight(self.deferred_w.pop(key), self.ex._params[key[0]])
         self._done(key)
 
     def _done(self, key: tuple[int, int]) -> None:

@@ -1,0 +1,200 @@
+"""Split backward for zero-bubble schedules: input gradients now (``I``), weight gradients later (``W``).
+
+Vocabulary. In the backward graph of a stage, the *input path* is the set of nodes from which the stage input's
+gradient node is reachable; :func:`backward_input` runs only those. A *split node* is an input-path node with an
+edge into a subgraph that reaches parameters but not the input (a matmul's weight operand, a layer norm's
+weight); a *param group* is a set of parameters whose subgraphs share split nodes. During ``I`` a pre-hook on
+each split node keeps the gradient arriving at it; during ``W`` one engine call per param group runs, from those
+kept gradients, only the nodes that lead to the group's parameters (for a linear layer: just ``x^T @ dy``), and
+accumulates into ``.grad`` exactly as a full backward would.
+
+Edge cases. With no input that requires grad, ``I`` does nothing and ``W`` is the whole backward. A group whose
+parameters are also reachable from its split nodes through the input path (a weight used twice along the chain)
+could be counted twice by a restarted engine call, so its parameters are computed during ``I`` instead and only
+accumulated during ``W``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch.autograd import Variable
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["WeightState", "backward_input", "backward_weight"]
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightState:
+    """What ``I`` leaves for ``W``: the captured gradients at split nodes, per param group."""
+
+    groups: list[tuple[list[Node], list[torch.Tensor]]] = field(default_factory=list)
+    """Per param group: its split nodes and the parameters they lead to."""
+    captured: dict[Node, tuple[Any, ...]] = field(default_factory=dict)
+    """Gradient arriving at each split node during ``I`` (one entry per node input slot, ``None`` if none)."""
+    early: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    """Parameter gradients already computed during ``I`` (conflicting groups), accumulated during ``W``."""
+    roots: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None
+    """Outputs and their gradients when ``I`` ran nothing (no input needs a gradient): ``W`` is a full backward."""
+
+
+def _engine(roots: Sequence[Any], grads: Sequence[Any], inputs: Sequence[Any], *, keep_graph: bool,
+            accumulate: bool) -> tuple[torch.Tensor, ...]:
+    """The autograd engine without the output/grad shape check (stage outputs may have freed storage)."""
+    return Variable._execution_engine.run_backward(  # type: ignore[attr-defined,no-any-return]
+        tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
+
+
+def _node(t: torch.Tensor) -> Node:
+    return get_gradient_edge(t).node
+
+
+def _children(n: Node) -> list[Node]:
+    return [c for c, _ in n.next_functions if c is not None]
+
+
+def _reaching(nodes: list[Node], targets: set[Node]) -> set[Node]:
+    """Nodes of ``nodes`` (topologically closed, any order) from which some node of ``targets`` is reachable."""
+    memo: dict[Node, bool] = {}
+    for start in nodes:
+        stack: list[tuple[Node, bool]] = [(start, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if n in memo:
+                continue
+            if expanded:
+                memo[n] = n in targets or any(memo.get(c, False) for c in _children(n))
+                continue
+            stack.append((n, True))
+            stack.extend((c, False) for c in _children(n) if c not in memo)
+    return {n for n, hit in memo.items() if hit}
+
+
+def _all_nodes(roots: Sequence[Node]) -> list[Node]:
+    seen: set[Node] = set(roots)
+    order, stack = [], list(roots)
+    while stack:
+        n = stack.pop()
+        order.append(n)
+        for c in _children(n):
+            if c not in seen:
+                seen.add(c)
+                stack.append(c)
+    return order
+
+
+def _param_groups(split_of: dict[Node, list[Node]], params_of: dict[Node, torch.Tensor]
+                  ) -> list[tuple[list[Node], list[Node]]]:
+    """Union of (split node -> param nodes it leads to) into groups sharing split nodes or params."""
+    parent: dict[Node, Node] = {}
+
+    def find(n: Node) -> Node:
+        while parent.setdefault(n, n) is not n:
+            n = parent[n]
+        return n
+    for s, ps in split_of.items():
+        for p in ps:
+            parent[find(p)] = find(s)
+    groups: dict[Node, tuple[list[Node], list[Node]]] = {}
+    for s in split_of:
+        groups.setdefault(find(s), ([], []))[0].append(s)
+    for p in params_of:
+        if p in parent:
+            groups.setdefault(find(p), ([], []))[1].append(p)
+    return list(groups.values())
+
+
+def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
+                   inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+                   ) -> tuple[tuple[torch.Tensor | None, ...], WeightState]:
+    """``I``: gradients of ``inputs`` from ``outputs`` seeded with ``grad_outputs``; keeps the graph for ``W``.
+
+    Returns the input gradients (``None`` for an input that does not require grad) and the state
+    :func:`backward_weight` needs. Parameter ``.grad`` is not touched here.
+    """
+    need = [x for x in inputs if x.requires_grad]
+    if not need:
+        return tuple(None for _ in inputs), WeightState(roots=(tuple(outputs), tuple(grad_outputs)))
+    root_nodes = [n for n in (o.grad_fn for o in outputs) if n is not None]
+    nodes = _all_nodes(root_nodes)
+    params_of = {_node(p): p for p in params if p.requires_grad}
+    on_path = _reaching(nodes, {_node(x) for x in need})
+    to_param = {n: set() for n in nodes}  # type: dict[Node, set[Node]]
+    for pn in params_of:
+        if pn in to_param:
+            for n in _reaching(nodes, {pn}):
+                to_param[n].add(pn)
+    split_of: dict[Node, list[Node]] = {}
+    for n in nodes:
+        if n in on_path:
+            reach = set().union(*(to_param[c] for c in _children(n) if c not in on_path))  # type: set[Node]
+            if reach:
+                split_of[n] = sorted(reach, key=id)
+    state = WeightState()
+    early: list[Node] = []
+    for splits, pnodes in _param_groups(split_of, params_of):
+        via_path = any(to_param[c] & set(pnodes) for s in splits for c in _children(s) if c in on_path)
+        if via_path:
+            early.extend(pnodes)
+        else:
+            state.groups.append((splits, [params_of[p] for p in pnodes]))
+    handles = []
+    for splits, _ in state.groups:
+        for s in splits:
+            def keep(grads: tuple[Any, ...], s: Node = s) -> None:
+                state.captured[s] = tuple(grads)
+            handles.append(s.register_prehook(keep))
+    early_params = [params_of[p] for p in early]
+    try:
+        got = _engine(outputs, grad_outputs, [*need, *early_params], keep_graph=True, accumulate=False)
+    finally:
+        for h in handles:
+            h.remove()
+    state.early = list(zip(early_params, got[len(need):]))
+    it = iter(got[:len(need)])
+    return tuple(next(it) if x.requires_grad else None for x in inputs), state
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
+    if g is None:
+        return
+    if p.grad is None:  # a copy laid out like the parameter: ``g`` may alias a gradient sent on elsewhere
+        p.grad = torch.empty_like(p).copy_(g.detach())
+    else:
+        p.grad += g
+
+
+def backward_weight(state: WeightState, params: Sequence[torch.Tensor]) -> None:
+    """``W``: accumulate the parameter gradients into ``.grad`` and free the graph kept by ``I``.
+
+    ``params`` are the stage parameters (those that require grad); with no input path (first stage) this is a
+    full backward into them.
+    """
+    if state.roots is not None:
+        outs, grads = state.roots
+        want = [p for p in params if p.requires_grad]
+        if want:
+            _engine(outs, grads, want, keep_graph=False, accumulate=True)
+        state.roots = None
+        return
+    for p, g in state.early:
+        _accumulate(p, g)
+    for splits, group_params in state.groups:
+        edges, seeds = [], []
+        for s in splits:
+            for slot, g in enumerate(state.captured.get(s, ())):
+                if g is not None:
+                    edges.append(GradientEdge(s, slot))
+                    seeds.append(g)
+        if not edges:
+            continue
+        # groups share no split node, so each graph part runs at most once: free it as we go
+        got = _engine(edges, seeds, [get_gradient_edge(p) for p in group_params], keep_graph=False,
+                      accumulate=False)
+        for p, g in zip(group_params, got):
+            _accumulate(p, g)
+    state.groups.clear()
+    state.captured.clear()
+    state.early.clear()
