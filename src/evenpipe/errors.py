@@ -3,7 +3,13 @@ and what is allowed. The CLI turns them into one line on stderr and exit code 2.
 
 from __future__ import annotations
 
-__all__ = ["EvenpipeError", "ScheduleFormatError", "ScheduleValidationError", "ConfigError", "choice_error"]
+import enum
+from typing import TypeVar
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+__all__ = ["EvenpipeError", "ScheduleFormatError", "ScheduleValidationError", "ConfigError", "choice_error",
+           "parse_choice"]
 
 
 class EvenpipeError(ValueError):
@@ -30,3 +36,18 @@ class ConfigError(EvenpipeError):
 def choice_error(what: str, value: object, allowed: "list[str] | tuple[str, ...]") -> ConfigError:
     """The standard 'unknown X' error listing the valid names."""
     return ConfigError(f"unknown {what} {value!r}; choose one of: {', '.join(allowed)}")
+
+
+def parse_choice(enum_type: type[_E], value: "str | _E", what: str, *, normalize: bool = False) -> _E:
+    """The member of ``enum_type`` whose value is ``value`` (case-insensitive; with ``normalize``, surrounding
+    space is ignored and ``_`` stands for ``-``); a member passes through. Anything else is the standard
+    :func:`choice_error` listing the valid names. Strings are parsed once, at the edge, through this."""
+    if isinstance(value, enum_type):
+        return value
+    wanted = str(value).lower()
+    if normalize:
+        wanted = wanted.strip().replace("_", "-")
+    for member in enum_type:
+        if member.value == wanted:
+            return member
+    raise choice_error(what, value, [str(m.value) for m in enum_type])

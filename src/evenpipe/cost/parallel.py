@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from evenpipe.errors import ConfigError, choice_error
+from evenpipe.errors import ConfigError, parse_choice
 from evenpipe.schedule.family import ScheduleFamily
 
 from evenpipe.cost.hardware import Hardware
@@ -31,11 +31,8 @@ class Recompute(enum.Enum):
     """Keep only each layer's input; re-run the whole forward of a stage before its backward."""
 
     @classmethod
-    def parse(cls, name: str) -> "Recompute":
-        for r in cls:
-            if r.value == name.lower():
-                return r
-        raise choice_error("recompute mode", name, [r.value for r in cls])
+    def parse(cls, name: "str | Recompute") -> "Recompute":
+        return parse_choice(cls, name, "recompute mode")
 
 
 class Attention(enum.Enum):
@@ -47,11 +44,8 @@ class Attention(enum.Enum):
     """Fused kernel (Dao et al. 2022): scores are never stored; recomputed blockwise in the backward."""
 
     @classmethod
-    def parse(cls, name: str) -> "Attention":
-        for a in cls:
-            if a.value == name.lower():
-                return a
-        raise choice_error("attention kernel", name, [a.value for a in cls])
+    def parse(cls, name: "str | Attention") -> "Attention":
+        return parse_choice(cls, name, "attention kernel")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

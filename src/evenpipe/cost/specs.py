@@ -17,7 +17,7 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from evenpipe.errors import ConfigError, choice_error
+from evenpipe.errors import ConfigError, choice_error, parse_choice
 
 __all__ = ["Arch", "ModelSpec", "MODEL_PRESETS", "model_preset", "from_hf_config"]
 
@@ -31,11 +31,8 @@ class Arch(enum.Enum):
     """RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, no biases, untied head."""
 
     @classmethod
-    def parse(cls, name: str) -> "Arch":
-        for a in cls:
-            if a.value == name.lower():
-                return a
-        raise choice_error("architecture", name, [a.value for a in cls])
+    def parse(cls, name: "str | Arch") -> "Arch":
+        return parse_choice(cls, name, "architecture")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,7 +15,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from evenpipe.errors import ConfigError, choice_error
+from evenpipe.cost.specs import Arch  # one architecture enum for the cost model and the models
+from evenpipe.errors import ConfigError, choice_error, parse_choice
 
 __all__ = [
     "Arch",
@@ -31,15 +32,6 @@ __all__ = [
 ]
 
 
-class Arch(enum.Enum):
-    """Model family."""
-
-    GPT = "gpt"
-    """GPT-2/3: LayerNorm, GELU MLP of width 4h, learned positions, multi-head attention, untied head."""
-    LLAMA = "llama"
-    """LLaMA: RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, untied head."""
-
-
 class Attention(enum.Enum):
     """How attention is computed; both give the same numbers (up to float rounding)."""
 
@@ -51,22 +43,12 @@ class Attention(enum.Enum):
 
 def parse_arch(value: "str | Arch") -> Arch:
     """``"gpt"`` / ``"llama"`` (or an :class:`Arch`) -> :class:`Arch`; anything else is a ConfigError."""
-    if isinstance(value, Arch):
-        return value
-    try:
-        return Arch(str(value).lower())
-    except ValueError:
-        raise choice_error("model architecture", value, [a.value for a in Arch]) from None
+    return parse_choice(Arch, value, "model architecture")
 
 
 def parse_attention(value: "str | Attention") -> Attention:
     """``"eager"`` / ``"sdpa"`` (or an :class:`Attention`) -> :class:`Attention`; else ConfigError."""
-    if isinstance(value, Attention):
-        return value
-    try:
-        return Attention(str(value).lower())
-    except ValueError:
-        raise choice_error("attention implementation", value, [a.value for a in Attention]) from None
+    return parse_choice(Attention, value, "attention implementation")
 
 
 def default_ffn_hidden(arch: Arch, hidden: int) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evenpipe.errors import ConfigError, choice_error
+from evenpipe.errors import ConfigError, parse_choice
 
 __all__ = ["TokenSource", "parse_token_source", "Batch", "TokenBatches", "read_corpus", "shipped_corpus_path"]
 
@@ -35,12 +35,7 @@ class TokenSource(enum.Enum):
 
 def parse_token_source(value: "str | TokenSource") -> TokenSource:
     """``"corpus"`` / ``"random"`` -> :class:`TokenSource`; else ConfigError."""
-    if isinstance(value, TokenSource):
-        return value
-    try:
-        return TokenSource(str(value).lower())
-    except ValueError:
-        raise choice_error("data source", value, [s.value for s in TokenSource]) from None
+    return parse_choice(TokenSource, value, "data source")
 
 
 def shipped_corpus_path() -> pathlib.Path:

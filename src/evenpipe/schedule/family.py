@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from evenpipe.errors import choice_error
+from evenpipe.errors import parse_choice
 
 __all__ = ["ScheduleFamily"]
 
@@ -28,13 +28,7 @@ class ScheduleFamily(enum.Enum):
     @classmethod
     def parse(cls, name: "str | ScheduleFamily") -> "ScheduleFamily":
         """The family called ``name`` (case-insensitive; ``_`` accepted for ``-``)."""
-        if isinstance(name, ScheduleFamily):
-            return name
-        wanted = str(name).strip().lower().replace("_", "-")
-        for family in cls:
-            if family.value == wanted:
-                return family
-        raise choice_error("schedule", name, [f.value for f in cls])
+        return parse_choice(cls, name, "schedule", normalize=True)
 
     @property
     def has_chunks(self) -> bool:
