@@ -22,7 +22,7 @@ demo: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VPY) -m ruff check --select F src tests benchmarks
-	$(VPY) -m mypy src/evenpipe/schedule src/evenpipe/sim src/evenpipe/cost src/evenpipe/plan
+	$(VPY) -m mypy src/evenpipe/schedule src/evenpipe/sim src/evenpipe/cost src/evenpipe/plan src/evenpipe/training
 
 test: $(STAMP) typecheck
 	$(VPY) -m pytest -q tests

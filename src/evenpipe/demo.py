@@ -138,7 +138,7 @@ class TrainRun:
 
         def ints(key: str) -> tuple[int, ...]:
             return tuple(int(v) for v in raw[key])
-        return cls(schedule=str(raw["options"]["schedule"]), losses=tuple(float(v) for v in raw["losses"]),
+        return cls(schedule=str(raw["config"]["schedule"]["family"]), losses=tuple(float(v) for v in raw["losses"]),
                    step_time_s=float(raw["step_time_s"]), tokens_per_s=float(raw["tokens_per_s"]),
                    peak_own_bytes=ints("peak_own_bytes"), peak_hosted_bytes=ints("peak_hosted_bytes"),
                    peak_activation_bytes=ints("peak_activation_bytes"),

@@ -29,8 +29,9 @@ def _train(tmp: pathlib.Path, name: str, *extra: str) -> dict:
 
 
 def test_same_seed_same_trajectory_pipelined_and_unpipelined(tmp_path: pathlib.Path) -> None:
-    trace = tmp_path / "trace.json"
-    piped = _train(tmp_path, "zb", "--schedule", "zb-h1", "--stages", "2", "--trace", str(trace))
+    trace, metrics = tmp_path / "trace.json", tmp_path / "metrics.jsonl"
+    piped = _train(tmp_path, "zb", "--schedule", "zb-h1", "--stages", "2", "--trace", str(trace),
+                   "--metrics", str(metrics))
     single = _train(tmp_path, "single", "--schedule", "1f1b", "--stages", "1")
     assert len(piped["losses"]) == len(single["losses"]) == 5
     for a, b in zip(piped["losses"], single["losses"]):
@@ -39,6 +40,11 @@ def test_same_seed_same_trajectory_pipelined_and_unpipelined(tmp_path: pathlib.P
                 "evicted_bytes_per_step"):
         assert key in piped, key
     assert len(piped["peak_activation_bytes"]) == 2 and min(piped["peak_activation_bytes"]) > 0
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5]
+    assert [m["loss"] for m in lines] == piped["losses"]
+    assert all(m["tokens_per_s"] > 0 and m["memory_bytes"] > 0 for m in lines), lines
+    assert piped["config"]["schedule"]["family"] == "zb-h1" and piped["config"]["runtime"]["steps"] == 5
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
     names = {e.get("name", "") for e in events}

@@ -63,6 +63,18 @@ def test_world_size_must_be_pp_times_dp(monkeypatch: pytest.MonkeyPatch, capsys:
 
 def test_good_options_reach_the_launcher_with_the_world_size(no_launch: list[object]) -> None:
     assert main(["train", "--stages", "2", "--dp", "2", "--microbatches", "4", "--steps", "1"]) == 0
-    (options, nproc), = no_launch
+    (config, nproc), = no_launch
+    from evenpipe.training.config import Backend, TrainConfig
     assert nproc == 4
-    assert isinstance(options, dict) and options["global_batch"] == 2 * 4 * 2 and options["backend"] == "gloo"
+    assert isinstance(config, TrainConfig) and config.data.global_batch == 2 * 4 * 2
+    assert config.runtime.backend is Backend.GLOO and config.world_size == 4
+
+
+def test_tensorboard_without_the_package_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str],
+                                                     no_launch: list[object]) -> None:
+    import sys
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    assert main(["train", "--tensorboard", "tb"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "tensorboard package" in err and not no_launch, err

@@ -22,7 +22,7 @@ def _fake_run(tmp_path: pathlib.Path, schedule: str, *, peaks: list[int], hosted
     raw = {"losses": losses or [5.0, 4.5], "step_time_s": 0.1, "tokens_per_s": 10240.0,
            "peak_activation_bytes": peaks, "peak_own_bytes": [p - h for p, h in zip(peaks, hosted)],
            "peak_hosted_bytes": hosted, "evicted_bytes_per_step": evicted or [0] * P,
-           "options": {"schedule": schedule}}
+           "config": {"schedule": {"family": schedule}}}
     path = tmp_path / f"{schedule}.json"
     path.write_text(json.dumps(raw))
     trace = tmp_path / f"{schedule}_trace.json"

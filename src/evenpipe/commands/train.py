@@ -8,13 +8,15 @@ torchrun (RANK and WORLD_SIZE set) this process is one worker.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from evenpipe.errors import ConfigError
 
-__all__ = ["add_arguments", "run", "check_options"]
+if TYPE_CHECKING:
+    from evenpipe.training.config import TrainConfig
+
+__all__ = ["add_arguments", "run", "build_config"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--json-out", default=None, help="write losses, step time, memory, throughput as JSON")
+    p.add_argument("--metrics", default=None, help="write one JSON line of metrics per step to this file")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also log metrics to TensorBoard in DIR (needs the tensorboard package)")
     p.add_argument("--trace", default=None, help="write a measured Chrome/Perfetto trace of the last step")
     p.add_argument("--backend", default=None, choices=["gloo", "nccl"],
                    help="torch.distributed backend (default: nccl with GPUs, else gloo)")
@@ -47,65 +52,64 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer before failing")
 
 
-def check_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Validate every option and return the plain dict the workers receive (ConfigError on bad input)."""
+def build_config(args: argparse.Namespace) -> TrainConfig:
+    """The typed job config from the parsed options, plus the checks that depend on this machine (ConfigError)."""
     import torch
 
-    from evenpipe.models import model_config
-    from evenpipe.runtime.stages import partition_layers
-    from evenpipe.schedule import ScheduleFamily, build_schedule
+    from evenpipe.training.config import (Backend, CheckpointOptions, DataOptions, DataSource, ModelOptions,
+                                          OptimizerOptions, OutputOptions, RuntimeOptions, ScheduleOptions,
+                                          TrainConfig)
 
-    for name in ("stages", "microbatches", "steps", "dp", "chunks", "microbatch_size"):
-        value = getattr(args, name)
-        if value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    family = ScheduleFamily.parse(args.schedule)
-    cfg = model_config(args.model, **({"seq_len": args.seq_len} if args.seq_len else {}))
-    pp, dp, chunks = args.stages, args.dp, args.chunks
-    if pp == 1 and family is ScheduleFamily.BPIPE:
-        raise ConfigError("--schedule bpipe needs --stages >= 2 (ranks exchange activations in pairs)")
-    build_schedule(family, num_ranks=pp, num_microbatches=args.microbatches, num_chunks=chunks,
-                   bpipe_budget=args.bpipe_budget if family is ScheduleFamily.BPIPE else None,
-                   recompute=args.recompute)
-    num_stages = pp * chunks
-    layout = None
-    if args.layout:
-        try:
-            layout = [int(x) for x in args.layout.split(",")]
-        except ValueError:
-            raise ConfigError(f"--layout {args.layout!r} must be comma-separated integers, e.g. 5,6,6,5") from None
-    partition_layers(cfg.num_layers, num_stages, layout=layout)
-    global_batch = args.global_batch or args.microbatch_size * args.microbatches * dp
-    if global_batch % (args.microbatches * dp):
-        raise ConfigError(f"--global-batch {global_batch} is not divisible by microbatches x dp = "
-                          f"{args.microbatches} x {dp}")
-    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl" and not torch.cuda.is_available():
+    if args.microbatch_size < 1:
+        raise ConfigError(f"--microbatch-size must be >= 1, got {args.microbatch_size}")
+    schedule = ScheduleOptions(family=args.schedule, num_ranks=args.stages, num_chunks=args.chunks,
+                               num_microbatches=args.microbatches, recompute=bool(args.recompute),
+                               free_outputs=bool(args.free_outputs), bpipe_budget=args.bpipe_budget,
+                               layout=_layout(args.layout))
+    backend = Backend(args.backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    if backend is Backend.NCCL and not torch.cuda.is_available():
         raise ConfigError("--backend nccl needs a CUDA GPU and none is visible; use --backend gloo")
-    world = pp * dp
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != world:
-        raise ConfigError(f"world size {os.environ['WORLD_SIZE']} != stages x dp = {pp} x {dp} = {world}")
-    from evenpipe.runtime.data import TokenBatches, TokenSource
-    TokenBatches(source=TokenSource.RANDOM if args.random_tokens else TokenSource.CORPUS, seq_len=cfg.seq_len,
-                 vocab=cfg.vocab, seed=args.seed, path=args.corpus)  # checks the corpus and the vocabulary
-    if not math.isfinite(args.timeout) or args.timeout <= 0:
-        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    return {
-        "model": args.model, "schedule": family.value, "stages": pp, "microbatches": args.microbatches,
-        "steps": args.steps, "dp": dp, "chunks": chunks, "global_batch": global_batch, "seq_len": cfg.seq_len,
-        "recompute": bool(args.recompute), "free_outputs": bool(args.free_outputs),
-        "bpipe_budget": args.bpipe_budget, "corpus": os.path.abspath(args.corpus) if args.corpus else None,
-        "random_tokens": bool(args.random_tokens), "seed": args.seed, "lr": args.lr, "json_out":
-        os.path.abspath(args.json_out) if args.json_out else None, "trace": os.path.abspath(args.trace)
-        if args.trace else None, "backend": backend, "layout": layout, "timeout": args.timeout,
-    }
+    if args.tensorboard:
+        from evenpipe.training.metrics import require_tensorboard
+        require_tensorboard()
+    runtime = RuntimeOptions(steps=args.steps, dp=args.dp, backend=backend, timeout_s=args.timeout)
+    config = TrainConfig(
+        model=ModelOptions(preset=args.model, seq_len=args.seq_len, init_seed=args.seed),
+        schedule=schedule,
+        data=DataOptions(source=DataSource.RANDOM if args.random_tokens else DataSource.CORPUS,
+                         path=_abs(args.corpus), seed=args.seed,
+                         global_batch=args.global_batch or args.microbatch_size * args.microbatches * args.dp),
+        optimizer=OptimizerOptions(lr=args.lr),
+        checkpoint=CheckpointOptions(),
+        runtime=runtime,
+        output=OutputOptions(json_out=_abs(args.json_out), trace=_abs(args.trace), metrics=_abs(args.metrics),
+                             tensorboard=_abs(args.tensorboard)),
+    )
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != config.world_size:
+        raise ConfigError(f"world size {os.environ['WORLD_SIZE']} != stages x dp = {args.stages} x {args.dp} = "
+                          f"{config.world_size}")
+    return config
+
+
+def _layout(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--layout {text!r} must be comma-separated integers, e.g. 5,6,6,5") from None
+
+
+def _abs(path: str | None) -> str | None:
+    return os.path.abspath(path) if path else None
 
 
 def run(args: argparse.Namespace) -> int:
     from evenpipe.runtime.launch import launch_local, under_torchrun
 
-    options = check_options(args)
+    config = build_config(args)
     if under_torchrun():
-        from evenpipe.runtime.worker import train
-        return train(options)
-    return launch_local(options, nproc=options["stages"] * options["dp"])
+        from evenpipe.runtime.worker import run_worker
+        run_worker(config)
+        return 0
+    return launch_local(config, nproc=config.world_size)

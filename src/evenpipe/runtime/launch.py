@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from typing import Any, Mapping
+import tempfile
 
-__all__ = ["under_torchrun", "launch_local", "ARGS_ENV"]
+from evenpipe.training.config import TrainConfig
 
-ARGS_ENV = "EVENPIPE_TRAIN_ARGS"
-"""Environment variable carrying the parsed ``evenpipe train`` options (JSON) to the launched workers."""
+__all__ = ["under_torchrun", "launch_local"]
 
 
 def under_torchrun() -> bool:
@@ -19,11 +17,16 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch_local(options: Mapping[str, Any], *, nproc: int) -> int:
-    """Run ``evenpipe.runtime.worker`` on ``nproc`` local processes (``torchrun --standalone``); its exit code."""
+def launch_local(config: TrainConfig, *, nproc: int) -> int:
+    """Run ``evenpipe.runtime.worker`` on ``nproc`` local processes (``torchrun --standalone``); its exit code.
+
+    The config crosses to the workers once, as a JSON file removed when the job ends."""
     env = dict(os.environ)
-    env[ARGS_ENV] = json.dumps(dict(options))
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "evenpipe.runtime.worker"]
-    return subprocess.call(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="evenpipe-train-") as tmp:
+        path = os.path.join(tmp, "config.json")
+        with open(path, "w") as f:
+            f.write(config.to_json())
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "evenpipe.runtime.worker", path]
+        return subprocess.call(cmd, env=env)

@@ -1,0 +1,1 @@
+"""Training jobs: the typed job config, the per-rank training loop, metrics and the job summary (torch)."""

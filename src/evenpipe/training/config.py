@@ -1,0 +1,277 @@
+"""The typed configuration of one ``evenpipe train`` job: one kw_only, slots, frozen record per concern.
+
+``TrainConfig`` holds the slices (model, schedule, data, optimizer, checkpoint, runtime, output). Each slice checks
+its own values in ``__post_init__``; ``TrainConfig`` checks what needs two slices (the batch splits into micro-
+batches and replicas, the layout fits the model). The CLI builds it once; it crosses to the worker processes once,
+as JSON (:meth:`TrainConfig.to_json` / :meth:`TrainConfig.from_json`), and every component receives only the slice
+it needs. Strings (schedule names, backends, data sources) are parsed into enums here, at the edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from evenpipe.errors import ConfigError, parse_choice
+from evenpipe.runtime.data import TokenSource as DataSource
+from evenpipe.schedule import ScheduleFamily
+
+__all__ = [
+    "Backend",
+    "DataSource",
+    "ModelOptions",
+    "ScheduleOptions",
+    "DataOptions",
+    "OptimizerOptions",
+    "CheckpointOptions",
+    "RuntimeOptions",
+    "OutputOptions",
+    "TrainConfig",
+]
+
+
+class Backend(enum.Enum):
+    """torch.distributed backend."""
+
+    GLOO = "gloo"
+    """CPU (and CPU tensors on GPU hosts)."""
+    NCCL = "nccl"
+    """NVIDIA GPUs."""
+
+
+def _at_least(name: str, value: Any, low: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low:
+        raise ConfigError(f"--{name} must be >= {low:g}, got {value!r}")
+
+
+def _finite_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"--{name} must be a finite number > 0, got {value!r}")
+
+
+def _coerce(obj: Any, name: str, value: Any) -> None:
+    """Set a field of a frozen record during ``__post_init__`` (string -> enum, list -> tuple)."""
+    object.__setattr__(obj, name, value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelOptions:
+    """Which model to build."""
+
+    preset: str = "gpt-tiny"
+    """Model preset name (see ``evenpipe.models.PRESETS``)."""
+    seq_len: int | None = None
+    """Tokens per sequence; None keeps the preset's."""
+    init_seed: int = 0
+    """Seed of the parameter initialisation (each parameter's value depends only on it and its name)."""
+
+    def __post_init__(self) -> None:
+        if self.seq_len is not None:
+            _at_least("seq-len", self.seq_len, 1)
+
+    def resolve(self) -> Any:
+        """The :class:`evenpipe.models.ModelConfig` (ConfigError for an unknown preset)."""
+        from evenpipe.models.config import model_config
+        return model_config(self.preset, **({"seq_len": self.seq_len} if self.seq_len else {}))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleOptions:
+    """The pipeline schedule and how the model is cut."""
+
+    family: ScheduleFamily = ScheduleFamily.ONE_F_ONE_B
+    """Schedule family (gpipe, 1f1b, interleaved, looped-bfs, zb-h1, bpipe)."""
+    num_ranks: int = 4
+    """Pipeline ranks P (1 runs un-pipelined)."""
+    num_chunks: int = 1
+    """Stages per rank V (interleaved, looped-bfs)."""
+    num_microbatches: int = 8
+    """Micro-batches per step M."""
+    recompute: bool = False
+    """Full activation recomputation per stage."""
+    free_outputs: bool = True
+    """Free each stage output once sent."""
+    bpipe_budget: int | None = None
+    """BPipe: activation units a rank may hold (None: ceil((P+1)/2))."""
+    layout: tuple[int, ...] | None = None
+    """Blocks per stage (per virtual chunk), in pipeline order; None balances by parameter count."""
+
+    def __post_init__(self) -> None:
+        _coerce(self, "family", ScheduleFamily.parse(self.family))
+        for name, value in (("stages", self.num_ranks), ("chunks", self.num_chunks),
+                            ("microbatches", self.num_microbatches)):
+            _at_least(name, value, 1)
+        if self.layout is not None:
+            _coerce(self, "layout", tuple(self.layout))
+        if self.num_ranks == 1 and self.family is ScheduleFamily.BPIPE:
+            raise ConfigError("--schedule bpipe needs --stages >= 2 (ranks exchange activations in pairs)")
+        self.build()  # the schedule's own checks (micro-batch counts, BPipe budget)
+
+    @property
+    def num_stages(self) -> int:
+        """Stages in pipeline order, virtual chunks counted."""
+        return self.num_ranks * self.num_chunks
+
+    def build(self) -> Any:
+        """The validated :class:`evenpipe.schedule.Schedule`."""
+        from evenpipe.schedule import build_schedule
+        return build_schedule(self.family, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
+                              num_chunks=self.num_chunks, recompute=self.recompute,
+                              bpipe_budget=self.bpipe_budget if self.family is ScheduleFamily.BPIPE else None)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataOptions:
+    """Training data and batch size."""
+
+    source: DataSource = DataSource.CORPUS
+    """Where tokens come from."""
+    path: str | None = None
+    """Corpus file (absolute path); None: the shipped corpus."""
+    seed: int = 0
+    """Seed of the batch order."""
+    global_batch: int = 16
+    """Sequences per optimizer step, over all replicas."""
+
+    def __post_init__(self) -> None:
+        _coerce(self, "source", parse_choice(DataSource, self.source, "data source"))
+        _at_least("global-batch", self.global_batch, 1)
+        if self.path is not None and self.source is DataSource.RANDOM:
+            raise ConfigError("a corpus path was given but the data source is 'random'; drop one of them")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerOptions:
+    """AdamW and its learning rate."""
+
+    lr: float = 1e-3
+    """Learning rate."""
+
+    def __post_init__(self) -> None:
+        _finite_positive("lr", self.lr)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointOptions:
+    """Saving and resuming (not yet used)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RuntimeOptions:
+    """Processes, communication and length of the job."""
+
+    steps: int = 20
+    """Optimizer steps."""
+    dp: int = 1
+    """Data-parallel replicas (world = stages x dp)."""
+    backend: Backend = Backend.GLOO
+    """torch.distributed backend."""
+    timeout_s: float = 300.0
+    """Seconds a rank waits for a peer before failing."""
+
+    def __post_init__(self) -> None:
+        _coerce(self, "backend", parse_choice(Backend, self.backend, "backend"))
+        _at_least("steps", self.steps, 1)
+        _at_least("dp", self.dp, 1)
+        _finite_positive("timeout", self.timeout_s)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutputOptions:
+    """What the job writes besides its log."""
+
+    json_out: str | None = None
+    """Summary JSON file (losses, step time, memory, throughput)."""
+    trace: str | None = None
+    """Chrome/Perfetto trace of the last step."""
+    metrics: str | None = None
+    """JSON-lines file, one record per step."""
+    tensorboard: str | None = None
+    """TensorBoard log directory (needs the ``tensorboard`` package)."""
+
+
+_SLICES: dict[str, type] = {
+    "model": ModelOptions, "schedule": ScheduleOptions, "data": DataOptions, "optimizer": OptimizerOptions,
+    "checkpoint": CheckpointOptions, "runtime": RuntimeOptions, "output": OutputOptions,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainConfig:
+    """Everything one training job needs, by concern."""
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    """Which model."""
+    schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
+    """Pipeline schedule and stage layout."""
+    data: DataOptions = field(default_factory=DataOptions)
+    """Training data and batch size."""
+    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
+    """Optimizer and learning-rate schedule."""
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    """Saving and resuming."""
+    runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
+    """Processes, backend, timeouts, number of steps."""
+    output: OutputOptions = field(default_factory=OutputOptions)
+    """Files the job writes."""
+
+    def __post_init__(self) -> None:
+        cfg = self.model.resolve()
+        sched, dp = self.schedule, self.runtime.dp
+        if self.data.global_batch % (sched.num_microbatches * dp):
+            raise ConfigError(f"--global-batch {self.data.global_batch} is not divisible by microbatches x dp = "
+                              f"{sched.num_microbatches} x {dp}")
+        from evenpipe.runtime.stages import partition_layers
+        partition_layers(cfg.num_layers, sched.num_stages, layout=sched.layout)
+        self.token_batches(cfg.vocab)  # the data source's own checks (file readable, vocabulary large enough)
+
+    def token_batches(self, vocab: int) -> Any:
+        """The deterministic batch source (:class:`evenpipe.runtime.data.TokenBatches`) for a model of ``vocab``."""
+        from evenpipe.runtime.data import TokenBatches
+        return TokenBatches(source=self.data.source, seq_len=self.seq_len, vocab=vocab, seed=self.data.seed,
+                            path=self.data.path)
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the job: pipeline ranks x replicas."""
+        return self.schedule.num_ranks * self.runtime.dp
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per sequence (the preset's unless overridden)."""
+        return int(self.model.resolve().seq_len)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form (enums as their values)."""
+        return {name: _plain(getattr(self, name)) for name in _SLICES}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> TrainConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are a ConfigError."""
+        unknown = set(raw) - set(_SLICES)
+        if unknown:
+            raise ConfigError(f"unknown training config section(s) {sorted(unknown)}; known: {list(_SLICES)}")
+        return cls(**{name: _SLICES[name](**raw.get(name, {})) for name in _SLICES})
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainConfig:
+        return cls.from_dict(json.loads(text))
+
+
+def _plain(record: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
