@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, str] = {
     "train": "Train a reference model with a pipeline schedule over torch.distributed.",
     "estimate": "Predict memory, step time and MFU of one parallel configuration.",
     "plan": "Search parallel configurations and schedules; explain whether BPipe pays.",
+    "profile": "Measure a model's layers, optimizer and messages on this machine; fit and extrapolate.",
+    "compare": "Compare a predicted and a measured trace of one schedule, with both timelines in one picture.",
 }
 
 

@@ -192,6 +192,21 @@ def measured_trace_check() -> list[str]:
         out.append(f"measured trace: evicted {moved[ActionKind.EVICT]} B, returned {moved[ActionKind.RETURN]} B")
     if groups.pp_rank == 0 and res.evicted_bytes <= 0:
         out.append("measured trace: rank 0 evicted nothing")
+    from evenpipe.sim import Trace
+    if Trace.from_json(trace.to_json()) != trace:
+        out.append("measured trace: JSON round trip changed it")
+    sends = sum(1 for acts in schedule.actions for a in acts if a.kind.is_send)
+    if len(trace.transfers) != sends:
+        out.append(f"measured trace: {len(trace.transfers)} transfers for {sends} sending actions")
+    bad = [t for t in trace.transfers if not (0 <= t.start <= t.end <= trace.step_time and t.exposed_s >= 0)]
+    if bad:
+        out.append(f"measured trace: transfer times out of order, e.g. {bad[0]}")
+    recv_kinds = {rv.action.kind for rec in recs for rv in rec.recvs if rv.arrived >= rv.posted >= 0}
+    if recv_kinds != {ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.ACCEPT, ActionKind.LOAD}:
+        out.append(f"measured trace: receives stamped only for {sorted(k.name for k in recv_kinds)}")
+    late = [rec for acts in trace.actions for rec in acts if rec.kind.is_transfer and rec.end < rec.start]
+    if late:
+        out.append(f"measured trace: transfer action ends before it starts: {late[0]}")
     return out
 
 

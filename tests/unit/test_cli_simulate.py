@@ -51,7 +51,8 @@ def test_table_output_and_files(capsys: pytest.CaptureFixture[str], tmp_path: pa
                  "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "schedule bpipe" in text and "peak act. units" in text and "bubble" in text
-    assert {p.name for p in tmp_path.iterdir()} == {"timeline.png", "memory.png", "trace.json", "schedule.txt"}
+    assert {p.name for p in tmp_path.iterdir()} == {"timeline.png", "memory.png", "trace.json", "schedule.txt",
+                                                    "trace.evenpipe.json"}
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -42,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bpipe-budget", type=int, default=None, metavar="K",
                         help="BPipe: activation units a rank may hold (default ceil((P+1)/2))")
     parser.add_argument("--recompute", action="store_true", help="recompute activations before each backward")
+    prof = parser.add_argument_group("measured costs (instead of the durations and sizes above)")
+    prof.add_argument("--profile", default=None, metavar="PROFILE",
+                      help="profile JSON from `evenpipe profile`: per-stage costs, link and optimizer step measured")
+    prof.add_argument("--microbatch-size", type=int, default=None, metavar="B",
+                      help="with --profile: sequences per micro-batch (default the smallest profiled)")
+    prof.add_argument("--layout", default=None, metavar="N,N,..",
+                      help="with --profile: blocks per stage (default: as even as possible)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     parser.add_argument("--out", metavar="DIR", help="write timeline.png, memory.png, trace.json, schedule.txt")
 
@@ -61,6 +68,8 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
         warnings.simplefilter("default")
         sched = build_schedule(family, num_ranks=args.stages, num_microbatches=args.microbatches,
                                num_chunks=chunks, bpipe_budget=args.bpipe_budget, recompute=args.recompute)
+    if getattr(args, "profile", None):
+        return _profiled(args, sched).trace
     costs = SimCosts.uniform(
         num_stages=sched.num_stages, num_chunks=sched.num_chunks, forward=args.forward_time,
         backward=args.backward_time, weight=args.weight_time, activation_bytes=args.activation_bytes,
@@ -69,6 +78,21 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
         if args.recompute else None,
         link=Link(latency_s=args.link_latency, bandwidth_bytes_per_s=args.link_bandwidth))
     return simulate(sched, costs)
+
+
+def _profiled(args: argparse.Namespace, sched: Any) -> Any:
+    """The :class:`~evenpipe.cost.profile_fit.StepPrediction` of ``sched`` under ``--profile``."""
+    from evenpipe.commands.profile_args import load_profile
+    from evenpipe.cost.profile_fit import ProfileModel, predict_step
+    profile = load_profile(args.profile)
+    b = args.microbatch_size or profile.microbatch_sizes[0]
+    layout = None
+    if args.layout:
+        try:
+            layout = [int(v) for v in args.layout.split(",")]
+        except ValueError:
+            raise ConfigError(f"--layout {args.layout!r} must be comma-separated block counts, e.g. 4,4") from None
+    return predict_step(ProfileModel(profile), sched, microbatch_size=b, layout=layout)
 
 
 def summary_json(trace: Trace) -> dict[str, Any]:
@@ -88,18 +112,40 @@ def summary_json(trace: Trace) -> dict[str, Any]:
     }
 
 
+def _prediction_lines(pred: Any) -> str:
+    times = ", ".join(f"rank {r} {t * 1e3:.1f} ms" for r, t in enumerate(pred.rank_step_times))
+    opt = ", ".join(f"{t * 1e3:.1f}" for t in pred.optimizer_s)
+    return (f"predicted training step: {pred.step_time * 1e3:.1f} ms (schedule {pred.trace.step_time * 1e3:.1f} ms + "
+            f"optimizer per rank [{opt}] ms + {pred.overhead_s * 1e3:.2f} ms fixed)\n  per rank: {times}\n")
+
+
 def run(args: argparse.Namespace) -> int:
-    trace = trace_from_args(args)
+    pred = None
+    if args.profile:
+        family = ScheduleFamily.parse(args.schedule)
+        chunks = args.chunks if args.chunks is not None else (2 if family.has_chunks else 1)
+        sched = build_schedule(family, num_ranks=args.stages, num_microbatches=args.microbatches,
+                               num_chunks=chunks, bpipe_budget=args.bpipe_budget, recompute=args.recompute)
+        pred = _profiled(args, sched)
+        trace = pred.trace
+    else:
+        trace = trace_from_args(args)
     files = []
     if args.out:
         from evenpipe.report.bundle import write_bundle  # imports matplotlib
 
         files = [str(p) for p in write_bundle(trace, args.out)]
     if args.json:
-        print(json.dumps(dict(summary_json(trace), files=files)))
+        doc = dict(summary_json(trace), files=files)
+        if pred is not None:
+            doc.update(schedule_time=trace.step_time, step_time=pred.step_time,
+                       rank_step_times=list(pred.rank_step_times), optimizer_s=list(pred.optimizer_s))
+        print(json.dumps(doc))
         return 0
     print(summary_table(trace))
     print()
+    if pred is not None:
+        print(_prediction_lines(pred))
     print(exposed_table(trace))
     if files:
         print("\nwrote " + ", ".join(files))

@@ -1,4 +1,5 @@
-"""Write the standard files of one trace into a folder: timeline.png, memory.png, trace.json, schedule.txt."""
+"""Write the standard files of one trace into a folder: timeline.png, memory.png, trace.json (Chrome/Perfetto),
+trace.evenpipe.json (the trace itself, :meth:`Trace.to_json`, for ``evenpipe compare``), schedule.txt."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from evenpipe.sim.trace import Trace
 
 __all__ = ["write_bundle", "BUNDLE_FILES"]
 
-BUNDLE_FILES = ("timeline.png", "memory.png", "trace.json", "schedule.txt")
+BUNDLE_FILES = ("timeline.png", "memory.png", "trace.json", "schedule.txt", "trace.evenpipe.json")
 
 
 def write_bundle(trace: Trace, out_dir: str | pathlib.Path) -> list[pathlib.Path]:
@@ -29,4 +30,7 @@ def write_bundle(trace: Trace, out_dir: str | pathlib.Path) -> list[pathlib.Path
     schedule_txt = out / "schedule.txt"
     schedule_txt.write_text(trace.schedule.to_text())
     paths.append(schedule_txt)
+    own = out / "trace.evenpipe.json"
+    own.write_text(trace.to_json())
+    paths.append(own)
     return paths

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -133,20 +134,39 @@ class Transfer:
 class PendingBatch:
     """The works of one ``batch_isend_irecv`` call; waited once, as a whole."""
 
-    __slots__ = ("works", "transfers", "done", "timeout_s")
+    __slots__ = ("works", "transfers", "done", "timeout_s", "observers")
 
     def __init__(self, works: Sequence[Any], transfers: Sequence[Transfer], timeout_s: float) -> None:
         self.works = list(works)
         self.transfers = tuple(transfers)
         self.done = False
         self.timeout_s = timeout_s
+        self.observers: list[Callable[[float, float], None]] = []
+        """Called once as ``observer(wait_start, done_at)`` (``time.perf_counter`` seconds) when the batch is
+        first seen complete; ``wait_start == done_at`` when it was found complete without blocking."""
+
+    def observe(self, observer: Callable[[float, float], None]) -> None:
+        """Register a completion observer (used by tracing; it must not hold the batch or its tensors)."""
+        self.observers.append(observer)
+
+    def _notify(self, wait_start: float) -> None:
+        now = time.perf_counter()
+        for observer in self.observers:
+            observer(min(wait_start, now), now)
+        self.observers = []
 
     def wait(self) -> None:
         if not self.done:
             wait_all([self])
 
     def is_completed(self) -> bool:
-        return self.done or all(w.is_completed() for w in self.works)  # type: ignore[attr-defined]
+        if self.done:
+            return True
+        if all(w.is_completed() for w in self.works):  # type: ignore[attr-defined]
+            if self.observers:
+                self._notify(time.perf_counter())
+            return True
+        return False
 
     def wait_sends(self) -> None:
         """Wait for this batch's sends only, then drop every reference to their payloads (so a sent activation's
@@ -189,6 +209,7 @@ def wait_all(batches: Sequence[PendingBatch]) -> None:
     for b in batches:
         if b.done:
             continue
+        wait_start = time.perf_counter()
         try:
             for w in b.works:
                 w.wait(datetime.timedelta(seconds=b.timeout_s))  # type: ignore[attr-defined]
@@ -198,6 +219,8 @@ def wait_all(batches: Sequence[PendingBatch]) -> None:
                               f"timed out: {_first_line(e)}") from e
         b.done = True
         b.works = []
+        if b.observers:
+            b._notify(wait_start)
 
 
 def _first_line(e: BaseException) -> str:

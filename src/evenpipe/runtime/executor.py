@@ -311,6 +311,8 @@ class _StepRun:
             self._compute(a)
             if self.recorder is not None:
                 self.recorder.action(i, a, t0, time.perf_counter(), self.ex.stash)
+                for batch, _ in self.recvs.values():  # stamps arrivals (see RankRecorder.received)
+                    batch.is_completed()
             self._retire_sends()
             i += 1
         self.bpipe.finish()
@@ -390,6 +392,8 @@ class _StepRun:
                                            start=t0))
                     self.recorder.sends.append(recs[-1])
                 recs[-1].num_bytes += t.tensor.numel() * t.tensor.element_size()
+            elif self.recorder is not None:
+                self.recorder.received(a, t.tensor.numel() * t.tensor.element_size(), t0, batch)
         if track_sends and any(t.send for t, _, _ in items):
             self.sends.append(batch)
         return batch

@@ -2,12 +2,15 @@
 
 Times come from ``time.perf_counter`` (a system-wide monotonic clock on Linux, so ranks on one host share it) and
 are shifted so that the earliest step start over all ranks is 0. Memory is the stash's own plus hosted bytes
-after each action. Transfers are recorded on the sending side: ``start`` when posted, ``end`` when the executor
-first saw it complete, an upper bound. Pipeline sends are polled between actions, but gloo may report a send-only
-batch complete only once it is waited, so such a send can look as long as the rest of the step. BPipe's
-``EVICT``/``RETURN`` are waited where the simulator frees their memory (an ``EVICT`` before the rank's next
-``F``/``R`` or ``LOAD``, a ``RETURN`` before its next ``ACCEPT``, both at the latest at the step's end), so their
-``end`` is at most that point.
+after each action.
+
+Transfers are recorded on both sides. The sender notes when it posted a message and when it first saw the send
+complete; the receiver notes when it posted the receive, when a compute (or BPipe) first waited for it and when
+it first saw it complete (receives are polled after every compute, so that is within one compute of the arrival;
+gloo may report a send-only batch complete only once it is waited, so the sender's stamp is looser). A message's
+:class:`TransferRecord` starts when both sides had posted it and ends when the receiver saw it arrive; its
+``exposed_s`` is how long the receiving rank blocked waiting for it. A transfer action's ``ActionRecord`` keeps the
+simulator's meaning: ``start`` when posted, ``end`` when its message was delivered.
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from evenpipe.schedule.ir import Action, Schedule
+from evenpipe.schedule.ir import MATCHING_RECV, Action, ActionKind, Schedule
 from evenpipe.sim.trace import ActionRecord, MemoryTimeline, Trace, TransferRecord
 
-__all__ = ["RankRecorder", "SendRecord", "measured_trace", "write_chrome_trace"]
+__all__ = ["RankRecorder", "SendRecord", "RecvRecord", "measured_trace", "write_chrome_trace", "save_trace",
+           "load_trace"]
+
+_STAGE_SHIFT = {ActionKind.SEND_F: 1, ActionKind.SEND_B: -1}
+"""Sending kind -> stage offset of the matching receive (BPipe's EVICT/RETURN keep the stage)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -39,6 +46,25 @@ class SendRecord:
     """When seen complete."""
 
 
+@dataclass(slots=True, kw_only=True)
+class RecvRecord:
+    """One message received by this rank (mutable until its arrival is seen)."""
+
+    action: Action
+    """The receiving action (RECV_F, RECV_B, ACCEPT or LOAD)."""
+    num_bytes: int
+    """Payload bytes."""
+    posted: float
+    """When the receive was posted."""
+    wait_start: float = -1.0
+    """When the rank first blocked on it (``arrived`` if it had arrived by then)."""
+    arrived: float = -1.0
+    """When first seen complete."""
+
+    def stamp(self, wait_start: float, done_at: float) -> None:
+        self.wait_start, self.arrived = wait_start, done_at
+
+
 @dataclass(slots=True)
 class RankRecorder:
     """Per-rank raw records of one step; picklable, gathered on one rank to build a :class:`Trace`."""
@@ -51,6 +77,19 @@ class RankRecorder:
     """``(time, own + hosted bytes)`` after each action."""
     sends: list[SendRecord] = field(default_factory=list)
     """Messages sent."""
+    recvs: list[RecvRecord] = field(default_factory=list)
+    """Messages received."""
+
+    def received(self, action: Action, num_bytes: int, posted: float, batch: Any) -> None:
+        """Note one receive of ``action`` posted in ``batch`` (a :class:`~evenpipe.runtime.comm.PendingBatch`):
+        the parts of one action (BPipe's header and buffer) add up in one record, stamped when the batch is
+        first seen complete."""
+        if self.recvs and self.recvs[-1].action is action and self.recvs[-1].posted == posted:
+            self.recvs[-1].num_bytes += num_bytes
+            return
+        rec = RecvRecord(action=action, num_bytes=num_bytes, posted=posted)
+        self.recvs.append(rec)
+        batch.observe(rec.stamp)
 
     def action(self, index: int, action: Action, start: float, end: float, stash: Any) -> None:
         self.actions.append((index, action, start, end))
@@ -61,24 +100,67 @@ class RankRecorder:
         return min((a[2] for a in self.actions), default=0.0)
 
 
+def _match(send: SendRecord, src: int) -> tuple[int, ActionKind, int, int]:
+    """``(rank, kind, stage, micro-batch)`` of the receive that completes ``send`` from rank ``src``."""
+    a = send.action
+    return (send.dst, MATCHING_RECV[a.kind], a.stage + _STAGE_SHIFT.get(a.kind, 0), a.microbatch)
+
+
+def _transfers(recs: Sequence[RankRecorder], t0: float) -> list[TransferRecord]:
+    recv_of = {(r.rank, rv.action.kind, rv.action.stage, rv.action.microbatch): rv for r in recs for rv in r.recvs}
+    out = []
+    for r in recs:
+        for s in r.sends:
+            rv = recv_of.get(_match(s, r.rank))
+            if rv is not None and rv.arrived >= 0:
+                start, end = max(s.start, rv.posted), max(rv.arrived, s.start, rv.posted)
+                exposed = max(0.0, rv.arrived - rv.wait_start)
+            else:  # the receiver never saw it (not traced): the sender's stamp is the bound
+                start, end, exposed = s.start, max(s.end, s.start), 0.0
+            out.append(TransferRecord(src=r.rank, dst=s.dst, kind=s.action.kind, stage=s.action.stage,
+                                      microbatch=s.action.microbatch, num_bytes=float(s.num_bytes),
+                                      start=start - t0, end=end - t0, exposed_s=exposed))
+    return sorted(out, key=lambda t: t.end)
+
+
 def measured_trace(schedule: Schedule, recorders: Sequence[RankRecorder],
                    unit_bytes: Sequence[float] | None = None) -> Trace:
     """Combine every pipeline rank's records of one step into a ``Trace`` with ``source='measured'``."""
     recs = sorted(recorders, key=lambda r: r.rank)
     t0 = min((r.t0 for r in recs if r.actions), default=0.0)
-    actions = tuple(tuple(ActionRecord(rank=r.rank, index=i, action=a, start=s - t0, end=e - t0)
+    transfers = _transfers(recs, t0)
+    delivered = {(t.src, t.kind, t.stage, t.microbatch): t.end for t in transfers}
+    for t in transfers:  # the receiving side of each message, under its receive's key
+        kind = MATCHING_RECV[t.kind]
+        delivered[(t.dst, kind, t.stage + _STAGE_SHIFT.get(t.kind, 0), t.microbatch)] = t.end
+
+    def end_of(rank: int, a: Action, start: float, end: float) -> float:
+        if not a.kind.is_transfer:
+            return end - t0
+        return max(delivered.get((rank, a.kind, a.stage, a.microbatch), end - t0), start - t0)
+    actions = tuple(tuple(ActionRecord(rank=r.rank, index=i, action=a, start=s - t0, end=end_of(r.rank, a, s, e))
                           for i, a, s, e in sorted(r.actions, key=lambda x: x[0])) for r in recs)
     memory = tuple(MemoryTimeline(rank=r.rank, points=((0.0, 0.0),) + tuple((t - t0, float(b)) for t, b in r.memory))
                    for r in recs)
-    transfers = sorted((TransferRecord(src=r.rank, dst=s.dst, kind=s.action.kind, stage=s.action.stage,
-                                       microbatch=s.action.microbatch, num_bytes=float(s.num_bytes),
-                                       start=s.start - t0, end=max(s.end, s.start) - t0)
-                        for r in recs for s in r.sends), key=lambda t: t.end)
     ends = [a.end for acts in actions for a in acts] + [t.end for t in transfers]
     peaks = tuple(float(max((b for _, b in r.memory), default=0)) for r in recs)
     return Trace(schedule=schedule, actions=actions, transfers=tuple(transfers), memory=memory,
                  unit_bytes=tuple(unit_bytes) if unit_bytes is not None else peaks,
                  step_time=max(ends, default=0.0), source="measured")
+
+
+def save_trace(trace: Trace, path: str | pathlib.Path) -> None:
+    """Write ``trace`` as evenpipe trace JSON (:meth:`Trace.to_json`)."""
+    pathlib.Path(path).write_text(trace.to_json())
+
+
+def load_trace(path: str | pathlib.Path) -> Trace:
+    """Read a trace written by :func:`save_trace` or ``evenpipe simulate --out`` (ConfigError if unreadable)."""
+    from evenpipe.errors import ConfigError
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ConfigError(f"trace file {str(p)!r} does not exist")
+    return Trace.from_json(p.read_text())
 
 
 def write_chrome_trace(trace: Trace, path: str | pathlib.Path) -> None:

@@ -8,12 +8,20 @@ per rank: the sum of ``activation_bytes`` over the stages the rank holds).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, TypeAlias
+from typing import Any, Iterator, NamedTuple, TypeAlias
 
-from evenpipe.schedule.ir import COMPUTE_KINDS, Action, ActionKind, Schedule
+from evenpipe.errors import ConfigError
+from evenpipe.schedule.ir import COMPUTE_KINDS, Action, ActionKind, Schedule, parse_action
 
-__all__ = ["ActionRecord", "TransferRecord", "MemoryTimeline", "Trace", "SimResult"]
+__all__ = ["ActionRecord", "TransferRecord", "MemoryTimeline", "Trace", "SimResult", "TRACE_FORMAT",
+           "TRACE_VERSION"]
+
+TRACE_FORMAT = "evenpipe.trace"
+"""``format`` field of a trace's JSON form."""
+TRACE_VERSION = 1
+"""``version`` field of a trace's JSON form; bumped when the fields change meaning."""
 
 _COMPUTE_TOKENS = frozenset(k.value for k in COMPUTE_KINDS)
 """Compute kinds by token: strings hash far faster than enum members in hot loops."""
@@ -121,6 +129,46 @@ class Trace:
     @property
     def num_ranks(self) -> int:
         return len(self.actions)
+
+    def to_json(self) -> str:
+        """The trace as JSON text (times in seconds, bytes as numbers, actions as IR tokens)."""
+        doc: dict[str, Any] = {
+            "format": TRACE_FORMAT, "version": TRACE_VERSION, "source": self.source, "step_time": self.step_time,
+            "unit_bytes": list(self.unit_bytes), "schedule": json.loads(self.schedule.to_json()),
+            "actions": [[[rec.index, str(rec.action), rec.start, rec.end] for rec in acts] for acts in self.actions],
+            "transfers": [[t.src, t.dst, t.kind.name, t.stage, t.microbatch, t.num_bytes, t.start, t.end, t.exposed_s]
+                          for t in self.transfers],
+            "memory": [[list(p) for p in m.points] for m in self.memory],
+        }
+        return json.dumps(doc)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Trace":
+        """Inverse of :meth:`to_json`; a ``ConfigError`` names what is wrong with a foreign or damaged text."""
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"not a trace: invalid JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != TRACE_FORMAT:
+            raise ConfigError(f"not an evenpipe trace (format {doc.get('format') if isinstance(doc, dict) else None!r},"
+                              f" expected {TRACE_FORMAT!r})")
+        if doc.get("version") != TRACE_VERSION:
+            raise ConfigError(f"trace version {doc.get('version')!r} is not supported; this evenpipe reads "
+                              f"version {TRACE_VERSION}")
+        try:
+            schedule = Schedule.from_json(json.dumps(doc["schedule"]))
+            actions = tuple(tuple(ActionRecord(rank, int(i), parse_action(tok), float(s), float(e))
+                                  for i, tok, s, e in acts) for rank, acts in enumerate(doc["actions"]))
+            transfers = tuple(TransferRecord(int(src), int(dst), ActionKind[kind], int(st), int(mb), float(n),
+                                             float(s), float(e), float(x))
+                              for src, dst, kind, st, mb, n, s, e, x in doc["transfers"])
+            memory = tuple(MemoryTimeline(rank=r, points=tuple((float(t), float(b)) for t, b in pts))
+                           for r, pts in enumerate(doc["memory"]))
+            return cls(schedule=schedule, actions=actions, transfers=transfers, memory=memory,
+                       unit_bytes=tuple(float(u) for u in doc["unit_bytes"]), step_time=float(doc["step_time"]),
+                       source=str(doc["source"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"damaged trace: {type(e).__name__}: {e}") from None
 
     @property
     def num_actions(self) -> int:

@@ -33,3 +33,24 @@ def test_derived_numbers_of_a_hand_built_trace() -> None:
     assert [r.action.kind for r in trace.compute_records()] == [ActionKind.FORWARD, ActionKind.BACKWARD] * 2
     assert recs[0][2].duration == 2.0 and xfer.label == "0SEND_F0 0->1"
     assert trace.num_actions == 6 and trace.num_ranks == 2
+
+
+def test_trace_round_trips_json_and_refuses_foreign_text() -> None:
+    import json
+
+    import pytest
+
+    from evenpipe.errors import ConfigError
+    from evenpipe.schedule import build_schedule
+    from evenpipe.sim import SimCosts, Trace, simulate
+    from evenpipe.sim.costs import Link
+    for name in ("bpipe", "zb-h1", "interleaved"):
+        s = build_schedule(name, num_ranks=4, num_microbatches=8)
+        t = simulate(s, SimCosts.uniform(num_stages=s.num_stages, output_bytes=3.0,
+                                         link=Link(latency_s=0.1, bandwidth_bytes_per_s=10.0)))
+        assert Trace.from_json(t.to_json()) == t
+    doc = json.loads(t.to_json())
+    for bad, match in ((dict(doc, version=2), "version 2"), (dict(doc, format="x"), "not an evenpipe trace"),
+                       ({k: v for k, v in doc.items() if k != "memory"}, "damaged")):
+        with pytest.raises(ConfigError, match=match):
+            Trace.from_json(json.dumps(bad))

@@ -1,0 +1,448 @@
+"""Measure a model on this machine: per-layer times and bytes, the optimizer step, point-to-point messages.
+
+Each layer kind (embedding, one transformer block, the head with its loss) is run the way the pipeline executor
+runs a stage: its forward inside the activation stash's capture (the stash's hooks cost time, and they are what
+counts the saved bytes), the full backward through the autograd engine, the zero-bubble split with the
+executor's own :func:`~evenpipe.runtime.split_backward.backward_input` / ``backward_weight``, and a recompute
+(another forward with graph). Every time is the median of ``repeats`` runs after ``warmup`` untimed ones; on CUDA
+with CUDA events, on CPU with ``time.perf_counter`` and one thread per process, as training uses.
+
+Concurrency: on a CPU host the pipeline's ranks share the machine, so ``num_processes`` processes measure the
+same layers at the same time (rank 0's numbers are kept) and the times include the contention training sees
+(shared caches and memory bandwidth). The same processes then time ping-pong messages between ranks 0 and 1 over
+the runtime's backend (gloo on CPU, NCCL with two GPUs), and one small broadcast: the per-step fixed cost of
+sharing the loss.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from evenpipe.cost.profile import LayerKind, LayerSample, LinkSample, Machine, ModelInfo, Profile, ProfileError
+from evenpipe.runtime.split_backward import backward_input, backward_weight
+
+__all__ = ["ProfileOptions", "profile_model", "measure_layers", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""``--dtype`` names."""
+
+_LINK_SIZES = (4, 2**12, 2**16, 2**18, 2**20, 2**22, 2**24)
+"""Message sizes (bytes) of the ping-pong."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileOptions:
+    """What to profile and how."""
+
+    model_name: str
+    """Preset name or HF config path (recorded in the profile, checked by its users)."""
+    model_config: Any
+    """The :class:`~evenpipe.models.ModelConfig` to build."""
+    microbatch_sizes: tuple[int, ...] = (1, 2, 4)
+    """Micro-batch sizes to measure."""
+    seq_lens: tuple[int, ...] = ()
+    """Sequence lengths to measure (default: the model's)."""
+    dtype: str = "float32"
+    """Parameter and activation dtype (a key of :data:`DTYPES`)."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    repeats: int = 5
+    """Timed runs per median."""
+    warmup: int = 2
+    """Untimed runs first."""
+    num_processes: int = 2
+    """Processes measuring at once (CPU); rank 0's numbers are kept."""
+    link_sizes: tuple[int, ...] = _LINK_SIZES
+    """Ping-pong message sizes in bytes."""
+    seed: int = 0
+    """Model init and input seed."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ProfileError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ProfileError(f"--device {self.device!r} must be cpu or cuda")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ProfileError("--device cuda needs a CUDA GPU and none is visible; use --device cpu")
+        if not self.microbatch_sizes or min(self.microbatch_sizes) < 1:
+            raise ProfileError(f"--microbatch-sizes must be positive integers, got {list(self.microbatch_sizes)}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ProfileError(f"--repeats must be >= 1 and --warmup >= 0, got {self.repeats}, {self.warmup}")
+        if self.num_processes < 1:
+            raise ProfileError(f"--processes must be >= 1, got {self.num_processes}")
+        too_long = [s for s in self.seq_lens if s < 1 or s > self.model_config.seq_len]
+        if too_long:
+            raise ProfileError(f"--seq-len {too_long[0]} must be between 1 and the model's {self.model_config.seq_len}")
+
+
+# ---- timing ---------------------------------------------------------------------------------------------------
+
+class _Timer:
+    """Seconds of a region: CUDA events on a GPU, ``perf_counter`` on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3, out
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+
+
+class _Progress:
+    """A one-line progress bar on stderr (only when stderr is a terminal or ``force``)."""
+
+    def __init__(self, total: int, *, enabled: bool) -> None:
+        self.total, self.done, self.enabled = max(1, total), 0, enabled
+        self.t0 = time.perf_counter()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        frac = min(1.0, self.done / self.total)
+        bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
+        end = "\n" if self.done >= self.total else ""
+        sys.stderr.write(f"\rprofiling [{bar}] {self.done}/{self.total} {what:<34.34s} "
+                         f"{time.perf_counter() - self.t0:5.0f} s{end}")
+        sys.stderr.flush()
+
+
+# ---- one layer kind -------------------------------------------------------------------------------------------
+
+class _Head(nn.Module):
+    """The last part plus the loss, as the last stage runs it."""
+
+    def __init__(self, last: nn.Module) -> None:
+        super().__init__()
+        self.last = last
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from evenpipe.models import lm_loss
+        return lm_loss(self.last(x), targets)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _matrix_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.dim() == 2)
+
+
+def _block_flops(block: nn.Module, cfg: Any, b: int, s: int) -> float:
+    """Forward FLOPs of one block: 2 per matrix weight per token, plus the attention scores and their use
+    (``4 b s^2 h``: Q K^T and P V, the causal half counted in full as the kernels do)."""
+    return 2.0 * _matrix_params(block) * b * s + 4.0 * b * s * s * cfg.hidden
+
+
+class _LayerBench:
+    """Runs one layer kind like the executor runs a stage, and measures it."""
+
+    def __init__(self, kind: LayerKind, module: nn.Module, *, device: torch.device, timer: _Timer,
+                 repeats: int, warmup: int) -> None:
+        from evenpipe.runtime.stash import ActivationStash
+        self.kind, self.module, self.device, self.timer = kind, module, device, timer
+        self.repeats, self.warmup = repeats, warmup
+        self.stash = ActivationStash([module])
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.key = 0
+
+    def _inputs(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point():
+            x = x.detach().clone().requires_grad_(True)
+        return x
+
+    def _forward(self, x: torch.Tensor, extra: Sequence[torch.Tensor], *, hold: bool) -> tuple[float, Any, tuple]:
+        self.key += 1
+        key = (0, self.key)
+        if hold and x.is_floating_point():
+            self.stash.hold(key, x)
+        with self.stash.capture(key):
+            t, out = self.timer.time(lambda: self.module(x, *extra))
+        return t, out, key
+
+    def _done(self, key: tuple, x: torch.Tensor, hold: bool) -> None:
+        if hold and x.is_floating_point():
+            self.stash.release(key, x)
+        self.stash.release_all_of(key)
+        for p in self.params:
+            p.grad = None
+
+    def _grad_of(self, out: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
+
+    def run(self, x0: torch.Tensor, extra: Sequence[torch.Tensor]) -> dict[str, float]:
+        """Median times and the byte counts of one size."""
+        from evenpipe.runtime.executor import _run_backward
+        times: dict[str, list[float]] = {k: [] for k in ("forward_s", "backward_s", "backward_input_s",
+                                                         "backward_weight_s", "recompute_s")}
+        sizes: dict[str, float] = {}
+        for i in range(self.warmup + self.repeats):
+            keep = i >= self.warmup
+            # full backward
+            x = self._inputs(x0)
+            t_f, out, key = self._forward(x, extra, hold=True)
+            if keep:
+                times["forward_s"].append(t_f)
+            if not sizes:
+                sizes = self._bytes(x, out, extra, key)
+            g = self._grad_of(out)
+            t_b, _ = self.timer.time(lambda: _run_backward([out], [g], keep_graph=False))
+            self._done(key, x, True)
+            # zero-bubble split
+            x = self._inputs(x0)
+            t_r, out, key = self._forward(x, extra, hold=True)
+            g = self._grad_of(out)
+            xs = (x,) if x.is_floating_point() else ()
+            t_i, (_, state) = self.timer.time(lambda: backward_input([out], [g], xs, self.params))
+            if "weight_grad_bytes" not in sizes:
+                sizes["weight_grad_bytes"] = max(0.0, self.stash.bytes_of(key) - (_nbytes(x) if xs else 0))
+            t_w, _ = self.timer.time(lambda: backward_weight(state, self.params))
+            state = None  # drop the I -> W hand-off before the next run
+            self._done(key, x, True)
+            if keep:
+                times["backward_s"].append(t_b)
+                times["recompute_s"].append(t_r)
+                times["backward_input_s"].append(t_i)
+                times["backward_weight_s"].append(t_w)
+            out = g = None
+        return {**{k: statistics.median(v) for k, v in times.items()}, **sizes}
+
+    def _bytes(self, x: torch.Tensor, out: torch.Tensor, extra: Sequence[torch.Tensor],
+               held_key: tuple) -> dict[str, float]:
+        """Saved bytes without the input (from the run that holds it) and the input's saved bytes (from a run
+        that does not)."""
+        in_bytes = _nbytes(x) if x.is_floating_point() else 0
+        with_input = self.stash.bytes_of(held_key)
+        saved = max(0, with_input - in_bytes)
+        y = self._inputs(x.detach())
+        _, out2, key2 = self._forward(y, extra, hold=False)
+        input_saved = max(0, self.stash.bytes_of(key2) - saved)
+        del out2
+        self._done(key2, y, False)
+        return {"saved_bytes": float(saved), "input_saved_bytes": float(input_saved),
+                "output_bytes": float(_nbytes(out) if out.dim() > 0 else 0)}
+
+
+def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None) -> dict[LayerKind, list[LayerSample]]:
+    """Samples of every layer kind at every (micro-batch size, sequence length)."""
+    from evenpipe.models import build_model
+    cfg = options.model_config
+    device = torch.device(options.device)
+    dtype = DTYPES[options.dtype]
+    torch.manual_seed(options.seed)
+    model = build_model(cfg, seed=options.seed, device=device, dtype=dtype)
+    parts = model.pipeline_parts()
+    timer = _Timer(device)
+    benches = {LayerKind.EMBEDDING: _LayerBench(LayerKind.EMBEDDING, parts.first, device=device, timer=timer,
+                                                repeats=options.repeats, warmup=options.warmup),
+               LayerKind.BLOCK: _LayerBench(LayerKind.BLOCK, parts.blocks[0], device=device, timer=timer,
+                                            repeats=options.repeats, warmup=options.warmup),
+               LayerKind.HEAD: _LayerBench(LayerKind.HEAD, _Head(parts.last), device=device, timer=timer,
+                                           repeats=options.repeats, warmup=options.warmup)}
+    out: dict[LayerKind, list[LayerSample]] = {k: [] for k in LayerKind}
+    for s in options.seq_lens or (cfg.seq_len,):
+        for b in options.microbatch_sizes:
+            gen = torch.Generator().manual_seed(options.seed + 1000 * b + s)
+            tokens = torch.randint(0, cfg.vocab, (b, s), generator=gen).to(device)
+            hidden = (torch.randn(b, s, cfg.hidden, generator=gen) * 0.5).to(device=device, dtype=dtype)
+            for kind, bench in benches.items():
+                x, extra = (tokens, ()) if kind is LayerKind.EMBEDDING else \
+                    (hidden, (tokens,) if kind is LayerKind.HEAD else ())
+                vals = bench.run(x, extra)
+                flops = _block_flops(parts.blocks[0], cfg, b, s) if kind is LayerKind.BLOCK else \
+                    2.0 * _matrix_params(parts.last) * b * s if kind is LayerKind.HEAD else 0.0
+                out[kind].append(LayerSample(microbatch_size=b, seq_len=s, forward_flops=flops, **vals))
+                if progress is not None:
+                    progress.step(f"{kind.value} b={b} s={s}")
+    return out
+
+
+def _optimizer_times(options: ProfileOptions, *, repeats: int) -> dict[LayerKind, float]:
+    """Median AdamW step seconds over one layer's parameters, per kind (gradients present, as in training)."""
+    from evenpipe.models import build_model
+    device, dtype = torch.device(options.device), DTYPES[options.dtype]
+    model = build_model(options.model_config, seed=options.seed, device=device, dtype=dtype)
+    parts = model.pipeline_parts()
+    timer = _Timer(device)
+    out = {}
+    for kind, module in ((LayerKind.EMBEDDING, parts.first), (LayerKind.BLOCK, parts.blocks[0]),
+                         (LayerKind.HEAD, parts.last)):
+        params = list(module.parameters())
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        ts = [timer.time(opt.step)[0] for _ in range(repeats + 2)][2:]
+        out[kind] = statistics.median(ts)
+    return out
+
+
+# ---- point to point -------------------------------------------------------------------------------------------
+
+def _ping_pong(rank: int, sizes: Sequence[int], repeats: int, device: torch.device) -> list[LinkSample]:
+    """Ranks 0 and 1 bounce each size; one-way time = half the median round trip (measured on rank 0)."""
+    out = []
+    for n in sizes:
+        buf = torch.zeros(max(1, n // 4), dtype=torch.float32, device=device)
+        trips = []
+        for i in range(repeats + 2):
+            if rank == 0:
+                t0 = time.perf_counter()
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i >= 2:
+                    trips.append(time.perf_counter() - t0)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+        if rank == 0:
+            out.append(LinkSample(num_bytes=_nbytes(buf), seconds=statistics.median(trips) / 2))
+    return out
+
+
+def _broadcast_time(repeats: int, device: torch.device) -> float:
+    t = torch.zeros(1, dtype=torch.float64, device=device)
+    ts = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.broadcast(t, dist.get_world_size() - 1)
+        if i >= 2:
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+# ---- processes ------------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, options: ProfileOptions, show: bool, queue: Any) -> None:
+    try:
+        torch.set_num_threads(1 if options.device == "cpu" else torch.get_num_threads())
+        backend = "nccl" if options.device == "cuda" and torch.cuda.device_count() >= world else "gloo"
+        device = torch.device(options.device)
+        if world > 1:
+            if backend == "nccl":
+                torch.cuda.set_device(rank)
+                device = torch.device(f"cuda:{rank}")
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=600))
+        measuring = options.device == "cpu" or rank == 0  # one GPU: only rank 0 measures layers on it
+        steps = len(options.microbatch_sizes) * len(options.seq_lens or (0,)) * len(LayerKind) + 2
+        progress = _Progress(steps, enabled=show and rank == 0)
+        layers = measure_layers(options, progress=progress) if measuring else {}
+        opt = _optimizer_times(options, repeats=options.repeats) if measuring else {}
+        progress.step("optimizer step")
+        link: list[LinkSample] = []
+        overhead = 0.0
+        if world > 1 and (backend == "nccl" or device.type == "cpu"):
+            dist.barrier()
+            link = _ping_pong(rank, options.link_sizes, options.repeats, device if backend == "nccl"
+                              else torch.device("cpu"))
+            overhead = _broadcast_time(options.repeats, device if backend == "nccl" else torch.device("cpu"))
+        progress.step("point-to-point messages")
+        if rank == 0:
+            queue.put(("ok", layers, opt, link, overhead, backend))
+        if world > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException as e:  # report to the parent, never hang it
+        queue.put(("error", f"profiling rank {rank} failed: {type(e).__name__}: {e}\n"
+                            f"{traceback.format_exc(limit=4)}"))
+
+
+def _machine(options: ProfileOptions, backend: str, world: int) -> Machine:
+    if options.device == "cuda":
+        name = torch.cuda.get_device_name(0)
+    else:
+        name = _cpu_name()
+    return Machine(device=options.device, device_name=name, num_threads=1 if options.device == "cpu" else
+                   torch.get_num_threads(), num_processes=world, torch_version=str(torch.__version__),
+                   dtype=options.dtype, backend=backend, hostname=platform.node())
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _model_info(options: ProfileOptions) -> ModelInfo:
+    cfg = options.model_config
+    arch = getattr(cfg.arch, "value", str(cfg.arch))
+    return ModelInfo(name=options.model_name, arch=arch, num_layers=cfg.num_layers, hidden=cfg.hidden,
+                     vocab=cfg.vocab, seq_len=cfg.seq_len,
+                     params={"embedding": cfg.first_params(), "block": cfg.block_params(), "head": cfg.last_params()})
+
+
+def profile_model(options: ProfileOptions, *, show_progress: bool = True, timeout_s: float = 3600.0) -> Profile:
+    """Run the whole measurement in ``options.num_processes`` processes and return the profile."""
+    world = options.num_processes
+    if options.device == "cuda":
+        world = 2 if torch.cuda.device_count() >= 2 and world >= 2 else 1
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1" if options.device == "cpu" else (env_threads or "")
+    procs = [ctx.Process(target=_worker, args=(r, world, port, options, show_progress, queue), daemon=True)
+             for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        result = None
+        while result is None:
+            try:
+                result = queue.get(timeout=2.0)
+            except Exception:  # queue.Empty
+                if time.monotonic() > deadline or all(not p.is_alive() for p in procs):
+                    raise ProfileError("profiling processes stopped without a result") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+    if result[0] == "error":
+        raise ProfileError(result[1].splitlines()[0] + "\n" + "\n".join(result[1].splitlines()[1:]))
+    _, layers, opt, link, overhead, backend = result
+    return Profile(machine=_machine(options, backend, world), model=_model_info(options),
+                   layers={k: tuple(v) for k, v in layers.items()}, optimizer_s=opt, link=tuple(link),
+                   step_overhead_s=overhead, repeats=options.repeats, warmup=options.warmup)

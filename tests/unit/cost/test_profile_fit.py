@@ -1,0 +1,142 @@
+"""The profile schema and its fits: round trip, one-line refusals, exact recovery of linear data, stage costs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from evenpipe.cost.profile import PROFILE_VERSION, LayerKind, LayerSample, LinkSample, Machine, ModelInfo, Profile, \
+    ProfileError
+from evenpipe.cost.profile_fit import ProfileModel, even_layout, fit_least_squares, link_from_profile, predict_step
+from evenpipe.schedule import build_schedule
+
+
+def _sample(b: int, *, s: int = 16, t: float = 1e-3, saved: float = 1000.0, inp: float = 100.0,
+            out: float = 100.0, curve: float = 0.0) -> LayerSample:
+    f = t * (1 + 2 * b) + curve * b * b
+    return LayerSample(microbatch_size=b, seq_len=s, forward_s=f, backward_s=2 * f, backward_input_s=1.1 * f,
+                       backward_weight_s=1.0 * f, recompute_s=f, saved_bytes=saved * b, input_saved_bytes=inp * b,
+                       output_bytes=out * b, weight_grad_bytes=0.5 * saved * b, forward_flops=1e6 * b)
+
+
+def make_profile(sizes=(1, 2, 4), *, layers: int = 4, curve: float = 0.0) -> Profile:
+    return Profile(
+        machine=Machine(device="cpu", device_name="test cpu", num_threads=1, num_processes=2, torch_version="x",
+                        dtype="float32", backend="gloo"),
+        model=ModelInfo(name="gpt-tiny", arch="gpt", num_layers=layers, hidden=64, vocab=256, seq_len=64,
+                        params={"embedding": 10, "block": 100, "head": 20}),
+        layers={LayerKind.EMBEDDING: tuple(_sample(b, t=1e-4, saved=8.0, inp=0.0) for b in sizes),
+                LayerKind.BLOCK: tuple(_sample(b, curve=curve) for b in sizes),
+                LayerKind.HEAD: tuple(_sample(b, t=5e-4, saved=300.0, out=0.0) for b in sizes)},
+        optimizer_s={LayerKind.EMBEDDING: 1e-4, LayerKind.BLOCK: 1e-3, LayerKind.HEAD: 2e-4},
+        link=(LinkSample(num_bytes=4, seconds=1e-4), LinkSample(num_bytes=10**6, seconds=1e-4 + 1e-3)),
+        step_overhead_s=5e-5, repeats=3, warmup=1)
+
+
+def test_profile_round_trips_json() -> None:
+    p = make_profile()
+    assert Profile.from_json(p.to_json()) == p
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(version=PROFILE_VERSION + 1), "schema version"),
+    (lambda d: d.update(format="something"), "not an evenpipe profile"),
+    (lambda d: d["layers"].pop("head"), "head"),
+    (lambda d: d["layers"]["block"][0].update(forward_s=-1), "forward_s"),
+    (lambda d: d["machine"].pop("device"), "damaged"),
+])
+def test_bad_profiles_are_refused_in_one_line(edit, message: str) -> None:
+    doc = make_profile().to_dict()
+    edit(doc)
+    with pytest.raises(ProfileError, match=message) as info:
+        Profile.from_json(json.dumps(doc))
+    assert "\n" not in str(info.value)
+
+
+def test_other_model_is_refused() -> None:
+    with pytest.raises(ProfileError, match="gpt-tiny.*not 'gpt-mini'"):
+        make_profile().check_model("gpt-mini")
+    with pytest.raises(ProfileError, match="layers 4 vs 8"):
+        make_profile().check_model("gpt-tiny", num_layers=8)
+    make_profile().check_model("gpt-tiny", num_layers=4, hidden=64)
+
+
+def test_linear_data_is_recovered_with_zero_residuals() -> None:
+    model = ProfileModel(make_profile())
+    for (kind, q), fit in model.fits.items():
+        assert fit.max_abs_residual < 1e-9, (kind, q)
+    block3 = model.predict(LayerKind.BLOCK, 3)
+    assert block3.forward_s == pytest.approx(1e-3 * 7)
+    assert block3.saved_bytes == pytest.approx(3000.0)
+
+
+def test_curvature_shows_in_residuals() -> None:
+    model = ProfileModel(make_profile(curve=1e-3))
+    assert model.fits[(LayerKind.BLOCK, "forward_s")].max_abs_residual > 0.01
+
+
+def test_two_sequence_lengths_fit_tokens_and_attention_terms() -> None:
+    rows, ys = [], []
+    for s in (8, 16):
+        for b in (1, 2, 4):
+            rows.append((1.0, b * s, b * s * s))
+            ys.append(0.5 + 2.0 * b * s + 0.1 * b * s * s)
+    fit = fit_least_squares(("1", "b*s", "b*s^2"), rows, ys)
+    assert fit.coefficients == pytest.approx((0.5, 2.0, 0.1))
+
+
+def test_one_point_fit_is_proportional() -> None:
+    fit = fit_least_squares(("1", "b"), [(1.0, 2.0)], [6.0])
+    assert fit.predict_features((1.0, 5.0)) == pytest.approx(15.0)
+
+
+def test_stage_unit_counts_layers_like_the_stash() -> None:
+    model = ProfileModel(make_profile())
+    # first stage: embedding (8 B saved, input not saved) + 2 blocks (1000 saved, input 100 saved each)
+    first = model.stage_costs(blocks=2, first=True, last=False, microbatch_size=1, split_backward=False)
+    assert first.activation_bytes == pytest.approx(8 + 2 * 1000 + 2 * 100)
+    assert first.output_bytes == pytest.approx(100)
+    # last stage: received input (100, held) + 2 blocks + head (300 saved, input 100 saved)
+    last = model.stage_costs(blocks=2, first=False, last=True, microbatch_size=1, split_backward=False)
+    assert last.activation_bytes == pytest.approx(100 + 2 * 1000 + 100 + 300 + 100)
+    assert last.output_bytes == 0
+    assert last.checkpoint_bytes == pytest.approx(100)
+    # full backward vs the zero-bubble split
+    block_b, head_b = 2 * 3e-3, 2 * 3 * 5e-4  # backward_s = 2 x forward; forward = t (1 + 2b)
+    assert last.backward_weight == 0 and last.backward_input == pytest.approx(2 * block_b + head_b)
+    split = model.stage_costs(blocks=2, first=False, last=True, microbatch_size=1, split_backward=True)
+    assert split.backward_input == pytest.approx(1.1 * (2 * 3e-3 + 1.5e-3))
+    assert split.backward_weight == pytest.approx(2 * 3e-3 + 1.5e-3)
+
+
+def test_link_fit() -> None:
+    link = link_from_profile(make_profile())
+    assert link.latency_s == pytest.approx(1e-4, rel=1e-3)
+    assert link.bandwidth_bytes_per_s == pytest.approx((10**6 - 4) / 1e-3, rel=1e-6)
+
+
+def test_predicted_step_adds_optimizer_after_each_rank() -> None:
+    model = ProfileModel(make_profile())
+    sched = build_schedule("1f1b", num_ranks=2, num_microbatches=4)
+    pred = predict_step(model, sched, microbatch_size=2)
+    ends = [max(r.end for r in acts) for acts in pred.trace.actions]
+    assert pred.optimizer_s == pytest.approx((1e-4 + 2e-3, 2e-3 + 2e-4))
+    assert pred.step_time == pytest.approx(max(e + o + 5e-5 for e, o in zip(ends, pred.optimizer_s)))
+    zb = predict_step(model, build_schedule("zb-h1", num_ranks=2, num_microbatches=4), microbatch_size=2)
+    assert zb.trace.schedule.name.startswith("zb")
+
+
+def test_even_layout() -> None:
+    assert even_layout(8, 2) == (4, 4)
+    assert even_layout(7, 3) == (2, 3, 2)
+    with pytest.raises(ProfileError):
+        even_layout(2, 3)
+
+
+def test_efficiency_points() -> None:
+    pts = ProfileModel(make_profile()).efficiency([1, 2, 3, 4])
+    assert [p.measured_flops_per_s is None for p in pts] == [False, False, True, False]
+    assert pts[0].measured_flops_per_s == pytest.approx(1e6 / 3e-3)
+    assert dataclasses.asdict(pts[2])["predicted_flops_per_s"] == pytest.approx(3e6 / 7e-3)

@@ -1,0 +1,89 @@
+"""The profiler measures what the executor's stash counts: stage activation units built from per-layer samples
+equal the stash's own count of a real stage forward, at profiled and unprofiled micro-batch sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evenpipe.cost.profile import LayerKind, Profile
+from evenpipe.cost.profile_fit import ProfileModel
+from evenpipe.models import build_model, model_config
+from evenpipe.runtime.profile import ProfileOptions, measure_layers, profile_model
+from evenpipe.runtime.stages import build_stage_modules
+from evenpipe.runtime.stash import ActivationStash
+
+
+@pytest.fixture(scope="module", params=["gpt-tiny", "llama-tiny"])
+def measured(request: pytest.FixtureRequest) -> tuple[str, ProfileModel]:
+    torch.set_num_threads(1)
+    cfg = model_config(request.param)
+    opts = ProfileOptions(model_name=request.param, model_config=cfg, microbatch_sizes=(1, 2, 4), repeats=1,
+                          warmup=0, num_processes=1)
+    layers = measure_layers(opts)
+    from evenpipe.runtime.profile import _machine, _model_info
+    profile = Profile(machine=_machine(opts, "gloo", 1), model=_model_info(opts),
+                      layers={k: tuple(v) for k, v in layers.items()},
+                      optimizer_s={k: 0.0 for k in LayerKind})
+    return request.param, ProfileModel(profile)
+
+
+def _stash_unit(name: str, stage: int, num_stages: int, b: int) -> tuple[int, int]:
+    """Bytes the stash counts for one micro-batch on ``stage`` (executor-style: input held when received), and
+    the stage output's bytes."""
+    cfg = model_config(name)
+    model = build_model(cfg, seed=0)
+    mods = build_stage_modules(model.pipeline_parts(), num_stages=num_stages, stages=[stage])
+    mod = mods[stage]
+    stash = ActivationStash([mod])
+    key = (stage, 0)
+    if stage == 0:
+        x = torch.randint(0, cfg.vocab, (b, cfg.seq_len))
+    else:
+        x = torch.randn(b, cfg.seq_len, cfg.hidden).requires_grad_(True)
+        stash.hold(key, x)
+    with stash.capture(key):
+        out = mod(x)
+        if stage == num_stages - 1:
+            from evenpipe.models import lm_loss
+            out = lm_loss(out, torch.randint(0, cfg.vocab, (b, cfg.seq_len)))
+    return stash.bytes_of(key), (out.numel() * out.element_size() if out.dim() else 0)
+
+
+@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stage_units_match_the_stash(measured: tuple[str, ProfileModel], stage: int, b: int) -> None:
+    name, model = measured
+    blocks = [1, 2, 1]
+    stash_bytes, out_bytes = _stash_unit(name, stage, 3, b)
+    costs = model.stage_costs(blocks=blocks[stage], first=stage == 0, last=stage == 2, microbatch_size=b,
+                              split_backward=False)
+    assert costs.activation_bytes == pytest.approx(stash_bytes, rel=1e-6)
+    assert costs.output_bytes == pytest.approx(out_bytes)
+
+
+def test_bytes_are_exactly_linear(measured: tuple[str, ProfileModel]) -> None:
+    _, model = measured
+    for kind in LayerKind:
+        for q in ("saved_bytes", "input_saved_bytes", "output_bytes"):
+            assert model.fits[(kind, q)].max_abs_residual < 1e-9, (kind, q)
+
+
+def test_times_are_positive_and_block_flops_counted(measured: tuple[str, ProfileModel]) -> None:
+    _, model = measured
+    for s in model.profile.layers[LayerKind.BLOCK]:
+        assert s.forward_s > 0 and s.backward_s > 0 and s.backward_input_s > 0 and s.backward_weight_s > 0
+        assert s.forward_flops > 0
+    assert all(p.predicted_flops_per_s > 0 for p in model.efficiency([1, 2, 3, 4]))
+
+
+def test_two_processes_measure_the_link() -> None:
+    cfg = model_config("gpt-tiny")
+    opts = ProfileOptions(model_name="gpt-tiny", model_config=cfg, microbatch_sizes=(1,), repeats=1, warmup=0,
+                          num_processes=2, link_sizes=(4, 2**16))
+    profile = profile_model(opts, show_progress=False, timeout_s=300)
+    assert [s.num_bytes for s in profile.link] == [4, 2**16]
+    assert all(s.seconds > 0 for s in profile.link)
+    assert profile.machine.num_processes == 2 and profile.machine.backend == "gloo"
+    assert set(profile.optimizer_s) == set(LayerKind) and profile.step_overhead_s > 0
+    assert Profile.from_json(profile.to_json()) == profile
