@@ -84,3 +84,34 @@ def test_compare_refuses_other_schedules(profile_path: pathlib.Path, tmp_path: p
                  str(tmp_path / "gpipe" / "trace.evenpipe.json")])
     assert code == 2 and "different schedules" in capsys.readouterr().err
     assert main(["compare", str(tmp_path / "nothing.json"), str(tmp_path / "nothing.json")]) == 2
+
+
+def test_estimate_and_plan_with_profile(profile_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--profile", str(profile_path), "--pp", "2", "--schedule", "1f1b",
+                 "--microbatch-size", "2", "--global-batch", "16", "--memory-gib", "1", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["num_microbatches"] == 8 and est["fits"] and len(est["peak_bytes"]) == 2
+    # 4 copies (weights, grads, two AdamW moments) of float32 parameters: embedding + 4 blocks on rank 0
+    assert est["state_bytes"][0] == pytest.approx((10 + 4 * 100) * 16)
+    assert main(["plan", "--profile", str(profile_path), "--gpus", "2", "--global-batch", "8", "--memory-gib", "1"]) == 0
+    assert "tokens/s" in capsys.readouterr().out
+
+
+def test_plan_explain_bpipe_from_profile(profile_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a budget between 1F1B's rank-0 peak at b=4 and BPipe's: only BPipe fits the large micro-batch
+    args = ["plan", "--profile", str(profile_path), "--gpus", "4", "--global-batch", "16", "--explain", "bpipe",
+            "--max-microbatch-size", "4", "--json"]
+    assert main(args + ["--memory-gib", "1"]) == 0
+    roomy = json.loads(capsys.readouterr().out)
+    assert roomy["without"]["microbatch_size"] == 4 and not roomy["pays"]  # memory no object: BPipe only adds work
+    assert "verdict: BPipe does not pay" in roomy["text"]
+    assert main(args[:-1] + ["--memory-gib", "1"]) == 0
+    assert "fastest with BPipe" in capsys.readouterr().out
+    assert main(args[:-1]) == 2
+    assert "needs --memory-gib" in capsys.readouterr().err
+
+
+def test_train_refuses_a_profile_of_another_model(profile_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["train", "--model", "gpt-mini", "--stages", "2", "--predict", str(profile_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "not 'gpt-mini'" in err and len(err.strip().splitlines()) == 1

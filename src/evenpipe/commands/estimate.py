@@ -25,7 +25,7 @@ _SCHEDULES = [f.value for f in ScheduleFamily]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     p = parser.add_argument_group("parallelism")
-    p.add_argument("--gpu", required=True, metavar="PRESET",
+    p.add_argument("--gpu", metavar="PRESET",
                    help="GPU preset (a100-40gb, a100-80gb, h100-80gb, h200) or a profile FILE.json")
     p.add_argument("--gpus", type=int, metavar="N", help="total GPUs; must equal tp·pp·dp (dp defaults to N/(tp·pp))")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--out", metavar="DIR", help="write memory_per_stage.png (stacked bars per rank) into DIR")
     o.add_argument("--require-fit", action="store_true", help="exit 2 when the configuration does not fit")
+    from evenpipe.commands.profiled_plan import add_profile_arguments
+    add_profile_arguments(parser)
 
 
 def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
@@ -63,6 +65,11 @@ def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.profile:
+        from evenpipe.commands.profiled_plan import run_estimate
+        return run_estimate(args)
+    if args.gpu is None:
+        raise ConfigError("give --gpu PRESET (or --profile PROFILE to estimate on the profiled machine)")
     model = model_from_args(args)
     hw = load_hardware(args.gpu) if args.gpu.endswith(".json") else hardware_preset(args.gpu)
     cfg = _config_from_args(args)

@@ -23,7 +23,7 @@ _EXPLAIN_TOPICS = ("bpipe",)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--gpu", required=True, metavar="PRESET", help="GPU preset, e.g. a100-80gb, h100-80gb")
+    parser.add_argument("--gpu", metavar="PRESET", help="GPU preset, e.g. a100-80gb, h100-80gb")
     parser.add_argument("--gpus", type=int, required=True, metavar="N", help="total number of GPUs")
     parser.add_argument("--global-batch", type=int, required=True, metavar="B", help="sequences per step")
     parser.add_argument("--top", type=int, default=10, metavar="K", help="configurations to list (default 10)")
@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-optimizer", action="store_true",
                         help="shard optimizer state over data parallelism")
     parser.add_argument("--bpipe-budget", type=int, metavar="K", help="BPipe per-rank activation budget")
+    from evenpipe.commands.profiled_plan import add_profile_arguments
+    add_profile_arguments(parser)
 
 
 _E = TypeVar("_E", bound=enum.Enum)
@@ -82,6 +84,12 @@ def _space_from_args(args: argparse.Namespace) -> SearchSpace:
 def run(args: argparse.Namespace) -> int:
     if args.explain is not None and args.explain not in _EXPLAIN_TOPICS:
         raise choice_error("--explain topic", args.explain, _EXPLAIN_TOPICS)
+    if args.profile:  # the profiled machine instead of a GPU preset
+        from evenpipe.commands.profiled_plan import run_plan
+        return run_plan(args, _parse_enum_list(args.schedules, ScheduleFamily, "--schedules", "schedule family",
+                                               tuple(PLANNED_SCHEDULES)))
+    if args.gpu is None:
+        raise ConfigError("give --gpu PRESET (or --profile PROFILE to plan on the profiled machine)")
     model = model_from_args(args)  # shared with `evenpipe estimate`
     hw: Hardware = hardware_preset(args.gpu)
     space = _space_from_args(args)

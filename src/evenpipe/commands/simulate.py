@@ -139,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         doc = dict(summary_json(trace), files=files)
         if pred is not None:
             doc.update(schedule_time=trace.step_time, step_time=pred.step_time,
+                       peak_activation_bytes=list(pred.peak_activation_bytes),
                        rank_step_times=list(pred.rank_step_times), optimizer_s=list(pred.optimizer_s))
         print(json.dumps(doc))
         return 0

@@ -46,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also log metrics to TensorBoard in DIR (needs the tensorboard package)")
     p.add_argument("--trace", default=None, help="write a measured Chrome/Perfetto trace of the last step")
+    p.add_argument("--trace-json", default=None, metavar="PATH",
+                   help="write the measured trace of the last step as evenpipe Trace JSON (for `evenpipe compare`)")
+    p.add_argument("--predict", default=None, metavar="PROFILE",
+                   help="profile JSON from `evenpipe profile`: print predicted against measured at the end")
     p.add_argument("--backend", default=None, choices=["gloo", "nccl"],
                    help="torch.distributed backend (default: nccl with GPUs, else gloo)")
     p.add_argument("--layout", default=None, help="layers per stage (per virtual chunk), e.g. 5,6,6,5")
@@ -83,8 +87,13 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         checkpoint=CheckpointOptions(),
         runtime=runtime,
         output=OutputOptions(json_out=_abs(args.json_out), trace=_abs(args.trace), metrics=_abs(args.metrics),
-                             tensorboard=_abs(args.tensorboard)),
+                             tensorboard=_abs(args.tensorboard), trace_json=_abs(args.trace_json),
+                             predict=_abs(args.predict)),
     )
+    if args.predict:  # a bad profile is refused here, before any process starts
+        from evenpipe.runtime.predict import check_profile_for_training
+        check_profile_for_training(args.predict, model_name=args.model, model_config=config.model.resolve(),
+                                   device="cuda" if backend is Backend.NCCL else "cpu")
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != config.world_size:
         raise ConfigError(f"world size {os.environ['WORLD_SIZE']} != stages x dp = {args.stages} x {args.dp} = "
                           f"{config.world_size}")

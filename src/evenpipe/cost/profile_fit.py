@@ -25,6 +25,7 @@ from typing import Sequence
 from evenpipe.cost.profile import QUANTITIES, LayerKind, LayerSample, Profile, ProfileError
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.sim.costs import Link, SimCosts, StageCosts
+from evenpipe.sim.engine import simulate
 from evenpipe.sim.trace import Trace
 
 __all__ = ["Fit", "fit_least_squares", "ProfileModel", "link_from_profile", "StepPrediction",
@@ -122,6 +123,10 @@ class ProfileModel:
 
     def _row(self, b: int, s: int) -> tuple[float, ...]:
         return (1.0, float(b * s), float(b * s * s)) if self.multi_seq else (1.0, float(b))
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """ProfileError unless ``seq_len`` can be predicted (profiled, or several lengths profiled)."""
+        self._seq(seq_len)
 
     def _seq(self, seq_len: int | None) -> int:
         if seq_len is None:
@@ -254,6 +259,9 @@ class StepPrediction:
     """Per rank, optimizer seconds after its last action."""
     overhead_s: float
     """Fixed per-step seconds."""
+    output_bytes: tuple[float, ...] = ()
+    """Per rank, the largest stage output it sends: the runtime holds a stage's output from the end of its forward
+    until the send is posted, which is the moment activation memory peaks (it only grows at a forward)."""
 
     @property
     def rank_step_times(self) -> tuple[float, ...]:
@@ -267,19 +275,17 @@ class StepPrediction:
 
     @property
     def peak_activation_bytes(self) -> tuple[float, ...]:
-        return self.trace.peak_activation_bytes
+        """Per rank, the simulated peak plus the stage output held at that moment."""
+        extra = self.output_bytes or (0.0,) * self.trace.num_ranks
+        return tuple(p + o for p, o in zip(self.trace.peak_activation_bytes, extra))
 
 
 def predict_step(model: ProfileModel, schedule: Schedule, *, microbatch_size: int,
                  layout: Sequence[int] | None = None, seq_len: int | None = None) -> StepPrediction:
     """Simulate ``schedule`` with the profile's costs and add the optimizer and fixed per-step time."""
-    from evenpipe.sim.engine import simulate
-    trace = simulate(schedule, model.sim_costs(schedule, microbatch_size=microbatch_size, layout=layout,
-                                               seq_len=seq_len))
+    costs = model.sim_costs(schedule, microbatch_size=microbatch_size, layout=layout, seq_len=seq_len)
+    trace = simulate(schedule, costs)
+    outputs = tuple(max((costs.stages[s].output_bytes for s in schedule.stages_of(r)), default=0.0)
+                    for r in range(schedule.num_ranks))
     return StepPrediction(trace=trace, optimizer_s=model.optimizer_s(schedule, layout),
-                          overhead_s=model.profile.step_overhead_s)
-
-
-def _check_sample_sizes(samples: Sequence[LayerSample]) -> None:  # pragma: no cover - used by the profiler
-    if len({(s.microbatch_size, s.seq_len) for s in samples}) != len(samples):
-        raise ProfileError("profile repeats a (micro-batch size, sequence length) sample")
+                          overhead_s=model.profile.step_overhead_s, output_bytes=outputs)

@@ -188,6 +188,10 @@ class OutputOptions:
     """Summary JSON file (losses, step time, memory, throughput)."""
     trace: str | None = None
     """Chrome/Perfetto trace of the last step."""
+    trace_json: str | None = None
+    """The measured trace of the last step as evenpipe Trace JSON (``evenpipe compare`` reads it)."""
+    predict: str | None = None
+    """Profile JSON: print the profile's prediction of the run against the measurement (and add it to json_out)."""
     metrics: str | None = None
     """JSON-lines file, one record per step."""
     tensorboard: str | None = None

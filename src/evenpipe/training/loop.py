@@ -115,7 +115,7 @@ def train(config: TrainConfig) -> TrainSummary:
     try:
         for step in range(steps):
             batch = job.data.batch(step, config.data.global_batch)
-            job.executor.trace = bool(out.trace) and step == steps - 1
+            job.executor.trace = bool(out.trace or out.trace_json or out.predict) and step == steps - 1
             t0 = time.perf_counter()
             result = job.executor.step(batch.tokens, batch.targets)
             job.optimizer.step()
@@ -158,17 +158,39 @@ def _gather_summary(job: _Job, report: RankReport, records: Any, losses: list[fl
         summary = summarise([r for r, _ in gathered], losses, num_ranks=job.config.schedule.num_ranks,
                             first_step=0, tokens_per_step=tokens_per_step)
         log.info("\n" + memory_table(summary, measured=job.measured))
-        _write_outputs(job, summary, [rec for _, rec in gathered if rec is not None])
+        prediction = _prediction(job, [r for r, _ in gathered])
+        _write_outputs(job, summary, [rec for _, rec in gathered if rec is not None], prediction)
         shared = [summary]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
 
 
-def _write_outputs(job: _Job, summary: TrainSummary, recorders: list[Any]) -> None:
+def _prediction(job: _Job, reports: list[RankReport]) -> dict[str, Any] | None:
+    """With ``--predict``: log the profile's prediction against this run's measurement; its dict form."""
+    out, cfg = job.config.output, job.config
+    if not out.predict:
+        return None
+    from evenpipe.runtime.predict import prediction_table, report_prediction
+    run = report_prediction(out.predict, model_name=cfg.model.preset, model_config=cfg.model.resolve(),
+                            schedule=job.schedule, microbatch_size=cfg.data.global_batch // (
+                                cfg.schedule.num_microbatches * cfg.runtime.dp),
+                            layout=cfg.schedule.layout, reports=reports)
+    log.info("\n" + prediction_table(run))
+    return run.to_dict()
+
+
+def _write_outputs(job: _Job, summary: TrainSummary, recorders: list[Any],
+                   prediction: dict[str, Any] | None = None) -> None:
     out = job.config.output
     if out.json_out:
+        extra = {"prediction": prediction} if prediction is not None else {}
         with open(out.json_out, "w") as f:
-            json.dump({**summary.to_dict(), "config": job.config.to_dict()}, f, indent=2)
-    if out.trace:
+            json.dump({**summary.to_dict(), "config": job.config.to_dict(), **extra}, f, indent=2)
+    if out.trace or out.trace_json:
         from evenpipe.runtime.trace import measured_trace, write_chrome_trace
-        write_chrome_trace(measured_trace(job.schedule, recorders), out.trace)
+        trace = measured_trace(job.schedule, recorders)
+        if out.trace:
+            write_chrome_trace(trace, out.trace)
+        if out.trace_json:
+            with open(out.trace_json, "w") as f:
+                f.write(trace.to_json())

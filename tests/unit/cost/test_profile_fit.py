@@ -14,21 +14,21 @@ from evenpipe.schedule import build_schedule
 
 
 def _sample(b: int, *, s: int = 16, t: float = 1e-3, saved: float = 1000.0, inp: float = 100.0,
-            out: float = 100.0, curve: float = 0.0) -> LayerSample:
-    f = t * (1 + 2 * b) + curve * b * b
+            out: float = 100.0, curve: float = 0.0, fixed: float = 1.0) -> LayerSample:
+    f = t * (fixed + 2 * b) + curve * b * b
     return LayerSample(microbatch_size=b, seq_len=s, forward_s=f, backward_s=2 * f, backward_input_s=1.1 * f,
                        backward_weight_s=1.0 * f, recompute_s=f, saved_bytes=saved * b, input_saved_bytes=inp * b,
                        output_bytes=out * b, weight_grad_bytes=0.5 * saved * b, forward_flops=1e6 * b)
 
 
-def make_profile(sizes=(1, 2, 4), *, layers: int = 4, curve: float = 0.0) -> Profile:
+def make_profile(sizes=(1, 2, 4), *, layers: int = 4, curve: float = 0.0, fixed: float = 1.0) -> Profile:
     return Profile(
         machine=Machine(device="cpu", device_name="test cpu", num_threads=1, num_processes=2, torch_version="x",
                         dtype="float32", backend="gloo"),
         model=ModelInfo(name="gpt-tiny", arch="gpt", num_layers=layers, hidden=64, vocab=256, seq_len=64,
                         params={"embedding": 10, "block": 100, "head": 20}),
         layers={LayerKind.EMBEDDING: tuple(_sample(b, t=1e-4, saved=8.0, inp=0.0) for b in sizes),
-                LayerKind.BLOCK: tuple(_sample(b, curve=curve) for b in sizes),
+                LayerKind.BLOCK: tuple(_sample(b, curve=curve, fixed=fixed) for b in sizes),
                 LayerKind.HEAD: tuple(_sample(b, t=5e-4, saved=300.0, out=0.0) for b in sizes)},
         optimizer_s={LayerKind.EMBEDDING: 1e-4, LayerKind.BLOCK: 1e-3, LayerKind.HEAD: 2e-4},
         link=(LinkSample(num_bytes=4, seconds=1e-4), LinkSample(num_bytes=10**6, seconds=1e-4 + 1e-3)),
@@ -140,3 +140,22 @@ def test_efficiency_points() -> None:
     assert [p.measured_flops_per_s is None for p in pts] == [False, False, True, False]
     assert pts[0].measured_flops_per_s == pytest.approx(1e6 / 3e-3)
     assert dataclasses.asdict(pts[2])["predicted_flops_per_s"] == pytest.approx(3e6 / 7e-3)
+
+
+def test_bpipe_pays_when_its_memory_buys_a_more_efficient_microbatch() -> None:
+    from evenpipe.plan.profiled import ProfiledConfig, estimate_profiled, explain_bpipe_profiled
+    from evenpipe.schedule import ScheduleFamily
+    model = ProfileModel(make_profile(layers=8, fixed=40.0))  # a large per-micro-batch cost: big b is efficient
+
+    def peak(name: str, b: int) -> float:
+        cfg = ProfiledConfig(schedule=ScheduleFamily.parse(name), num_ranks=4, microbatch_size=b,
+                             num_microbatches=16 // b)
+        return max(estimate_profiled(model, cfg).peak_bytes)
+    assert peak("bpipe", 4) < peak("1f1b", 4)
+    budget = (peak("bpipe", 4) + peak("1f1b", 4)) / 2
+    ans = explain_bpipe_profiled(model, num_devices=4, global_batch=16, memory_budget_bytes=budget,
+                                 max_microbatch_size=4)
+    assert ans.pays and ans.with_bpipe is not None and ans.without is not None
+    assert ans.with_bpipe.config.microbatch_size > ans.without.config.microbatch_size
+    assert ans.blocked is not None and ans.blocked.config.microbatch_size == 4
+    assert "BPipe pays" in ans.text and "larger micro-batch" in ans.text and "memory is the limit" in ans.text

@@ -1,0 +1,117 @@
+"""Profile and predict: profile a model on this machine, then train it with each schedule and print the profile's
+prediction of step time and per-rank peak activation memory against the measurement, side by side.
+
+    .venv/bin/python benchmarks/bench_predict.py --out bench_predict_out            # profiles gpt-mini first
+    .venv/bin/python benchmarks/bench_predict.py --profile profile.json             # reuse a profile
+
+Each case is one ``evenpipe train ... --predict PROFILE --json-out`` run (P=2 local processes, one per core);
+the measured step is the median over the steps after the first of the slowest rank's step (pipeline plus
+optimizer). Timing is only meaningful on a quiet machine: the 1-minute load average is printed before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+CASES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("bpipe", 1))
+"""(schedule, chunks V) of the acceptance table."""
+
+
+def _load() -> str:
+    return open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else "?"
+
+
+def _run(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-12:])
+        raise SystemExit(f"`{' '.join(cmd[2:])}` exited {proc.returncode}:\n{tail}")
+    return proc
+
+
+def profile(args: argparse.Namespace, out: pathlib.Path) -> pathlib.Path:
+    path = out / "profile.json"
+    cmd = [sys.executable, "-m", "evenpipe", "profile", *(["--hf-config", args.hf_config] if args.hf_config else
+                                                           ["--model", args.model]),
+           "--microbatch-sizes", args.profile_sizes, "--processes", str(args.stages), "--repeats", str(args.repeats),
+           "--device", args.device, "--dtype", args.dtype, "--out", str(path), "--no-progress"]
+    t0 = time.perf_counter()
+    proc = _run(cmd, 3600)
+    print(proc.stdout)
+    print(f"(profiled in {time.perf_counter() - t0:.0f} s)\n")
+    return path
+
+
+def train(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Path, schedule: str, chunks: int,
+          b: int) -> dict:
+    tag = f"{schedule}_b{b}"
+    summary, trace = out / f"{tag}.json", out / f"{tag}_trace.evenpipe.json"
+    model = ["--model", args.hf_config] if args.hf_config else ["--model", args.model]
+    cmd = [sys.executable, "-m", "evenpipe", "train", *model, "--schedule", schedule, "--stages", str(args.stages),
+           "--chunks", str(chunks), "--microbatches", str(args.microbatches), "--microbatch-size", str(b),
+           "--steps", str(args.steps), "--random-tokens", "--json-out", str(summary), "--trace-json", str(trace),
+           "--predict", str(prof)] + (["--backend", "nccl"] if args.device == "cuda" else ["--backend", "gloo"])
+    _run(cmd, 1800)
+    doc = json.loads(summary.read_text())
+    return doc["prediction"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt-mini")
+    ap.add_argument("--hf-config", default=None, help="profile and train a model from this HF config.json")
+    ap.add_argument("--profile", default=None, help="reuse this profile instead of measuring")
+    ap.add_argument("--profile-sizes", default="1,2,4")
+    ap.add_argument("--sizes", default="2", help="profiled micro-batch sizes to train every schedule with")
+    ap.add_argument("--unprofiled", default="3", help="unprofiled sizes to train 1f1b with (empty: none)")
+    ap.add_argument("--schedules", default=",".join(s for s, _ in CASES))
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", default="bench_predict_out")
+    args = ap.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"load average (1 min) at start: {_load()}")
+    prof = pathlib.Path(args.profile) if args.profile else profile(args, out)
+    wanted = args.schedules.split(",")
+    cases = [(s, v, int(b)) for b in args.sizes.split(",") if b for s, v in CASES if s in wanted]
+    cases += [("1f1b", 1, int(b)) for b in args.unprofiled.split(",") if b]
+    rows = []
+    for schedule, chunks, b in cases:
+        t0 = time.perf_counter()
+        pred = train(args, out, prof, schedule, chunks, b)
+        rows.append((schedule, chunks, b, pred))
+        print(f"  {schedule:12s} b={b} done in {time.perf_counter() - t0:5.1f} s (load {_load()})", flush=True)
+    print(f"\nP={args.stages} M={args.microbatches}, {args.steps} steps per run (median of the steps after the first)")
+    head = (f"{'schedule':12s} {'V':>2s} {'b':>2s} {'pred step':>10s} {'meas step':>10s} {'error':>7s}   "
+            + "   ".join(f"{'r' + str(r) + ' pred MiB':>12s} {'meas MiB':>9s} {'error':>7s}" for r in range(args.stages)))
+    print(head)
+    print("-" * len(head))
+    worst_t = worst_m = 0.0
+    for schedule, chunks, b, p in rows:
+        et = (p["predicted_step_s"] - p["measured_step_s"]) / p["measured_step_s"]
+        worst_t = max(worst_t, abs(et))
+        line = (f"{schedule:12s} {chunks:2d} {b:2d} {p['predicted_step_s'] * 1e3:8.1f}ms {p['measured_step_s'] * 1e3:8.1f}ms "
+                f"{et:+7.1%}")
+        for pb, mb in zip(p["predicted_peak_bytes"], p["measured_peak_bytes"]):
+            em = (pb - mb) / mb if mb else 0.0
+            worst_m = max(worst_m, abs(em))
+            line += f"   {pb / 2**20:12.2f} {mb / 2**20:9.2f} {em:+7.1%}"
+        print(line)
+    print(f"\nworst |error|: step time {worst_t:.1%}, peak activation bytes {worst_m:.1%}")
+    print(f"load average (1 min) at end: {_load()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
