@@ -40,7 +40,8 @@ def profile(args: argparse.Namespace, out: pathlib.Path) -> pathlib.Path:
     cmd = [sys.executable, "-m", "evenpipe", "profile", *(["--hf-config", args.hf_config] if args.hf_config else
                                                            ["--model", args.model]),
            "--microbatch-sizes", args.profile_sizes, "--processes", str(args.stages), "--repeats", str(args.repeats),
-           "--device", args.device, "--dtype", args.dtype, "--out", str(path), "--no-progress"]
+           "--device", args.device, "--dtype", args.dtype, "--out", str(path), "--no-progress"] \
+        + (["--seq-len", str(args.seq_len)] if args.seq_len else [])
     t0 = time.perf_counter()
     proc = _run(cmd, 3600)
     print(proc.stdout)
@@ -56,7 +57,8 @@ def train(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Path, sched
     cmd = [sys.executable, "-m", "evenpipe", "train", *model, "--schedule", schedule, "--stages", str(args.stages),
            "--chunks", str(chunks), "--microbatches", str(args.microbatches), "--microbatch-size", str(b),
            "--steps", str(args.steps), "--random-tokens", "--json-out", str(summary), "--trace-json", str(trace),
-           "--predict", str(prof)] + (["--backend", "nccl"] if args.device == "cuda" else ["--backend", "gloo"])
+           "--predict", str(prof)] + (["--backend", "nccl"] if args.device == "cuda" else ["--backend", "gloo"]) \
+        + (["--seq-len", str(args.seq_len)] if args.seq_len else [])
     _run(cmd, 1800)
     doc = json.loads(summary.read_text())
     return doc["prediction"]
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="2", help="profiled micro-batch sizes to train every schedule with")
     ap.add_argument("--unprofiled", default="3", help="unprofiled sizes to train 1f1b with (empty: none)")
     ap.add_argument("--schedules", default=",".join(s for s, _ in CASES))
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)

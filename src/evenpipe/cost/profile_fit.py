@@ -76,9 +76,17 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-300 else 0.0 for i in range(n)]
 
 
-def fit_least_squares(features: Sequence[str], rows: Sequence[Sequence[float]], ys: Sequence[float]) -> Fit:
+def fit_least_squares(features: Sequence[str], rows: Sequence[Sequence[float]], ys: Sequence[float], *,
+                      relative: bool = False) -> Fit:
     """Least squares of ``ys`` on ``rows`` (one row of feature values per point). With fewer points than
-    features, the trailing features are dropped (one point: proportional to the last feature kept)."""
+    features, the leading features are dropped (one point: proportional to the last feature). ``relative``
+    minimises relative instead of absolute residuals (for points spanning decades, like message sizes)."""
+    if relative:
+        w = [1.0 / y if y > 0 else 1.0 for y in ys]
+        weighted = fit_least_squares(features, [[v * wi for v in row] for row, wi in zip(rows, w)],
+                                     [y * wi for y, wi in zip(ys, w)])
+        return Fit(features=weighted.features, coefficients=weighted.coefficients,
+                   points=tuple((tuple(float(v) for v in row), float(y)) for row, y in zip(rows, ys)))
     k = min(len(features), len(ys))
     keep = list(range(len(features)))
     if k < len(features):  # too few points: keep the slope(s), drop the intercept first
@@ -236,13 +244,14 @@ def even_layout(num_blocks: int, num_stages: int) -> tuple[int, ...]:
 
 
 def link_from_profile(profile: Profile) -> Link:
-    """Latency and bandwidth fitted to the profile's message times (a free link when none were measured)."""
+    """Latency and bandwidth fitted to the profile's message times, relative residuals weighted alike from 4 B
+    to megabytes (a free link when none were measured)."""
     if not profile.link:
         return Link()
     if len(profile.link) == 1:
         return Link(latency_s=profile.link[0].seconds)
     fit = fit_least_squares(("1", "bytes"), [(1.0, float(s.num_bytes)) for s in profile.link],
-                            [s.seconds for s in profile.link])
+                            [s.seconds for s in profile.link], relative=True)
     latency, per_byte = fit.coefficients
     if per_byte <= 0:
         return Link(latency_s=max(0.0, latency))

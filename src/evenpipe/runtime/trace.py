@@ -10,7 +10,9 @@ it first saw it complete (receives are polled after every compute, so that is wi
 gloo may report a send-only batch complete only once it is waited, so the sender's stamp is looser). A message's
 :class:`TransferRecord` starts when both sides had posted it and ends when the receiver saw it arrive; its
 ``exposed_s`` is how long the receiving rank blocked waiting for it. A transfer action's ``ActionRecord`` keeps the
-simulator's meaning: ``start`` when posted, ``end`` when its message was delivered.
+simulator's meaning: ``start`` when posted, ``end`` when its message was delivered. A compute that waits inside
+for a message (a forward for its input, a backward for its output gradient or a BPipe load) starts, in the trace,
+when that message arrived: the wait before it is idle time, as in the simulator.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from evenpipe.sim.trace import ActionRecord, MemoryTimeline, Trace, TransferReco
 __all__ = ["RankRecorder", "SendRecord", "RecvRecord", "measured_trace", "write_chrome_trace", "save_trace",
            "load_trace"]
 
+_WAITED_INSIDE = {ActionKind.FORWARD: (ActionKind.RECV_F,), ActionKind.BACKWARD: (ActionKind.RECV_B, ActionKind.LOAD),
+                  ActionKind.BACKWARD_INPUT: (ActionKind.RECV_B, ActionKind.LOAD),
+                  ActionKind.RECOMPUTE: (ActionKind.LOAD,)}
+"""Compute kind -> receives of the same stage and micro-batch the executor waits for inside the compute."""
 _STAGE_SHIFT = {ActionKind.SEND_F: 1, ActionKind.SEND_B: -1}
 """Sending kind -> stage offset of the matching receive (BPipe's EVICT/RETURN keep the stage)."""
 
@@ -134,11 +140,20 @@ def measured_trace(schedule: Schedule, recorders: Sequence[RankRecorder],
         kind = MATCHING_RECV[t.kind]
         delivered[(t.dst, kind, t.stage + _STAGE_SHIFT.get(t.kind, 0), t.microbatch)] = t.end
 
+    arrived = {(r.rank, rv.action.kind, rv.action.stage, rv.action.microbatch): rv.arrived - t0
+               for r in recs for rv in r.recvs if rv.arrived >= 0}
+
     def end_of(rank: int, a: Action, start: float, end: float) -> float:
         if not a.kind.is_transfer:
             return end - t0
         return max(delivered.get((rank, a.kind, a.stage, a.microbatch), end - t0), start - t0)
-    actions = tuple(tuple(ActionRecord(rank=r.rank, index=i, action=a, start=s - t0, end=end_of(r.rank, a, s, e))
+
+    def start_of(rank: int, a: Action, start: float, end: float) -> float:
+        """A compute starts once the messages it waits for inside it have arrived (the wait is idle time)."""
+        waits = [arrived.get((rank, kind, a.stage, a.microbatch), -1.0) for kind in _WAITED_INSIDE.get(a.kind, ())]
+        return min(max([start - t0, *waits]), end - t0)
+    actions = tuple(tuple(ActionRecord(rank=r.rank, index=i, action=a, start=start_of(r.rank, a, s, e),
+                                       end=end_of(r.rank, a, s, e))
                           for i, a, s, e in sorted(r.actions, key=lambda x: x[0])) for r in recs)
     memory = tuple(MemoryTimeline(rank=r.rank, points=((0.0, 0.0),) + tuple((t - t0, float(b)) for t, b in r.memory))
                    for r in recs)
