@@ -8,8 +8,8 @@ executor's own :func:`~evenpipe.runtime.split_backward.backward_input` / ``backw
 with CUDA events, on CPU with ``time.perf_counter`` and one thread per process, as training uses.
 
 Concurrency: on a CPU host the pipeline's ranks share the machine, so ``num_processes`` processes measure the
-same layers at the same time (rank 0's numbers are kept) and the times include the contention training sees
-(shared caches and memory bandwidth). The same processes then time ping-pong messages between ranks 0 and 1 over
+same layers at the same time (each time is the median over processes of their medians) and so include the
+contention training sees (shared caches and memory bandwidth). The same processes then time ping-pong messages between ranks 0 and 1 over
 the runtime's backend (gloo on CPU, NCCL with two GPUs), and one small broadcast: the per-step fixed cost of
 sharing the loss.
 """
@@ -65,7 +65,7 @@ class ProfileOptions:
     warmup: int = 2
     """Untimed runs first."""
     num_processes: int = 2
-    """Processes measuring at once (CPU); rank 0's numbers are kept."""
+    """Processes measuring at once (CPU); each time is the median over them."""
     link_sizes: tuple[int, ...] = _LINK_SIZES
     """Ping-pong message sizes in bytes."""
     seed: int = 0
@@ -369,8 +369,7 @@ def _worker(rank: int, world: int, port: int, options: ProfileOptions, show: boo
                               else torch.device("cpu"))
             overhead = _broadcast_time(options.repeats, device if backend == "nccl" else torch.device("cpu"))
         progress.step("point-to-point messages")
-        if rank == 0:
-            queue.put(("ok", layers, opt, link, overhead, backend))
+        queue.put(("ok", rank, layers, opt, link, overhead, backend))
         if world > 1:
             dist.barrier()
             dist.destroy_process_group()
@@ -424,13 +423,17 @@ def profile_model(options: ProfileOptions, *, show_progress: bool = True, timeou
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
-        result = None
-        while result is None:
+        results: dict[int, tuple] = {}
+        while len(results) < world:
             try:
-                result = queue.get(timeout=2.0)
+                item = queue.get(timeout=2.0)
             except Exception:  # queue.Empty
                 if time.monotonic() > deadline or all(not p.is_alive() for p in procs):
                     raise ProfileError("profiling processes stopped without a result") from None
+                continue
+            if item[0] == "error":
+                raise ProfileError(item[1].splitlines()[0] + "\n" + "\n".join(item[1].splitlines()[1:]))
+            results[item[1]] = item[2:]
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -440,9 +443,25 @@ def profile_model(options: ProfileOptions, *, show_progress: bool = True, timeou
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = env_threads
-    if result[0] == "error":
-        raise ProfileError(result[1].splitlines()[0] + "\n" + "\n".join(result[1].splitlines()[1:]))
-    _, layers, opt, link, overhead, backend = result
+    layers, opt, link, overhead, backend = results[0]
+    measured = [r for r in results.values() if r[0]]
     return Profile(machine=_machine(options, backend, world), model=_model_info(options),
-                   layers={k: tuple(v) for k, v in layers.items()}, optimizer_s=opt, link=tuple(link),
+                   layers=_merge_layers([r[0] for r in measured]),
+                   optimizer_s={k: statistics.median(r[1][k] for r in measured) for k in opt}, link=tuple(link),
                    step_overhead_s=overhead, repeats=options.repeats, warmup=options.warmup)
+
+
+def _merge_layers(per_process: list[dict[LayerKind, list[LayerSample]]]) -> dict[LayerKind, tuple[LayerSample, ...]]:
+    """Every process's samples in one: times are the median over processes of their medians (the processes
+    measured the same layers at the same time), bytes are rank 0's (they are the same everywhere)."""
+    import dataclasses
+    first = per_process[0]
+    out = {}
+    for kind, samples in first.items():
+        merged = []
+        for i, s in enumerate(samples):
+            times = {q: statistics.median(p[kind][i].value(q) for p in per_process)
+                     for q in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "recompute_s")}
+            merged.append(dataclasses.replace(s, **times))
+        out[kind] = tuple(merged)
+    return out
