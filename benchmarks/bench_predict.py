@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-config", default=None, help="profile and train a model from this HF config.json")
     ap.add_argument("--profile", default=None, help="reuse this profile instead of measuring")
     ap.add_argument("--profile-sizes", default="1,2,4")
-    ap.add_argument("--sizes", default="2", help="profiled micro-batch sizes to train every schedule with")
+    ap.add_argument("--sizes", default="1", help="profiled micro-batch sizes to train every schedule with")
     ap.add_argument("--unprofiled", default="3", help="unprofiled sizes to train 1f1b with (empty: none)")
     ap.add_argument("--schedules", default=",".join(s for s, _ in CASES))
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
