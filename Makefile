@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH_PIN)"
-	$(VPY) -m pip install -q "$(TORCH_PIN)" -e ".[runtime,plot,dev]"
+	$(VPY) -m pip install -q "$(TORCH_PIN)" -e ".[runtime,plot,dev,hf]"
 	touch $(STAMP)
 
 setup: $(STAMP)

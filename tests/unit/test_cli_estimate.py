@@ -112,3 +112,10 @@ def test_gpu_profile_file(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[
     assert main(args + ["--json"]) == 0
     slow = json.loads(capsys.readouterr().out)
     assert slow["gpu"] == "slow-a100" and slow["step_time_s"] > fast["step_time_s"]
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "gpt-small", "llama3-8b"])
+def test_every_preset_name_works_in_estimate(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """One preset table: the names ``train`` knows (gpt-tiny is its default) estimate too."""
+    assert main(["estimate", "--model", name, "--gpu", "a100-80gb", "--global-batch", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == name

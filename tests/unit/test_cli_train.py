@@ -34,6 +34,7 @@ BAD = {
     "layout drops a layer": (["--stages", "2", "--layout", "1,2"], "layout [1, 2]"),
     "bpipe budget too small": (["--schedule", "bpipe", "--bpipe-budget", "1"], "budget 1"),
     "zero steps": (["--steps", "0"], "--steps must be >= 1"),
+    "a preset too big for this machine": (["--model", "llama3-405b"], "model llama3-405b has 405.85B parameters"),
 }
 
 

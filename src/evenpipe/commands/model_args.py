@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 
 from evenpipe.cost import Arch, ModelSpec, from_hf_config, model_preset
+from evenpipe.cost.specs import swiglu_ffn_hidden
 from evenpipe.errors import ConfigError
 
 __all__ = ["add_model_arguments", "model_from_args"]
@@ -15,7 +16,7 @@ __all__ = ["add_model_arguments", "model_from_args"]
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("model (one of --model, --hf-config or --arch with its sizes)")
     m.add_argument("--model", metavar="PRESET", help="model preset, e.g. gpt3-175b, llama2-70b")
-    m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json")
+    m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json, or a directory holding one")
     m.add_argument("--arch", metavar="ARCH", help="explicit architecture: gpt or llama")
     m.add_argument("--layers", type=int, help="transformer layers (with --arch)")
     m.add_argument("--hidden", type=int, help="hidden size (with --arch)")
@@ -42,7 +43,7 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
                    if getattr(args, n) is None]
         if missing:
             raise ConfigError(f"--arch {arch.value} needs {', '.join(missing)}")
-        ffn = args.ffn_hidden or (4 * args.hidden if arch is Arch.GPT else _swiglu_ffn(args.hidden))
+        ffn = args.ffn_hidden or (4 * args.hidden if arch is Arch.GPT else swiglu_ffn_hidden(args.hidden))
         return ModelSpec(name=f"{arch.value}-L{args.layers}-h{args.hidden}", arch=arch, num_layers=args.layers,
                          hidden=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads or args.heads,
                          ffn_hidden=ffn, vocab=args.vocab, seq_len=args.seq_len,
@@ -51,7 +52,3 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
         spec = dataclasses.replace(spec, seq_len=args.seq_len)
     return spec
 
-
-def _swiglu_ffn(hidden: int) -> int:
-    """LLaMA's default: 2/3 of 4·h rounded up to a multiple of 256."""
-    return -(-(8 * hidden // 3) // 256) * 256

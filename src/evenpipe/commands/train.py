@@ -16,7 +16,7 @@ from evenpipe.errors import ConfigError
 if TYPE_CHECKING:
     from evenpipe.training.config import TrainConfig
 
-__all__ = ["add_arguments", "run", "build_config"]
+__all__ = ["add_arguments", "run", "build_config", "check_fits_machine"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,6 +90,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
                              tensorboard=_abs(args.tensorboard), trace_json=_abs(args.trace_json),
                              predict=_abs(args.predict)),
     )
+    check_fits_machine(config.model.resolve().num_params, args.model, world=config.world_size)
     if args.predict:  # a bad profile is refused here, before any process starts
         from evenpipe.runtime.predict import check_profile_for_training
         check_profile_for_training(args.predict, model_name=args.model, model_config=config.model.resolve(),
@@ -98,6 +99,32 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         raise ConfigError(f"world size {os.environ['WORLD_SIZE']} != stages x dp = {args.stages} x {args.dp} = "
                           f"{config.world_size}")
     return config
+
+
+_TRAIN_BYTES_PER_PARAM = 16
+"""float32 weights, gradients and two AdamW moments."""
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits_machine(num_params: int, name: str, *, world: int) -> None:
+    """Refuse (one line) a model whose training state cannot fit this machine: every local process builds the
+    whole model in float32 (4 bytes a parameter), and the stages' gradients and AdamW moments add 12 more."""
+    need = num_params * (4 * world + _TRAIN_BYTES_PER_PARAM - 4)
+    have = _available_memory_bytes()
+    if need > have:
+        raise ConfigError(f"model {name} has {num_params / 1e9:.2f}B parameters: training it in {world} local "
+                          f"process(es) needs about {need / 2**30:.1f} GiB but this machine has "
+                          f"{have / 2**30:.1f} GiB available; use a smaller model (e.g. gpt-tiny, llama-mini)")
 
 
 def _layout(text: str | None) -> tuple[int, ...] | None:

@@ -20,10 +20,10 @@ from evenpipe.sim import Trace, simulate
 
 from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step
 from evenpipe.cost.hardware import GIB, Hardware
-from evenpipe.cost.memory import (StageMemory, build_cost_schedule, layer_params_per_rank, memory_per_stage,
-                                  _head_params_per_rank)
+from evenpipe.cost.memory import (StageMemory, build_cost_schedule, embedding_params_per_rank,
+                                  layer_params_per_rank, memory_per_stage, _head_params_per_rank)
 from evenpipe.cost.parallel import ParallelConfig, check_config
-from evenpipe.cost.specs import Arch, ModelSpec
+from evenpipe.cost.specs import ModelSpec
 from evenpipe.cost.timing import (Efficiency, LayerTimes, dp_allreduce_time, layer_times, optimizer_step_time,
                                   stage_sim_costs)
 
@@ -138,8 +138,7 @@ def _params_on_rank(model: ModelSpec, cfg: ParallelConfig, rank: int) -> float:
     layers = model.num_layers // cfg.pp
     n = layer_params_per_rank(model, cfg.tp) * layers
     if rank == 0:
-        n += -(-model.vocab // cfg.tp) * model.hidden + (
-            model.seq_len * model.hidden if model.arch is Arch.GPT and model.count_norm_and_bias else 0)
+        n += embedding_params_per_rank(model, cfg.tp)
     if rank == cfg.pp - 1:
         n += _head_params_per_rank(model, cfg)
     return n

@@ -50,7 +50,7 @@ from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, Schedul
 from evenpipe.cost.specs import Arch, ModelSpec
 
 __all__ = ["StageMemory", "memory_per_stage", "layer_activation_bytes", "layer_params_per_rank",
-           "BYTES_WEIGHT", "BYTES_GRAD", "BYTES_OPTIMIZER", "build_cost_schedule", "counting_schedule",
+           "BYTES_WEIGHT", "embedding_params_per_rank", "BYTES_GRAD", "BYTES_OPTIMIZER", "build_cost_schedule", "counting_schedule",
            "ActivationBytes",
            "activation_bytes"]
 
@@ -109,8 +109,8 @@ def layer_params_per_rank(model: ModelSpec, tp: int) -> float:
         + 2 * h * model.kv_hidden / kv_split
     if not model.count_norm_and_bias:
         return matrices
-    if model.arch is Arch.LLAMA:
-        return matrices + 2 * h  # RMSNorm weights, replicated
+    if model.arch is Arch.LLAMA:  # RMSNorm weights, replicated (+ column-parallel q/k/v biases)
+        return matrices + 2 * h + ((h / tp + 2 * model.kv_hidden / kv_split) if model.qkv_bias else 0.0)
     split_bias = (h + model.ffn_hidden) / tp + 2 * model.kv_hidden / kv_split  # column-parallel biases
     return matrices + split_bias + 2 * h + 4 * h  # row-parallel biases and LayerNorms, replicated
 
@@ -265,8 +265,7 @@ def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig) -> tup
     params_layer = layer_params_per_rank(model, cfg.tp)
     opt_bytes = BYTES_OPTIMIZER / (cfg.dp if cfg.distributed_optimizer else 1)
     state_bytes = BYTES_WEIGHT + BYTES_GRAD + opt_bytes
-    embed_params = -(-model.vocab // cfg.tp) * model.hidden + (
-        model.seq_len * model.hidden if model.arch is Arch.GPT and model.count_norm_and_bias else 0)
+    embed_params = embedding_params_per_rank(model, cfg.tp)
     head_params = _head_params_per_rank(model, cfg)
     out: list[StageMemory] = []
     for r in range(p):
@@ -287,10 +286,13 @@ def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig) -> tup
     return tuple(out)
 
 
+def embedding_params_per_rank(model: ModelSpec, tp: int) -> float:
+    """Embedding parameters on the first rank: the vocab-parallel token table and the learned positions."""
+    return -(-model.vocab // tp) * model.hidden + model.position_params
+
+
 def _head_params_per_rank(model: ModelSpec, cfg: ParallelConfig) -> float:
     """Output-layer parameters on the last rank: untied head, or Megatron's tied copy when pp > 1."""
-    norm = 0.0
-    if model.count_norm_and_bias:
-        norm = float(model.hidden if model.arch is Arch.LLAMA else 2 * model.hidden)
+    norm = float(model.final_norm_params)
     needs_matrix = not model.tied_embeddings or cfg.pp > 1
     return norm + (-(-model.vocab // cfg.tp) * model.hidden if needs_matrix else 0.0)

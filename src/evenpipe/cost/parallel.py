@@ -36,15 +36,18 @@ class Recompute(enum.Enum):
 
 
 class Attention(enum.Enum):
-    """Attention kernel."""
+    """Attention kernel: the one enum of the cost model, the planner and the torch models."""
 
     EAGER = "eager"
     """Materialises the a·s² score matrix (softmax output and dropout mask are saved for backward)."""
     FLASH = "flash"
-    """Fused kernel (Dao et al. 2022): scores are never stored; recomputed blockwise in the backward."""
+    """Fused kernel (Dao et al. 2022): scores are never stored; recomputed blockwise in the backward. The torch
+    models run it as ``scaled_dot_product_attention(is_causal=True)`` (``"sdpa"`` is accepted as its name)."""
 
     @classmethod
     def parse(cls, name: "str | Attention") -> "Attention":
+        if isinstance(name, str) and name.lower() == "sdpa":
+            return cls.FLASH
         return parse_choice(cls, name, "attention kernel")
 
 

@@ -1,10 +1,6 @@
 """GPT-2/3-style parts: token + learned position embedding, pre-LayerNorm blocks with a GELU MLP of width
-``ffn_hidden`` (4h), final LayerNorm and an untied output head.
-
-The head is untied from the token embedding (as Megatron-LM's ``--untie-embeddings-and-output-weights``) so
-that the first and last pipeline stages share no parameter and need no extra gradient all-reduce; the
-parameter count is therefore ``vocab * hidden`` above GPT-2's published one.
-"""
+``ffn_hidden`` (4h), final LayerNorm and a linear head, tied to the token embedding when
+``cfg.tied_embeddings`` (the GPT presets, as GPT-2 and Megatron-LM; see :mod:`evenpipe.cost.specs`)."""
 
 from __future__ import annotations
 
@@ -24,7 +20,7 @@ class GPTEmbedding(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.pos = nn.Embedding(cfg.num_positions, cfg.hidden)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,9 @@ __all__ = ["CausalSelfAttention", "rotary_table", "apply_rotary", "check_seq_len
 
 def check_seq_len(seq: int, cfg: ModelConfig) -> None:
     """Refuse an input longer than the model's position table."""
-    if seq > cfg.seq_len:
-        raise ConfigError(f"input sequence length {seq} exceeds the model's seq_len {cfg.seq_len}")
+    limit = cfg.num_positions or cfg.seq_len
+    if seq > limit:
+        raise ConfigError(f"input sequence length {seq} exceeds the model's {limit} positions")
 
 
 def rotary_table(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
 """LLaMA-style parts: token embedding, pre-RMSNorm blocks with rotary grouped-query attention and a SwiGLU
-MLP, final RMSNorm and an untied head (Touvron et al. 2023)."""
+MLP, final RMSNorm and a head, untied unless ``cfg.tied_embeddings`` (Touvron et al. 2023)."""
 
 from __future__ import annotations
 

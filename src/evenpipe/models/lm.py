@@ -38,6 +38,10 @@ class PipelineParts:
     """Transformer blocks, each hidden -> hidden."""
     last: nn.Module
     """Hidden -> logits ``[B, T, vocab]`` (final norm and head)."""
+    tied: tuple[tuple[str, str], ...] = ()
+    """Weights shared by ``first`` and ``last``: (parameter name in ``first``, name in ``last``) pairs. When the
+    two parts run on different ranks each holds a copy, and their gradients are summed before the optimizer step
+    (Megatron's embedding group)."""
 
 
 class TransformerLM(nn.Module):
@@ -55,6 +59,8 @@ class TransformerLM(nn.Module):
             self.first = LlamaEmbedding(cfg)
             self.blocks = nn.ModuleList(LlamaBlock(cfg, rotary) for _ in range(cfg.num_layers))
             self.last = LlamaHead(cfg)
+        if cfg.tied_embeddings:
+            self.last.head.weight = self.first.tok.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.first(tokens)
@@ -64,7 +70,8 @@ class TransformerLM(nn.Module):
 
     def pipeline_parts(self) -> PipelineParts:
         """The model's own ``first``, ``blocks`` and ``last`` modules (not copies)."""
-        return PipelineParts(first=self.first, blocks=list(self.blocks), last=self.last)
+        tied = (("tok.weight", "head.weight"),) if self.cfg.tied_embeddings else ()
+        return PipelineParts(first=self.first, blocks=list(self.blocks), last=self.last, tied=tied)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -77,8 +84,12 @@ def init_parameters(module: nn.Module, *, seed: int, num_layers: int, prefix: st
     """(Re)initialise ``module``'s parameters as described in the module docstring; ``prefix`` is the
     module's name inside the full model (so a part initialised alone matches the whole model)."""
     residual_std = INIT_STD / math.sqrt(2 * num_layers)
+    seen: set[int] = set()  # a tied weight is initialised once, under its first name
     for mod_name, mod in module.named_modules(prefix=prefix):
         for p_name, param in mod.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             if isinstance(mod, (nn.LayerNorm, nn.RMSNorm)):
                 param.fill_(1.0 if p_name == "weight" else 0.0)

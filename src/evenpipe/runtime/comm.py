@@ -3,7 +3,8 @@
 Vocabulary: the *world* holds ``pp x dp`` processes (maybe more when tests run several cases inside one world).
 Global rank ``base + d * pp + r`` is pipeline rank ``r`` of data-parallel replica ``d``. Each replica gets a
 pipeline group (activations and gradients), a separate BPipe group (evicted activations, so they never reorder
-with pipeline messages) and every pipeline rank a data-parallel group across replicas (gradient all-reduce).
+with pipeline messages), an embedding group of its first and last rank (tied weights) and every pipeline rank a
+data-parallel group across replicas (gradient all-reduce).
 
 All waits go through :func:`wait_all`, which turns a timeout or a dead peer into a :class:`PeerFailure` naming
 the transfer that failed, so a rank whose peer raised fails with a clear message instead of hanging forever.
@@ -64,6 +65,9 @@ class ParallelGroups:
     """Process group across replicas for this pipeline rank (gradient all-reduce); ``None`` when dp == 1."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """How long any wait on these groups may take before it fails."""
+    embedding_group: Any = field(default=None, repr=False)
+    """Process group of the replica's first and last pipeline ranks (Megatron's embedding group): the gradients
+    of weights tied between the first and the last stage are summed over it; ``None`` when pp == 1."""
 
     def global_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` of this replica."""
@@ -102,13 +106,16 @@ def build_groups(pp: int, dp: int, *, base: int = 0, timeout_s: float = DEFAULT_
         made: dict[int, ParallelGroups] = {}
         pp_groups = {ranks: (dist.new_group(list(ranks), timeout=timeout),
                              dist.new_group(list(ranks), timeout=timeout)) for ranks in replicas}
+        embedding = {ranks: dist.new_group([ranks[0], ranks[-1]], timeout=timeout) if pp > 1 else None
+                     for ranks in replicas}
         columns = [tuple(replicas[d][r] for d in range(dp)) for r in range(pp)]
         dp_groups = {cols: dist.new_group(list(cols), timeout=timeout) if dp > 1 else None for cols in columns}
         for d, ranks in enumerate(replicas):
             for r, g in enumerate(ranks):
                 made[g] = ParallelGroups(pp=pp, dp=dp, pp_rank=r, dp_rank=d, pp_ranks=ranks, dp_ranks=columns[r],
                                          pp_group=pp_groups[ranks][0], bpipe_group=pp_groups[ranks][1],
-                                         dp_group=dp_groups[columns[r]], timeout_s=timeout_s)
+                                         dp_group=dp_groups[columns[r]], timeout_s=timeout_s,
+                                         embedding_group=embedding[ranks] if r in (0, pp - 1) else None)
         _GROUP_CACHE[key] = made
     return _GROUP_CACHE[key].get(me)
 

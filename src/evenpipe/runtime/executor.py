@@ -175,6 +175,7 @@ class PipelineExecutor:
             log.error("pipeline rank %d failed at %s: %s", self.groups.pp_rank, run.current, e)
             raise
         self._all_reduce_grads()
+        self._sum_tied_grads()
         loss = self._share_loss(run.loss_sum)
         dt = time.perf_counter() - t0
         return StepResult(loss=loss, step_time_s=dt, peak_own_bytes=int(self.stash.peak_own_bytes),
@@ -237,6 +238,28 @@ class PipelineExecutor:
             n = p.numel()
             p.grad = flat[offset:offset + n].view_as(p).clone()
             offset += n
+
+    def _sum_tied_grads(self) -> None:
+        """Sum the gradients of weights tied between the first and the last stage when two ranks hold copies
+        (Megatron's embedding all-reduce), so both copies take the same optimizer step."""
+        first_rank, last_rank = self.schedule.rank_of(0), self.schedule.rank_of(self.last_stage)
+        tied = list({id(p): p for m in self.stages.values() for p in getattr(m, "tied_params", ())}.values())
+        if not tied or first_rank == last_rank:
+            return
+        g = self.groups
+        if (first_rank, last_rank) != (0, g.pp - 1) or g.embedding_group is None:
+            raise ConfigError(f"tied weights need the first stage on pipeline rank 0 and the last on rank "
+                              f"{g.pp - 1}; this schedule puts them on {first_rank} and {last_rank}")
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tied]
+        flat = torch.cat([t.reshape(-1).float() for t in grads])
+        try:
+            dist.all_reduce(flat, group=g.embedding_group)
+        except RuntimeError as e:
+            raise PeerFailure(f"rank {dist.get_rank()}: tied-weight gradient all-reduce failed: {e}") from e
+        offset = 0
+        for p in tied:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype).clone()
+            offset += p.numel()
 
     def _share_loss(self, loss_sum: float) -> float:
         g = self.groups

@@ -118,6 +118,8 @@ class StageModule(nn.Module):
         self.first = first
         self.blocks = nn.ModuleList(blocks)
         self.last = last
+        self.tied_params: tuple[nn.Parameter, ...] = ()
+        """Parameters of ``first``/``last`` tied to a weight of the other end (see ``PipelineParts.tied``)."""
 
     @property
     def is_first(self) -> bool:
@@ -159,10 +161,15 @@ def build_stage_modules(parts: PipelineParts, *, num_stages: int, stages: Sequen
         raise ConfigError(f"stage id {bad[0]!r} is out of range; stages are 0..{num_stages - 1}")
     if len(set(wanted)) != len(wanted):
         raise ConfigError(f"stage ids {wanted} repeat a stage")
-    return {
+    out = {
         s: StageModule(stage=s, num_stages=num_stages, layers=ranges[s],
                        blocks=[parts.blocks[i] for i in ranges[s]],
                        first=parts.first if s == 0 else None,
                        last=parts.last if s == num_stages - 1 else None)
         for s in wanted
     }
+    for mod in out.values():
+        tied = [mod.first.get_parameter(a) for a, _ in parts.tied] if mod.first is not None else []
+        tied += [mod.last.get_parameter(b) for _, b in parts.tied] if mod.last is not None else []
+        mod.tied_params = tuple({id(p): p for p in tied}.values())
+    return out

@@ -88,6 +88,6 @@ def test_from_hf_config_errors_name_the_problem(tmp_path: pathlib.Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         from_hf_config(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"hidden_size": 64}))
+    bad.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     with pytest.raises(ConfigError, match="num_attention_heads"):
         from_hf_config(bad)

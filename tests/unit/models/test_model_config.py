@@ -16,16 +16,18 @@ from evenpipe.models.config import (
     config_from_hf,
     load_model_config,
     model_config,
+    runtime_config,
 )
+from evenpipe.cost import model_preset
 
 
 def test_published_sizes_have_published_parameter_counts() -> None:
-    # billions, from the papers / model cards (GPT's head is untied here: + vocab * hidden)
-    assert model_config("llama-7b").num_params() / 1e9 == pytest.approx(6.74, abs=0.01)
-    assert model_config("llama3-8b").num_params() / 1e9 == pytest.approx(8.03, abs=0.01)
-    assert model_config("llama2-70b").num_params() / 1e9 == pytest.approx(68.98, abs=0.01)
-    gpt3 = model_config("gpt3-175b")
-    assert (gpt3.num_params() - gpt3.vocab * gpt3.hidden) / 1e9 == pytest.approx(174.6, abs=0.2)
+    # billions, from the papers / model cards (GPT ties its head to the token embedding)
+    assert model_config("llama-7b").num_params / 1e9 == pytest.approx(6.74, abs=0.01)
+    assert model_config("llama3-8b").num_params / 1e9 == pytest.approx(8.03, abs=0.01)
+    assert model_config("llama2-70b").num_params / 1e9 == pytest.approx(68.98, abs=0.01)
+    assert model_config("gpt3-175b").num_params / 1e9 == pytest.approx(174.6, abs=0.2)
+    assert model_config("gpt-small").num_params / 1e6 == pytest.approx(124.4, abs=0.1)  # GPT-2 small
 
 
 def test_every_preset_is_valid() -> None:
@@ -43,7 +45,7 @@ def test_overrides_and_string_enums() -> None:
 
 @pytest.mark.parametrize(("call", "match"), [
     (lambda: model_config("gpt-huge"), "unknown model 'gpt-huge'; choose one of: gpt-tiny"),
-    (lambda: model_config("gpt-tiny", attention="flash"), "unknown attention implementation 'flash'"),
+    (lambda: model_config("gpt-tiny", attention="fast"), "unknown attention kernel 'fast'"),
     (lambda: model_config("gpt-tiny", arch="bert"), "unknown model architecture 'bert'"),
     (lambda: model_config("gpt-tiny", layers=3), "unknown model config field 'layers'"),
     (lambda: model_config("gpt-tiny", hidden=65), "hidden 65 is not divisible by num_heads 4"),
@@ -58,8 +60,8 @@ def test_bad_values_raise_config_error(call, match: str) -> None:  # type: ignor
 
 
 def test_enum_fields_must_be_parsed() -> None:
-    fields = dict(num_layers=1, hidden=8, num_heads=2, num_kv_heads=2, ffn_hidden=32, vocab=16, seq_len=8)
-    with pytest.raises(ConfigError, match="parse_arch"):
+    fields = dict(name="x", tied_embeddings=False, num_layers=1, hidden=8, num_heads=2, num_kv_heads=2, ffn_hidden=32, vocab=16, seq_len=8)
+    with pytest.raises(ConfigError, match="Arch.parse"):
         ModelConfig(arch="gpt", **fields)  # type: ignore[arg-type]
 
 
@@ -76,18 +78,18 @@ def test_hf_llama_config(tmp_path: pathlib.Path) -> None:
         "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False})
     cfg = config_from_hf(tmp_path)  # a directory holding config.json works too
-    assert cfg == model_config("llama3-8b")
+    assert cfg == runtime_config(model_preset("llama3-8b"), name=cfg.name)
     assert config_from_hf(path, attention="eager").attention is Attention.EAGER
 
 
 def test_hf_gpt2_config(tmp_path: pathlib.Path) -> None:
     path = _write(tmp_path, {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12,
                              "n_positions": 1024, "vocab_size": 50257, "n_inner": None})
-    with pytest.warns(UserWarning, match="tie_word_embeddings is ignored"):
-        cfg = config_from_hf(path)
-    assert cfg.arch is Arch.GPT
+    cfg = config_from_hf(path)
+    assert cfg.arch is Arch.GPT and cfg.tied_embeddings
     assert (cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.ffn_hidden, cfg.seq_len) == (12, 768, 12, 3072, 1024)
-    assert cfg == model_config("gpt-small")
+    assert cfg == runtime_config(model_preset("gpt-small"), name=cfg.name, max_positions=1024)
+    assert cfg.num_params == model_config("gpt-small").num_params
 
 
 def test_hf_config_without_model_type_is_recognised_by_keys(tmp_path: pathlib.Path) -> None:
@@ -99,7 +101,7 @@ def test_hf_config_without_model_type_is_recognised_by_keys(tmp_path: pathlib.Pa
 
 @pytest.mark.parametrize(("data", "match"), [
     ({"model_type": "bert", "num_hidden_layers": 2}, "unknown Hugging Face model_type .* 'bert'"),
-    ({"model_type": "llama", "num_attention_heads": 4}, "lacks num_hidden_layers"),
+    ({"model_type": "llama", "num_attention_heads": 4}, "lacks hidden_size"),
     ([1, 2], "expected a JSON object"),
 ])
 def test_bad_hf_configs(tmp_path: pathlib.Path, data: object, match: str) -> None:
@@ -127,10 +129,10 @@ def test_config_module_is_pure() -> None:
             "import importlib.util, evenpipe.errors\n"
             "spec = importlib.util.spec_from_file_location('cfg', sys.argv[1])\n"
             "mod = importlib.util.module_from_spec(spec); sys.modules['cfg'] = mod; spec.loader.exec_module(mod)\n"
-            "print(mod.model_config('llama-7b').num_params())\n")
+            "print(mod.model_config('llama-7b').num_params)\n")
     src = pathlib.Path(__file__).resolve().parents[3] / "src" / "evenpipe" / "models" / "config.py"
     out = subprocess.run([sys.executable, "-c", code, str(src)], check=True, capture_output=True, text=True)
-    assert out.stdout.strip() == str(model_config("llama-7b").num_params())
+    assert out.stdout.strip() == str(model_config("llama-7b").num_params)
 
 
 def test_load_model_config_takes_a_name_or_a_path(tmp_path: pathlib.Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 
@@ -95,12 +96,12 @@ def test_gqa_has_fewer_kv_parameters() -> None:
     model = build_model(cfg, seed=0)
     qkv = model.blocks[0].attn.qkv.weight
     assert qkv.shape == ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden)
-    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params
 
 
 def test_gpt_param_count_matches_formula() -> None:
     cfg = model_config("gpt-tiny")
-    assert sum(p.numel() for p in build_model(cfg, seed=0).parameters()) == cfg.num_params()
+    assert sum(p.numel() for p in build_model(cfg, seed=0).parameters()) == cfg.num_params
 
 
 def test_too_long_input_is_refused() -> None:
@@ -118,3 +119,17 @@ def test_lm_loss_is_mean_cross_entropy() -> None:
     logits[0, 0, 0] = 100.0  # one position certain and right: mean falls by a sixth
     assert lm_loss(logits, targets).item() == pytest.approx(5 / 6 * torch.log(torch.tensor(256.0)).item(),
                                                              rel=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_cost_layer_parameter_count_equals_the_built_model_for_every_preset(tied: bool) -> None:
+    """One model record: the cost layer's count is the torch model's ``sum(p.numel())`` for every preset, tied or
+    not (built on the meta device, so even llama3-405b costs no memory)."""
+    from evenpipe.cost import MODEL_PRESETS, model_preset
+    from evenpipe.models import TransformerLM
+    for name in MODEL_PRESETS:
+        cfg = model_config(name, tied_embeddings=tied)
+        with torch.device("meta"):
+            model = TransformerLM(cfg)
+        assert sum(p.numel() for p in model.parameters()) == cfg.num_params == \
+            dataclasses.replace(model_preset(name), tied_embeddings=tied).num_params, name
