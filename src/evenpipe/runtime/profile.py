@@ -404,7 +404,8 @@ def _model_info(options: ProfileOptions) -> ModelInfo:
     arch = getattr(cfg.arch, "value", str(cfg.arch))
     return ModelInfo(name=options.model_name, arch=arch, num_layers=cfg.num_layers, hidden=cfg.hidden,
                      vocab=cfg.vocab, seq_len=cfg.seq_len,
-                     params={"embedding": cfg.first_params(), "block": cfg.block_params(), "head": cfg.last_params()})
+                     params={"embedding": cfg.embedding_params, "block": cfg.params_per_layer,
+                             "head": cfg.final_norm_params + cfg.vocab * cfg.hidden})  # the head's own copy
 
 
 def profile_model(options: ProfileOptions, *, show_progress: bool = True, timeout_s: float = 3600.0) -> Profile:
