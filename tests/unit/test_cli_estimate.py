@@ -64,7 +64,8 @@ def test_not_fitting_is_reported_not_an_error(capsys: pytest.CaptureFixture[str]
     (["--model", "gpt-9"], "unknown model preset 'gpt-9'"),
     (["--tp", "5"], "--gpus 1024 is not a multiple"),
     (["--tp", "5", "--gpus", "640"], "tp 5 does not divide the 96 attention heads"),
-    (["--pp", "7", "--gpus", "896"], "does not divide the 96 layers"),
+    (["--layout", "12,12"], "layout [12, 12] needs one entry per stage: pp·chunks = 8·1 = 8"),
+    (["--layout", "12,12,12,12,12,12,12,13"], "places 97 layers but the model has 96 (it duplicates 1)"),
     (["--dp", "8"], "--gpus 1024 != tp·pp·dp"),
     (["--global-batch", "1000"], "global batch 1000 is not divisible"),
     (["--gpu", "v100"], "unknown GPU preset 'v100'"),
@@ -119,3 +120,26 @@ def test_every_preset_name_works_in_estimate(name: str, capsys: pytest.CaptureFi
     """One preset table: the names ``train`` knows (gpt-tiny is its default) estimate too."""
     assert main(["estimate", "--model", name, "--gpu", "a100-80gb", "--global-batch", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"] == name
+
+
+LLAMA405 = ["estimate", "--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "8192", "--tp", "8", "--pp", "16",
+            "--global-batch", "2048", "--recompute", "full"]
+
+
+def test_llama3_405b_on_pp16_gets_lighter_end_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    """Llama 3 405B's 126 layers on 16 stages: 7, 8 x 14, 7 (Dubey et al. 2024), embedding and head on the ends."""
+    assert main(LLAMA405 + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["config"]["layout"] == [7] + [8] * 14 + [7]
+    stages = d["stage_memory_gib"]
+    assert stages[0]["weights"] < stages[1]["weights"] == stages[14]["weights"] > stages[15]["weights"]
+    assert stages[0]["embedding"] > 0 and stages[15]["head"] > 0
+    assert main(LLAMA405) == 0
+    assert "layers per stage: 7,8x14,7" in capsys.readouterr().out
+
+
+def test_explicit_layout_moves_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(BASE + ["--layout", "11,12,12,13,13,12,12,11", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    weights = [s["weights"] for s in d["stage_memory_gib"]]
+    assert weights[3] == pytest.approx(weights[1] * 13 / 12) and weights[0] == pytest.approx(weights[1] * 11 / 12)

@@ -80,7 +80,7 @@ def test_hf_config(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.parametrize("argv,needle", [
     (["plan", "--model", "gpt-9000b", "--gpu", "a100-80gb", "--gpus", "8", "--global-batch", "8"], "gpt-9000b"),
     (["plan", "--model", "gpt-1.7b", "--gpu", "tpu", "--gpus", "8", "--global-batch", "8"], "tpu"),
-    (["plan", "--model", "gpt-1.7b", "--gpu", "a100-80gb", "--gpus", "7", "--global-batch", "64"], "--gpus 7"),
+    (["plan", "--model", "gpt-1.7b", "--gpu", "a100-80gb", "--gpus", "29", "--global-batch", "64"], "--gpus 29"),
     (["plan", "--model", "gpt-1t", "--gpu", "a100-40gb", "--gpus", "8", "--global-batch", "64"], "fits"),
     (["plan", "--model", "gpt-1.7b", "--gpu", "a100-80gb", "--gpus", "8", "--global-batch", "8",
       "--explain", "zero"], "zero"),
@@ -133,3 +133,33 @@ def test_explain_bpipe_text_and_json(capsys: pytest.CaptureFixture[str]) -> None
     data = json.loads(out)["explain_bpipe"]
     assert data["verdict"] in ("pays", "marginal", "does not pay")
     assert data["bpipe"]["schedule"] == "bpipe" and data["baseline"]["schedule"] == "1f1b"
+
+
+def test_llama3_405b_on_8192_h100_finds_configurations(capsys: pytest.CaptureFixture[str]) -> None:
+    """126 layers leave only pp in {1, 2} evenly on 8192 GPUs; uneven stages open pp 16 and the rest."""
+    code, out, err = _run(["plan", "--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "8192",
+                           "--global-batch", "2048", "--seq-len", "8192", "--top", "3", "--json"], capsys)
+    assert code == 0, err
+    cands = json.loads(out)["candidates"]
+    assert len(cands) == 3 and all(c["tp"] * c["pp"] * c["dp"] == 8192 for c in cands)
+    assert all(c["pp"] > 2 and len(set(c["layout"])) > 1 and sum(c["layout"]) == 126 for c in cands)
+
+
+def test_distributed_optimizer_is_searched_unless_fixed() -> None:
+    from evenpipe.cost import hardware_preset, model_preset
+    from evenpipe.plan.search import SearchSpace, enumerate_configs
+    model, hw = model_preset("gpt-1.7b"), hardware_preset("a100-80gb")
+    seen = {c.distributed_optimizer for c in enumerate_configs(model, hw, num_gpus=8, global_batch=32,
+                                                               space=SearchSpace()) if c.dp > 1}
+    assert seen == {False, True}
+    fixed = {c.distributed_optimizer for c in enumerate_configs(model, hw, num_gpus=8, global_batch=32,
+                                                                space=SearchSpace(distributed_optimizer=False))}
+    assert fixed == {False}
+    assert not any(c.distributed_optimizer for c in enumerate_configs(model, hw, num_gpus=8, global_batch=32,
+                                                                      space=SearchSpace()) if c.dp == 1)
+
+
+def test_plan_layout_fixes_the_stage_count(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(SMALL + ["--layout", "5,7,7,5", "--json"], capsys)
+    assert code == 0, err
+    assert all(c["layout"] == [5, 7, 7, 5] and c["pp"] * c["chunks"] == 4 for c in json.loads(out)["candidates"])

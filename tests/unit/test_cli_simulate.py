@@ -66,3 +66,19 @@ def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], args: 
     assert main(["simulate", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1 and err.startswith("evenpipe simulate: error:")
+
+
+def test_model_costs_put_embedding_and_head_on_their_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    """``simulate --model``: stage durations from the cost model; uneven layouts by default when the layers do not
+    divide (Llama 3 405B on 16 stages), or given with --layout."""
+    out = _json(capsys, "--schedule", "1f1b", "--stages", "16", "--microbatches", "32", "--model", "llama3-405b",
+                "--gpu", "h100-80gb", "--tp", "8")
+    assert out["stages"] == 16 and out["step_time"] > 0
+    even = _json(capsys, "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--model", "gpt-tiny",
+                 "--gpu", "a100-80gb")
+    moved = _json(capsys, "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--model", "gpt-tiny",
+                  "--gpu", "a100-80gb", "--layout", "1,1,1,1")
+    assert even["step_time"] == pytest.approx(moved["step_time"])
+    assert main(["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--model", "gpt-tiny",
+                 "--gpu", "a100-80gb", "--layout", "1,1,1"]) == 2
+    assert "layout [1, 1, 1]" in capsys.readouterr().err

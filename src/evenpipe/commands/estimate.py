@@ -12,9 +12,10 @@ import json
 import pathlib
 
 from evenpipe.cost import (Attention, Estimate, Hardware, ParallelConfig, Recompute,
-                           ScheduleFamily, check_config, estimate, hardware_preset, load_hardware)
+                           ScheduleFamily, check_config, estimate)
 from evenpipe.cost.estimate import TimeBreakdown
-from evenpipe.commands.model_args import add_model_arguments, model_from_args
+from evenpipe.cost.parallel import describe_layout
+from evenpipe.commands.model_args import add_model_arguments, hardware_from_arg, model_from_args, parse_layout
 from evenpipe.errors import ConfigError
 
 __all__ = ["add_arguments", "run"]
@@ -40,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"one of {', '.join(_SCHEDULES)} (default 1f1b)")
     p.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state over dp")
     p.add_argument("--bpipe-budget", type=int, metavar="K", help="BPipe activation units per rank (default ⌈(p+1)/2⌉)")
+    p.add_argument("--layout", metavar="LIST", help="layers per stage (per virtual chunk), e.g. 7,8,8,7 (default: "
+                   "even, or one layer fewer on the end stages when the layers do not divide)")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--out", metavar="DIR", help="write memory_per_stage.png (stacked bars per rank) into DIR")
@@ -61,7 +64,8 @@ def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
                           global_batch=args.global_batch, recompute=Recompute.parse(args.recompute),
                           sequence_parallel=args.sequence_parallel, attention=Attention.parse(args.attention),
                           schedule=ScheduleFamily.parse(args.schedule),
-                          distributed_optimizer=args.distributed_optimizer, bpipe_budget=args.bpipe_budget)
+                          distributed_optimizer=args.distributed_optimizer, bpipe_budget=args.bpipe_budget,
+                          layout=parse_layout(args.layout) if args.layout else None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gpu is None:
         raise ConfigError("give --gpu PRESET (or --profile PROFILE to estimate on the profiled machine)")
     model = model_from_args(args)
-    hw = load_hardware(args.gpu) if args.gpu.endswith(".json") else hardware_preset(args.gpu)
+    hw = hardware_from_arg(args.gpu)
     cfg = _config_from_args(args)
     check_config(model, hw, cfg, num_gpus=args.gpus)
     est = estimate(model, hw, cfg)
@@ -134,6 +138,7 @@ def format_estimate(est: Estimate) -> str:
     lines = [
         f"{model.name} ({model.num_params / 1e9:.1f}B params) on {cfg.num_gpus} x {hw.name}",
         f"  {cfg.describe()}",
+        f"  layers per stage: {describe_layout(est.layout)}",
         "",
         f"step time       {est.step_time_s:10.3f} s   ({est.tokens_per_s:,.0f} tokens/s)",
         f"MFU             {100 * est.mfu:10.1f} %   (model FLOPs, no recomputation)",

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from evenpipe.cost import Arch, ModelSpec, from_hf_config, model_preset
+from evenpipe.cost import Arch, Hardware, ModelSpec, from_hf_config, hardware_preset, load_hardware, model_preset
 from evenpipe.cost.specs import swiglu_ffn_hidden
 from evenpipe.errors import ConfigError
 
-__all__ = ["add_model_arguments", "model_from_args"]
+__all__ = ["add_model_arguments", "model_from_args", "parse_layout", "any_model_given", "hardware_from_arg"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +25,24 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--ffn-hidden", type=int, help="MLP size (with --arch; default 4·h for gpt, ~8/3·h for llama)")
     m.add_argument("--vocab", type=int, help="vocabulary size (with --arch)")
     m.add_argument("--seq-len", type=int, help="sequence length (required with --arch; overrides a preset's)")
+
+
+def parse_layout(text: str, flag: str = "--layout") -> tuple[int, ...]:
+    """``"7,8,8,7"`` -> ``(7, 8, 8, 7)``; anything else is a one-line ConfigError."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r} must be comma-separated integers, e.g. 5,6,6,5") from None
+
+
+def hardware_from_arg(text: str) -> Hardware:
+    """``--gpu``: a preset name, or a profile ``FILE.json``."""
+    return load_hardware(text) if text.endswith(".json") else hardware_preset(text)
+
+
+def any_model_given(args: argparse.Namespace) -> bool:
+    """Whether one of --model, --hf-config or --arch was given."""
+    return any(getattr(args, n) is not None for n in ("model", "hf_config", "arch"))
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:

@@ -9,8 +9,9 @@ import json
 import time
 from typing import TypeVar
 
-from evenpipe.commands.model_args import add_model_arguments, model_from_args
+from evenpipe.commands.model_args import add_model_arguments, model_from_args, parse_layout
 from evenpipe.cost import Attention, Hardware, ModelSpec, Recompute, hardware_preset
+from evenpipe.cost.parallel import describe_layout
 from evenpipe.errors import ConfigError, choice_error
 from evenpipe.plan.explain import BPipeExplanation, ComponentDelta, Eater, Lever, Verdict, explain_bpipe
 from evenpipe.plan.search import PLANNED_SCHEDULES, Candidate, PlanResult, Searcher, SearchSpace
@@ -38,8 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-microbatch-size", type=int, default=16, metavar="N",
                         help="largest micro-batch size tried (default 16)")
     parser.add_argument("--no-sequence-parallel", action="store_true", help="never use sequence parallelism")
-    parser.add_argument("--distributed-optimizer", action="store_true",
-                        help="shard optimizer state over data parallelism")
+    parser.add_argument("--layout", metavar="LIST", help="fixed layers per stage, e.g. 7,8,8,7 (default: the "
+                        "planner tries the even split and the end-lighter one)")
+    parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
+                        help="shard optimizer state over data parallelism (default: the planner tries both)")
     parser.add_argument("--bpipe-budget", type=int, metavar="K", help="BPipe per-rank activation budget")
     from evenpipe.commands.profiled_plan import add_profile_arguments
     add_profile_arguments(parser)
@@ -78,7 +81,7 @@ def _space_from_args(args: argparse.Namespace) -> SearchSpace:
                                     (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)),
         max_microbatch_size=args.max_microbatch_size, attention=attention[0],
         sequence_parallel=not args.no_sequence_parallel, distributed_optimizer=args.distributed_optimizer,
-        bpipe_budget=args.bpipe_budget)
+        bpipe_budget=args.bpipe_budget, layout=parse_layout(args.layout) if args.layout else None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,21 +138,23 @@ def _describe(c: Candidate) -> str:
 def _table(model: ModelSpec, hw: Hardware, args: argparse.Namespace, space: SearchSpace, result: PlanResult,
            elapsed: float) -> list[str]:
     head = ("#", "schedule", "v", "tp", "pp", "dp", "mbs", "m", "recompute", "step s", "MFU", "peak GiB",
-            "bubble", "limited by")
+            "bubble", "distopt", "layers", "limited by")
     rows = [head]
     for i, c in enumerate(result.candidates, 1):
         cfg = c.config
         rows.append((str(i), cfg.schedule.value, str(cfg.chunks), str(cfg.tp), str(cfg.pp), str(cfg.dp),
                      str(cfg.microbatch_size), str(cfg.num_microbatches), cfg.recompute.value,
                      f"{c.step_time_s:.3f}", f"{100 * c.mfu:.1f}%", f"{c.peak_memory_gib:.1f}",
-                     f"{100 * c.estimate.bubble_fraction:.1f}%", c.limited_by))
+                     f"{100 * c.estimate.bubble_fraction:.1f}%", "yes" if cfg.distributed_optimizer else "no",
+                     describe_layout(c.estimate.layout), c.limited_by))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     s = result.stats
     lines = [f"{model.name} on {args.gpus} x {hw.name} ({hw.memory_gib:g} GiB), global batch {args.global_batch}, "
              f"seq {model.seq_len}, {space.attention.value} attention, "
              + ("sequence parallel with tp > 1" if space.sequence_parallel else "no sequence parallelism")
-             + (", distributed optimizer" if space.distributed_optimizer else "")]
-    lines += ["  ".join(cell.rjust(w) if j not in (1, 8, 13) else cell.ljust(w)
+             + {None: ", distributed optimizer searched", True: ", distributed optimizer",
+                False: ", no distributed optimizer"}[space.distributed_optimizer]]
+    lines += ["  ".join(cell.rjust(w) if j not in (1, 8, 14, 15) else cell.ljust(w)
                         for j, (cell, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
     lines.append(f"searched {s.num_enumerated} configurations in {elapsed:.2f} s: {s.num_invalid} invalid, "
                  f"{s.num_over_memory} over memory, {s.num_bounded} skipped by the step-time bound, "

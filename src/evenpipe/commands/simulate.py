@@ -8,6 +8,8 @@ import math
 import warnings
 from typing import Any
 
+from evenpipe.commands.model_args import (add_model_arguments, any_model_given, hardware_from_arg, model_from_args,
+                                          parse_layout)
 from evenpipe.errors import ConfigError
 from evenpipe.report.tables import exposed_table, summary_table
 from evenpipe.schedule import ScheduleFamily, build_schedule
@@ -46,10 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prof.add_argument("--profile", default=None, metavar="PROFILE",
                       help="profile JSON from `evenpipe profile`: per-stage costs, link and optimizer step measured")
     prof.add_argument("--microbatch-size", type=int, default=None, metavar="B",
-                      help="with --profile: sequences per micro-batch (default the smallest profiled)")
+                      help="with --profile: sequences per micro-batch (default the smallest profiled); with "
+                      "--model: default 1")
     prof.add_argument("--layout", default=None, metavar="N,N,..",
-                      help="with --profile: blocks per stage (default: as even as possible)")
+                      help="with --profile or --model: blocks per stage (default: as even as possible; with "
+                      "--model one layer fewer on the end stages when the layers do not divide)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    add_model_arguments(parser)
+    costed = parser.add_argument_group("costs from the model (with --model, --hf-config or --arch; replace the "
+                                       "durations and sizes above)")
+    costed.add_argument("--gpu", metavar="PRESET", help="GPU preset (a100-80gb, h100-80gb, ...) or FILE.json")
+    costed.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--out", metavar="DIR", help="write timeline.png, memory.png, trace.json, schedule.txt")
 
 
@@ -70,6 +79,8 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
                                num_chunks=chunks, bpipe_budget=args.bpipe_budget, recompute=args.recompute)
     if getattr(args, "profile", None):
         return _profiled(args, sched).trace
+    if any_model_given(args):
+        return simulate(sched, _model_costs(args, family, chunks))
     costs = SimCosts.uniform(
         num_stages=sched.num_stages, num_chunks=sched.num_chunks, forward=args.forward_time,
         backward=args.backward_time, weight=args.weight_time, activation_bytes=args.activation_bytes,
@@ -93,6 +104,21 @@ def _profiled(args: argparse.Namespace, sched: Any) -> Any:
         except ValueError:
             raise ConfigError(f"--layout {args.layout!r} must be comma-separated block counts, e.g. 4,4") from None
     return predict_step(ProfileModel(profile), sched, microbatch_size=b, layout=layout)
+
+
+def _model_costs(args: argparse.Namespace, family: ScheduleFamily, chunks: int) -> SimCosts:
+    """Stage durations and bytes of a model on a GPU from the cost model (embedding and head on their stages)."""
+    from evenpipe.cost import ParallelConfig, Recompute, check_config, stage_sim_costs
+    if args.gpu is None:
+        raise ConfigError("--model / --hf-config / --arch need --gpu (a preset such as a100-80gb, or FILE.json)")
+    model, hw = model_from_args(args), hardware_from_arg(args.gpu)
+    b = args.microbatch_size or 1
+    cfg = ParallelConfig(tp=args.tp, pp=args.stages, chunks=chunks, microbatch_size=b,
+                         global_batch=args.microbatches * b, schedule=family,
+                         recompute=Recompute.FULL if args.recompute else Recompute.NONE,
+                         bpipe_budget=args.bpipe_budget, layout=parse_layout(args.layout) if args.layout else None)
+    check_config(model, hw, cfg)
+    return stage_sim_costs(model, hw, cfg)
 
 
 def summary_json(trace: Trace) -> dict[str, Any]:

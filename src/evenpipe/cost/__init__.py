@@ -9,14 +9,16 @@ from evenpipe.cost.estimate import LIMITS, Estimate, TimeBreakdown, estimate
 from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step
 from evenpipe.cost.hardware import GIB, HARDWARE_PRESETS, Hardware, hardware_preset, load_hardware
 from evenpipe.cost.memory import StageMemory, activation_bytes, layer_activation_bytes, memory_per_stage
-from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, ScheduleFamily, check_config
+from evenpipe.cost.parallel import (Attention, ParallelConfig, Recompute, ScheduleFamily, check_config,
+                                    candidate_layouts, check_layout, end_lighter_layout, stage_layers)
 from evenpipe.cost.specs import MODEL_PRESETS, Arch, ModelSpec, from_hf_config, model_preset
 from evenpipe.cost.timing import Efficiency, stage_sim_costs
 
 __all__ = [
     "Arch", "ModelSpec", "MODEL_PRESETS", "model_preset", "from_hf_config",
     "Hardware", "HARDWARE_PRESETS", "hardware_preset", "load_hardware", "GIB",
-    "ParallelConfig", "Recompute", "Attention", "ScheduleFamily", "check_config",
+    "ParallelConfig", "Recompute", "Attention", "ScheduleFamily", "check_config", "check_layout",
+    "end_lighter_layout", "stage_layers", "candidate_layouts",
     "Efficiency", "stage_sim_costs",
     "StageMemory", "memory_per_stage", "activation_bytes", "layer_activation_bytes",
     "Estimate", "TimeBreakdown", "estimate", "LIMITS",

@@ -22,7 +22,7 @@ from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step
 from evenpipe.cost.hardware import GIB, Hardware
 from evenpipe.cost.memory import (StageMemory, build_cost_schedule, embedding_params_per_rank,
                                   layer_params_per_rank, memory_per_stage, _head_params_per_rank)
-from evenpipe.cost.parallel import ParallelConfig, check_config
+from evenpipe.cost.parallel import ParallelConfig, check_config, stage_layers
 from evenpipe.cost.specs import ModelSpec
 from evenpipe.cost.timing import (Efficiency, LayerTimes, dp_allreduce_time, layer_times, optimizer_step_time,
                                   stage_sim_costs)
@@ -108,6 +108,8 @@ class Estimate:
     eviction keeps the counted peak and pays the wait instead."""
     limited_by: str
     """What limits the configuration: one of :data:`LIMITS` (see :func:`_limit`)."""
+    layout: tuple[int, ...] = ()
+    """Transformer layers of each stage, pipeline order (the configuration's layout or its default)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -121,7 +123,8 @@ class Estimate:
                        "global_batch": c.global_batch, "num_microbatches": c.num_microbatches,
                        "recompute": c.recompute.value, "sequence_parallel": c.sequence_parallel,
                        "attention": c.attention.value, "schedule": c.schedule.value,
-                       "distributed_optimizer": c.distributed_optimizer, "bpipe_budget": c.bpipe_budget},
+                       "distributed_optimizer": c.distributed_optimizer, "bpipe_budget": c.bpipe_budget,
+                       "layout": list(self.layout)},
             "step_time_s": self.step_time_s, "mfu": self.mfu, "hfu": self.hfu,
             "tflops_per_gpu": self.tflops_per_gpu, "tokens_per_s": self.tokens_per_s,
             "bubble_fraction": self.bubble_fraction,
@@ -134,8 +137,8 @@ class Estimate:
         }
 
 
-def _params_on_rank(model: ModelSpec, cfg: ParallelConfig, rank: int) -> float:
-    layers = model.num_layers // cfg.pp
+def _params_on_rank(model: ModelSpec, cfg: ParallelConfig, rank: int, layers: int) -> float:
+    """Parameters pipeline rank ``rank`` holds: its ``layers`` transformer layers, embedding and head."""
     n = layer_params_per_rank(model, cfg.tp) * layers
     if rank == 0:
         n += embedding_params_per_rank(model, cfg.tp)
@@ -176,19 +179,20 @@ def _exposed_wait(trace: Trace, rank: int) -> tuple[float, float]:
     return pp, bp
 
 
-def _count(schedule: Schedule, rank: int, kind: ActionKind) -> int:
-    return sum(1 for a in schedule.actions[rank] if a.kind is kind)
+def _layers_run(schedule: Schedule, rank: int, kind: ActionKind, layers: tuple[int, ...]) -> int:
+    """Layer-micro-batches of the rank's ``kind`` actions (each runs all the layers of its stage)."""
+    return sum(layers[a.stage] for a in schedule.actions[rank] if a.kind is kind)
 
 
 def _breakdown(model: ModelSpec, cfg: ParallelConfig, trace: Trace, rank: int, lt: LayerTimes,
                dp_exposed: float, optimizer: float) -> TimeBreakdown:
     schedule = trace.schedule
-    layers = model.num_layers // schedule.num_stages
-    n_fwd = _count(schedule, rank, ActionKind.FORWARD)
-    n_rec = _count(schedule, rank, ActionKind.RECOMPUTE)
+    layers = stage_layers(model, cfg)
+    n_fwd = _layers_run(schedule, rank, ActionKind.FORWARD, layers)
+    n_rec = _layers_run(schedule, rank, ActionKind.RECOMPUTE, layers)
     busy = trace.busy_time(rank)
-    tp = layers * (n_fwd * (lt.tp_forward + lt.tp_backward) + n_rec * lt.tp_forward)
-    recompute = layers * (n_rec * lt.forward + n_fwd * lt.selective_recompute)
+    tp = n_fwd * (lt.tp_forward + lt.tp_backward) + n_rec * lt.tp_forward
+    recompute = n_rec * lt.forward + n_fwd * lt.selective_recompute
     pp_wait, bp_wait = _exposed_wait(trace, rank)
     end, _ = _rank_finish(trace, rank)
     bubble = max(0.0, trace.step_time - busy - pp_wait - bp_wait)
@@ -218,14 +222,16 @@ def estimate(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
     schedule = build_cost_schedule(cfg)
     trace = simulate(schedule, stage_sim_costs(model, hw, cfg, eff))
     lt = layer_times(model, hw, cfg, eff)
+    layout = stage_layers(model, cfg)
+    params = [_params_on_rank(model, cfg, r, sum(layout[s] for s in schedule.stages_of(r))) for r in range(cfg.pp)]
     finish = []
     for r in range(cfg.pp):
         end, last = _rank_finish(trace, r)
-        dp = dp_allreduce_time(_params_on_rank(model, cfg, r), cfg, hw, eff)
+        dp = dp_allreduce_time(params[r], cfg, hw, eff)
         finish.append(end + max(0.0, dp - (last if eff.dp_overlap else 0.0)))
     critical = max(range(cfg.pp), key=lambda r: finish[r])
     dp_exposed = max(0.0, finish[critical] - trace.step_time)
-    opt = max(optimizer_step_time(_params_on_rank(model, cfg, r), cfg, hw, eff) for r in range(cfg.pp))
+    opt = max(optimizer_step_time(params[r], cfg, hw, eff) for r in range(cfg.pp))
     step = trace.step_time + dp_exposed + opt
     mem = memory_per_stage(model, hw, cfg)
     totals = tuple(m.total for m in mem)
@@ -240,6 +246,6 @@ def estimate(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
         tflops_per_gpu=executed / (step * cfg.num_gpus) / 1e12, bubble_fraction=trace.bubble_fraction,
         memory_per_stage_gib=totals, peak_memory_gib=peak, fits=fits, breakdown=bd, stage_memory=mem,
         critical_rank=critical, limited_by=_limit(fits, peak, hw.usable_memory_gib, bd, step),
-        activation_peak_simulated_gib=tuple(b / GIB for b in trace.peak_activation_bytes),
+        activation_peak_simulated_gib=tuple(b / GIB for b in trace.peak_activation_bytes), layout=layout,
     )
 

@@ -46,11 +46,11 @@ from evenpipe.errors import ConfigError
 from evenpipe.schedule import ActionKind, Schedule, bpipe_transform, build_schedule, compute_order
 
 from evenpipe.cost.hardware import GIB, Hardware
-from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, ScheduleFamily
+from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, ScheduleFamily, stage_layers
 from evenpipe.cost.specs import Arch, ModelSpec
 
 __all__ = ["StageMemory", "memory_per_stage", "layer_activation_bytes", "layer_params_per_rank",
-           "BYTES_WEIGHT", "embedding_params_per_rank", "BYTES_GRAD", "BYTES_OPTIMIZER", "build_cost_schedule", "counting_schedule",
+           "BYTES_WEIGHT", "embedding_params_per_rank", "layer_states_per_rank_gib", "BYTES_GRAD", "BYTES_OPTIMIZER", "build_cost_schedule", "counting_schedule",
            "ActivationBytes",
            "activation_bytes"]
 
@@ -251,15 +251,14 @@ def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig) -> tup
     """Peak memory of every pipeline rank, by component (GiB). Cheap: builds (a truncated copy of) the
     schedule and counts in program order; no simulation. ``hw`` is unused today (kept for per-GPU workspaces)."""
     del hw
-    p, v = cfg.pp, cfg.chunks
-    if model.num_layers % (p * v):
-        raise ConfigError(f"pp·chunks = {p}·{v} does not divide the {model.num_layers} layers of {model.name}")
-    layers_per_stage = model.num_layers // (p * v)
+    p = cfg.pp
+    layers = stage_layers(model, cfg)
+    if cfg.num_stages > model.num_layers:
+        raise ConfigError(f"pp·chunks = {cfg.num_stages} stages exceed the {model.num_layers} layers of {model.name}")
     act = activation_bytes(model, cfg)
     schedule = counting_schedule(cfg)
-    num_stages = schedule.num_stages
-    unit = [layers_per_stage * act.layer_saved] * num_stages
-    wg_unit = [layers_per_stage * act.layer_weight_grad] * num_stages
+    unit = [n * act.layer_saved for n in layers]
+    wg_unit = [n * act.layer_weight_grad for n in layers]
     # Full recomputation: one layer's full activations exist while it is recomputed and back-propagated.
     transient = act.layer_full if cfg.recompute is Recompute.FULL else 0.0
     params_layer = layer_params_per_rank(model, cfg.tp)
@@ -269,7 +268,7 @@ def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig) -> tup
     head_params = _head_params_per_rank(model, cfg)
     out: list[StageMemory] = []
     for r in range(p):
-        n_params = params_layer * layers_per_stage * v
+        n_params = params_layer * sum(layers[s] for s in schedule.stages_of(r))
         peak = _peak_activations(schedule, r, unit, act.embedding, act.head, wg_unit, transient)
         emb_state = embed_params * state_bytes if r == 0 else 0.0
         head_state = head_params * state_bytes if r == p - 1 else 0.0
@@ -289,6 +288,16 @@ def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig) -> tup
 def embedding_params_per_rank(model: ModelSpec, tp: int) -> float:
     """Embedding parameters on the first rank: the vocab-parallel token table and the learned positions."""
     return -(-model.vocab // tp) * model.hidden + model.position_params
+
+
+def layer_states_per_rank_gib(model: ModelSpec, cfg: ParallelConfig) -> tuple[float, ...]:
+    """Weights, gradients and optimizer state of each pipeline rank's transformer layers (GiB): the
+    ``model_states`` of :func:`memory_per_stage` without walking any schedule (a cheap pruning probe)."""
+    layers = stage_layers(model, cfg)
+    schedule = counting_schedule(cfg)  # cached; only its stage placement is read
+    opt_bytes = BYTES_OPTIMIZER / (cfg.dp if cfg.distributed_optimizer else 1)
+    per_layer = layer_params_per_rank(model, cfg.tp) * (BYTES_WEIGHT + BYTES_GRAD + opt_bytes) / GIB
+    return tuple(per_layer * sum(layers[s] for s in schedule.stages_of(r)) for r in range(cfg.pp))
 
 
 def _head_params_per_rank(model: ModelSpec, cfg: ParallelConfig) -> float:

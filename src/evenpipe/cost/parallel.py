@@ -17,7 +17,8 @@ from evenpipe.schedule.family import ScheduleFamily
 from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.specs import ModelSpec
 
-__all__ = ["Recompute", "Attention", "ParallelConfig", "check_config", "ScheduleFamily"]
+__all__ = ["Recompute", "Attention", "ParallelConfig", "check_config", "ScheduleFamily", "check_layout",
+           "end_lighter_layout", "balanced_layout", "stage_layers", "candidate_layouts", "describe_layout"]
 
 
 class Recompute(enum.Enum):
@@ -79,8 +80,17 @@ class ParallelConfig:
     """Shard fp32 master weights and Adam moments over dp (Megatron's distributed optimizer)."""
     bpipe_budget: int | None = None
     """BPipe: activation units a rank may hold (own + hosted); None for the default ceil((p+1)/2)."""
+    layout: tuple[int, ...] | None = None
+    """Transformer layers of each stage in pipeline order (one entry per virtual chunk), e.g. Llama 3 405B's
+    (7, 8, ..., 8, 7); ``None`` is :func:`stage_layers`' default (even, or lighter end stages)."""
 
     def __post_init__(self) -> None:
+        if self.layout is not None:
+            if not isinstance(self.layout, tuple) or len(self.layout) != self.pp * self.chunks:
+                raise ConfigError(f"layout {list(self.layout)} needs one entry per stage: pp·chunks = "
+                                  f"{self.pp}·{self.chunks} = {self.pp * self.chunks}")
+            if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in self.layout):
+                raise ConfigError(f"layout {list(self.layout)}: every stage needs at least 1 layer")
         for name in ("tp", "pp", "dp", "chunks", "microbatch_size", "global_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -107,7 +117,85 @@ class ParallelConfig:
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} v={self.chunks} b={self.microbatch_size} "
                 f"m={self.num_microbatches} {self.schedule.value} recompute={self.recompute.value} "
                 f"attention={self.attention.value}" + (" sp" if self.sequence_parallel else "")
-                + (" distopt" if self.distributed_optimizer else ""))
+                + (" distopt" if self.distributed_optimizer else "")
+                + (f" layout={describe_layout(self.layout)}" if self.layout is not None else ""))
+
+
+def check_layout(num_layers: int, num_stages: int, layout: "tuple[int, ...] | list[int]") -> None:
+    """One-line ConfigError unless ``layout`` has one positive entry per stage summing to ``num_layers``."""
+    counts = list(layout)
+    if len(counts) != num_stages:
+        raise ConfigError(f"layout {counts} has {len(counts)} entries but there are {num_stages} stages "
+                          "(one entry per stage, per virtual chunk when interleaved)")
+    bad = [c for c in counts if not isinstance(c, int) or isinstance(c, bool) or c < 1]
+    if bad:
+        raise ConfigError(f"layout {counts} has a stage with {bad[0]!r} layers; every stage needs at least 1")
+    if sum(counts) != num_layers:
+        verb = "drops" if sum(counts) < num_layers else "duplicates"
+        raise ConfigError(f"layout {counts} places {sum(counts)} layers but the model has {num_layers} "
+                          f"(it {verb} {abs(sum(counts) - num_layers)}); the entries must sum to {num_layers}")
+
+
+def _spread(base: int, extra: int, num_stages: int) -> list[int]:
+    """``base`` layers a stage, the ``extra`` ones on the middle stages first (stage 1, 2, ..., then the ends)."""
+    counts = [base] * num_stages
+    order = list(range(1, num_stages - 1)) + [0, num_stages - 1]
+    for s in order[:extra]:
+        counts[s] += 1
+    return counts
+
+
+def end_lighter_layout(num_layers: int, num_stages: int) -> tuple[int, ...] | None:
+    """The Megatron / Llama 3 split: the embedding and the head each take one layer's place on the first and
+    the last stage (Llama 3 405B: 126 layers on 16 stages as 7, 8 x 14, 7; Dubey et al. 2024, section 3.3.2;
+    Megatron-LM's ``--decoder-first/last-pipeline-num-layers``). ``None`` when a stage would be left empty."""
+    if num_stages < 2:
+        return None
+    counts = _spread(*divmod(num_layers + 2, num_stages), num_stages)
+    counts[0] -= 1
+    counts[-1] -= 1
+    return tuple(counts) if min(counts) >= 1 else None
+
+
+def balanced_layout(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """As even as possible, the extra layers on the middle stages (ConfigError for more stages than layers)."""
+    if num_stages > num_layers:
+        raise ConfigError(f"{num_stages} stages need at least {num_stages} layers, the model has {num_layers}")
+    return tuple(_spread(*divmod(num_layers, num_stages), num_stages))
+
+
+def stage_layers(model: ModelSpec, cfg: "ParallelConfig") -> tuple[int, ...]:
+    """Layers of each stage: ``cfg.layout`` when given; else an even split when the layers divide, else the
+    end-lighter split (:func:`end_lighter_layout`), else :func:`balanced_layout`."""
+    if cfg.layout is not None:
+        return cfg.layout
+    num_layers, num_stages = model.num_layers, cfg.num_stages
+    if num_layers % num_stages == 0:
+        return (num_layers // num_stages,) * num_stages
+    return end_lighter_layout(num_layers, num_stages) or balanced_layout(num_layers, num_stages)
+
+
+def candidate_layouts(num_layers: int, num_stages: int) -> tuple[tuple[int, ...] | None, ...]:
+    """The layouts the planner tries: the default (``None``), plus the end-lighter split when the layers divide
+    evenly and it differs from the even one (it may be faster: the end stages also run embedding and head)."""
+    if num_layers % num_stages:
+        return (None,)
+    lighter = end_lighter_layout(num_layers, num_stages)
+    even = (num_layers // num_stages,) * num_stages
+    return (None,) if lighter is None or lighter == even else (None, lighter)
+
+
+def describe_layout(layout: "tuple[int, ...] | None") -> str:
+    """``7,8x14,7``-style compact text (``even`` for ``None``)."""
+    if layout is None:
+        return "even"
+    runs: list[tuple[int, int]] = []
+    for n in layout:
+        if runs and runs[-1][0] == n:
+            runs[-1] = (n, runs[-1][1] + 1)
+        else:
+            runs.append((n, 1))
+    return ",".join(f"{n}x{k}" if k > 2 else ",".join([str(n)] * k) for n, k in runs)
 
 
 _INTERLEAVED_FAMILIES = ("interleaved", "looped-bfs")
@@ -117,9 +205,10 @@ def check_config(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, num_gpus: 
     """Raise ConfigError (one line naming the value) when ``cfg`` cannot run ``model`` on ``hw``.
 
     Rules: tp divides the attention heads and the FFN size (KV heads are split when tp divides them and
-    replicated when they divide tp); pp·chunks divides the layers (uneven partitions are not modelled);
+    replicated when they divide tp); every stage holds at least one layer;
     chunks > 1 only with an interleaved/looped schedule; dp·b divides the global batch; the GPU count equals
-    tp·pp·dp; tp fits in a node; BPipe needs pp >= 2. The schedule generator adds its own rules (interleaved
+    tp·pp·dp; tp fits in a node; BPipe needs pp >= 2. Uneven stages: the layout (given, or
+    :func:`stage_layers`' default) must place every layer exactly once. The schedule generator adds its own rules (interleaved
     needs m % p == 0; a BPipe budget must be meetable) and raises ConfigError the same way.
     """
     if num_gpus is not None and num_gpus != cfg.num_gpus:
@@ -136,9 +225,10 @@ def check_config(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, num_gpus: 
     if cfg.chunks > 1 and cfg.schedule.value not in _INTERLEAVED_FAMILIES:
         raise ConfigError(f"chunks {cfg.chunks} needs schedule interleaved or looped-bfs, "
                           f"not {cfg.schedule.value}")
-    if model.num_layers % cfg.num_stages:
-        raise ConfigError(f"pp·chunks = {cfg.pp}·{cfg.chunks} = {cfg.num_stages} does not divide the "
-                          f"{model.num_layers} layers of {model.name} (uneven stages are not modelled)")
+    if cfg.num_stages > model.num_layers:
+        raise ConfigError(f"pp·chunks = {cfg.pp}·{cfg.chunks} = {cfg.num_stages} stages need at least as many "
+                          f"layers; {model.name} has {model.num_layers}")
+    check_layout(model.num_layers, cfg.num_stages, stage_layers(model, cfg))
     if cfg.global_batch % (cfg.dp * cfg.microbatch_size):
         raise ConfigError(f"global batch {cfg.global_batch} is not divisible by dp·microbatch_size = "
                           f"{cfg.dp}·{cfg.microbatch_size} = {cfg.dp * cfg.microbatch_size}")

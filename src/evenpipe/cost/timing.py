@@ -28,7 +28,7 @@ from evenpipe.sim.costs import Link, SimCosts, StageCosts
 from evenpipe.cost.flops import attention_core_flops, head_gemm, layer_gemms, Gemm
 from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.memory import activation_bytes
-from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, ScheduleFamily
+from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, ScheduleFamily, stage_layers
 from evenpipe.cost.specs import Arch, ModelSpec
 
 __all__ = ["Efficiency", "LayerTimes", "layer_times", "stage_sim_costs", "pipeline_link", "allreduce_time",
@@ -185,13 +185,14 @@ def stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
     """Per-stage durations and bytes (one tensor-parallel rank's share) and the links, for the simulator."""
     eff = efficiency or Efficiency()
     num_stages = cfg.pp * cfg.chunks
-    layers = model.num_layers // num_stages
+    layers_of = stage_layers(model, cfg)
     lt = layer_times(model, hw, cfg, eff)
     act = activation_bytes(model, cfg)
     head_fwd, head_bwd = _head_times(model, hw, cfg, eff)
     recompute_on = cfg.recompute is Recompute.FULL
     stages = []
     for s in range(num_stages):
+        layers = layers_of[s]
         extra_f = head_fwd if s == num_stages - 1 else 0.0
         extra_b = head_bwd if s == num_stages - 1 else 0.0
         extra_bytes = (act.embedding if s == 0 else 0.0) + (act.head if s == num_stages - 1 else 0.0)

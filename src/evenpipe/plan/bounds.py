@@ -12,9 +12,11 @@ there; ``tests/unit/plan`` checks the result against ``estimate`` on many config
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
-from evenpipe.cost import Efficiency, Hardware, ModelSpec, ParallelConfig, Recompute, stage_sim_costs
+from evenpipe.cost import Efficiency, Hardware, ModelSpec, ParallelConfig, Recompute, stage_layers, stage_sim_costs
 from evenpipe.cost.memory import layer_params_per_rank
 from evenpipe.cost.timing import dp_allreduce_time, optimizer_step_time
 from evenpipe.schedule import ScheduleFamily
@@ -92,6 +94,14 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
                           first_rank_hideable=last_mb_backward0)
 
 
+@functools.lru_cache(maxsize=4096)
+def _pipeline_bounds_of(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency) -> PipelineBounds:
+    """Pipeline bounds, shared by configurations that differ only in optimizer sharding (it changes no stage)."""
+    costs = stage_sim_costs(model, hw, cfg, eff)
+    return pipeline_bounds(costs, stage_layout(cfg.pp, cfg.chunks), cfg.num_microbatches,
+                           recompute=cfg.recompute is Recompute.FULL, split_backward=cfg.schedule in _SPLIT_BACKWARD)
+
+
 def step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
                           efficiency: Efficiency | None = None) -> float:
     """A lower bound on ``estimate(model, hw, cfg).step_time_s`` from stage costs alone (no schedule, no simulation).
@@ -100,10 +110,11 @@ def step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
     the optimizer step count the transformer layers' parameters only (not embedding or head).
     """
     eff = efficiency or Efficiency()
-    costs = stage_sim_costs(model, hw, cfg, eff)
-    b = pipeline_bounds(costs, stage_layout(cfg.pp, cfg.chunks), cfg.num_microbatches,
-                        recompute=cfg.recompute is Recompute.FULL, split_backward=cfg.schedule in _SPLIT_BACKWARD)
-    layer_params = layer_params_per_rank(model, cfg.tp) * (model.num_layers // cfg.pp)
+    b = _pipeline_bounds_of(model, hw, dataclasses.replace(cfg, distributed_optimizer=False), eff)
+    placement = stage_layout(cfg.pp, cfg.chunks)
+    layers = stage_layers(model, cfg)
+    rank0_layers = sum(n for n, r in zip(layers, placement) if r == 0)  # estimate's rank 0 holds these and more
+    layer_params = layer_params_per_rank(model, cfg.tp) * rank0_layers
     dp = dp_allreduce_time(layer_params, cfg, hw, eff)
     hidden = b.first_rank_hideable if eff.dp_overlap else 0.0
     pipeline = max(b.makespan, b.first_rank_end + max(0.0, dp - hidden))

@@ -33,11 +33,14 @@ from evenpipe.cost import (
     ModelSpec,
     ParallelConfig,
     Recompute,
+    candidate_layouts,
     check_config,
+    end_lighter_layout,
     estimate,
     memory_per_stage,
     stage_sim_costs,
 )
+from evenpipe.cost.memory import layer_states_per_rank_gib
 from evenpipe.errors import ConfigError, EvenpipeError
 from evenpipe.plan.bounds import step_time_lower_bound
 from evenpipe.schedule import ScheduleFamily
@@ -78,8 +81,15 @@ class SearchSpace:
     """Attention kernel (not searched: it is a property of the training code)."""
     sequence_parallel: bool = True
     """Use sequence parallelism whenever tp > 1."""
-    distributed_optimizer: bool = False
-    """Shard optimizer state over data parallelism (Megatron's distributed optimizer)."""
+    distributed_optimizer: bool | None = None
+    """Shard optimizer state over data parallelism (Megatron's distributed optimizer): ``None`` searches both
+    (whenever dp > 1), True or False fixes it."""
+    layout: tuple[int, ...] | None = None
+    """Fixed layers per stage (only configurations with that many stages are tried); ``None`` lets the planner
+    try the even split and the end-lighter one (:func:`evenpipe.cost.candidate_layouts`)."""
+    uneven_stages: bool = True
+    """Try uneven splits: stage counts that do not divide the layers, and the end-lighter split when they do;
+    False keeps to even splits (the planner before uneven stages were modelled)."""
     bpipe_budget: int | None = None
     """BPipe's per-rank activation budget; ``None`` uses the schedule default ceil((p+1)/2)."""
 
@@ -129,6 +139,7 @@ class Candidate:
             "tp": c.tp, "pp": c.pp, "dp": c.dp, "chunks": c.chunks, "microbatch_size": c.microbatch_size,
             "num_microbatches": c.num_microbatches, "recompute": c.recompute.value, "schedule": c.schedule.value,
             "sequence_parallel": c.sequence_parallel, "attention": c.attention.value,
+            "distributed_optimizer": c.distributed_optimizer, "layout": list(self.estimate.layout),
             "step_time_s": self.step_time_s, "mfu": self.mfu, "peak_memory_gib": self.peak_memory_gib,
             "bubble_fraction": self.estimate.bubble_fraction, "limited_by": self.limited_by,
         }
@@ -191,10 +202,28 @@ def _divisors(n: int) -> list[int]:
 def _chunk_options(model: ModelSpec, pp: int, family: ScheduleFamily, space: SearchSpace) -> list[int]:
     if not family.has_chunks:
         return [1]
-    if pp < 2 or model.num_layers % pp:
+    if pp < 2:
         return []
-    per_rank = model.num_layers // pp
-    return [v for v in range(2, space.max_chunks + 1) if per_rank % v == 0]
+    if space.layout is not None:
+        v = len(space.layout) // pp
+        return [v] if v >= 2 and v * pp == len(space.layout) else []
+    layers = model.num_layers
+    return [v for v in range(2, space.max_chunks + 1) if layers % (pp * v) == 0
+            or ((layers + 2) % (pp * v) == 0 and end_lighter_layout(layers, pp * v) is not None)]
+
+
+def _layout_options(model: ModelSpec, num_stages: int, space: SearchSpace) -> tuple[tuple[int, ...] | None, ...]:
+    if space.layout is not None:
+        return (space.layout,) if len(space.layout) == num_stages else ()
+    if not space.uneven_stages:
+        return (None,) if model.num_layers % num_stages == 0 else ()
+    return candidate_layouts(model.num_layers, num_stages)
+
+
+def _distopt_options(dp: int, space: SearchSpace) -> tuple[bool, ...]:
+    if space.distributed_optimizer is not None:
+        return (space.distributed_optimizer,)
+    return (False, True) if dp > 1 else (False,)
 
 
 def enumerate_configs(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_batch: int,
@@ -202,7 +231,8 @@ def enumerate_configs(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_b
     """Every structurally plausible configuration of ``num_gpus`` GPUs (``check_config`` may still reject some).
 
     tp divides the GPU count, the attention heads and is at most one node; pp is at most the layer count;
-    dp divides the global batch; every micro-batch size dividing the per-replica batch is tried up to the cap.
+    dp divides the global batch; every micro-batch size dividing the per-replica batch is tried up to the cap;
+    per stage count, the layouts of :func:`_layout_options`; with dp > 1 the distributed optimizer on and off.
     With pp = 1 all schedules coincide, so only 1F1B is produced; BPipe needs pp >= 3 to have a partner to evict to.
     """
     max_tp = space.max_tp if space.max_tp is not None else hw.gpus_per_node
@@ -223,14 +253,16 @@ def enumerate_configs(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_b
                     if family is ScheduleFamily.BPIPE and pp < 3:
                         continue
                     for chunks in _chunk_options(model, pp, family, space):
-                        for recompute in space.recomputes:
-                            yield ParallelConfig(
-                                tp=tp, pp=pp, dp=dp, chunks=chunks, microbatch_size=mbs,
-                                global_batch=global_batch, recompute=recompute,
-                                sequence_parallel=space.sequence_parallel and tp > 1,
-                                attention=space.attention, schedule=family,
-                                distributed_optimizer=space.distributed_optimizer,
-                                bpipe_budget=space.bpipe_budget if family is ScheduleFamily.BPIPE else None)
+                        for layout in _layout_options(model, pp * chunks, space):
+                            for distopt in _distopt_options(dp, space):
+                                for recompute in space.recomputes:
+                                    yield ParallelConfig(
+                                        tp=tp, pp=pp, dp=dp, chunks=chunks, microbatch_size=mbs,
+                                        global_batch=global_batch, recompute=recompute,
+                                        sequence_parallel=space.sequence_parallel and tp > 1,
+                                        attention=space.attention, schedule=family, distributed_optimizer=distopt,
+                                        bpipe_budget=space.bpipe_budget if family is ScheduleFamily.BPIPE else None,
+                                        layout=layout)
 
 
 _LIGHTER_RECOMPUTE: dict[Recompute, tuple[Recompute, ...]] = {
@@ -323,11 +355,12 @@ class Searcher:
                where: Callable[[ParallelConfig], bool] | None, counts: _Counts) -> list[_Pending]:
         """Enumerate and check; drop (tp, pp, dp) groups whose model states alone overflow; bound the rest.
 
-        Model states (weights, gradients, optimizer) depend only on (tp, pp, dp), so one ``memory_per_stage``
-        call per group prunes every configuration of a group that cannot fit whatever its activations.
+        Model states (weights, gradients, optimizer) depend only on (tp, pp, dp), the stages' placement and
+        layers and the optimizer's sharding, so one ``memory_per_stage`` call per group prunes every
+        configuration of a group that cannot fit whatever its activations.
         """
         pending: list[_Pending] = []
-        states_fit: dict[tuple[int, int, int], bool] = {}
+        states_fit: dict[tuple[object, ...], bool] = {}
         for cfg in enumerate_configs(self.model, self.hw, num_gpus=num_gpus, global_batch=global_batch,
                                      space=space):
             if where is not None and not where(cfg):
@@ -339,7 +372,7 @@ class Searcher:
                 counts.invalid += 1
                 counts.last_error = str(e).splitlines()[0]
                 continue
-            group = (cfg.tp, cfg.pp, cfg.dp)
+            group = (cfg.tp, cfg.pp, cfg.dp, cfg.chunks, cfg.layout, cfg.distributed_optimizer)
             if group not in states_fit:
                 states_fit[group] = self._states_fit(cfg)
             if not states_fit[group]:
@@ -366,13 +399,14 @@ class Searcher:
 
     def _states_fit(self, cfg: ParallelConfig) -> bool:
         """Whether the model states of ``cfg``'s (tp, pp, dp) leave room on every rank (activations aside)."""
-        probe = _replace_config(cfg, schedule=ScheduleFamily.ONE_F_ONE_B, chunks=1, bpipe_budget=None,
-                               microbatch_size=1, recompute=Recompute.FULL)
+        schedule = cfg.schedule if cfg.chunks > 1 else ScheduleFamily.ONE_F_ONE_B  # same placement, cheap
+        probe = _replace_config(cfg, schedule=schedule, bpipe_budget=None, microbatch_size=1,
+                                recompute=Recompute.FULL)
         try:
-            stages = memory_per_stage(self.model, self.hw, probe)
+            states = layer_states_per_rank_gib(self.model, probe)
         except EvenpipeError:
             return True  # cannot probe this shape; let each configuration decide
-        return max(sm.model_states for sm in stages) <= self.hw.usable_memory_gib
+        return max(states) <= self.hw.usable_memory_gib
 
     def _branch_and_bound(self, pending: list[_Pending], top_k: int, per_family: bool, counts: _Counts
                           ) -> tuple[list[Candidate], dict[ScheduleFamily, Candidate]]:
@@ -403,7 +437,8 @@ class Searcher:
             if self._dominated(cfg, fitting):
                 counts.dominated += 1
                 continue
-            key = (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.recompute)
+            key = (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.recompute, cfg.layout,
+                   cfg.distributed_optimizer)
             try:
                 fits = cfg.microbatch_size < overflow_at.get(key, cfg.microbatch_size + 1) and self.fits(cfg)
             except EvenpipeError as e:  # the schedule generator may reject the shape (e.g. interleaved m % p)
@@ -444,7 +479,7 @@ class Searcher:
         return ConfigError(
             f"no configuration of {self.model.name} fits in {num_gpus} x {self.hw.name} "
             f"({self.hw.memory_gib:g} GiB each): all {counts.over_memory} valid ones exceed memory; use more GPUs, "
-            + ("" if space.distributed_optimizer else "the distributed optimizer, ")
+            + ("the distributed optimizer, " if space.distributed_optimizer is False else "")
             + "or a smaller model")
 
 

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from evenpipe.cost.parallel import check_layout
 from evenpipe.errors import ConfigError
 from evenpipe.models.lm import PipelineParts
 
@@ -20,20 +21,9 @@ __all__ = ["partition_layers", "StageModule", "build_stage_modules", "param_coun
 
 
 def _check_layout(num_blocks: int, num_stages: int, layout: Sequence[int]) -> tuple[range, ...]:
-    counts = list(layout)
-    if len(counts) != num_stages:
-        raise ConfigError(f"layout {counts} has {len(counts)} entries but there are {num_stages} stages "
-                          "(one entry per stage, per virtual chunk when interleaved)")
-    bad = [c for c in counts if not isinstance(c, int) or isinstance(c, bool) or c < 1]
-    if bad:
-        raise ConfigError(f"layout {counts} has a stage with {bad[0]!r} layers; every stage needs at least 1")
-    if sum(counts) != num_blocks:
-        verb = "drops" if sum(counts) < num_blocks else "duplicates"
-        raise ConfigError(f"layout {counts} places {sum(counts)} layers but the model has {num_blocks} "
-                          f"blocks (it {verb} {abs(sum(counts) - num_blocks)}); the entries must sum to "
-                          f"{num_blocks}")
+    check_layout(num_blocks, num_stages, list(layout))
     bounds = [0]
-    for c in counts:
+    for c in layout:
         bounds.append(bounds[-1] + c)
     return tuple(range(a, b) for a, b in zip(bounds, bounds[1:]))
 

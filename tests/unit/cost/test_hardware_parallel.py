@@ -51,8 +51,8 @@ def test_valid_config_passes() -> None:
 @pytest.mark.parametrize("cfg,gpus,needle", [
     (_cfg(), 512, "--gpus 512"),
     (_cfg(tp=5, dp=16), None, "tp 5"),
-    (_cfg(pp=7, dp=16), None, "does not divide the 96 layers"),
-    (_cfg(chunks=5, schedule=ScheduleFamily.INTERLEAVED), None, "pp·chunks"),
+    (_cfg(layout=(12,) * 7 + (11,)), None, "places 95 layers but the model has 96 (it drops 1)"),
+    (_cfg(chunks=13, schedule=ScheduleFamily.INTERLEAVED), None, "pp·chunks"),
     (_cfg(chunks=2), None, "chunks 2 needs schedule interleaved"),
     (_cfg(global_batch=1000), None, "global batch 1000"),
     (_cfg(tp=16, dp=8), None, "tp 16"),
@@ -84,3 +84,20 @@ def test_load_hardware_profile(tmp_path) -> None:  # type: ignore[no-untyped-def
     path.write_text(json.dumps({"name": "x", "memory_gib": 16.0}))
     with pytest.raises(ConfigError, match="hardware profile"):
         load_hardware(path)
+
+
+def test_default_layouts() -> None:
+    from evenpipe.cost import end_lighter_layout, stage_layers
+    from evenpipe.cost.parallel import balanced_layout, candidate_layouts
+    assert end_lighter_layout(126, 16) == (7,) + (8,) * 14 + (7,)
+    assert end_lighter_layout(96, 16) == (5, 7, 7) + (6,) * 12 + (5,)
+    assert end_lighter_layout(4, 4) is None  # a stage would be empty
+    assert balanced_layout(10, 4) == (2, 3, 3, 2)
+    assert stage_layers(GPT3, _cfg()) == (12,) * 8
+    assert stage_layers(GPT3, _cfg(pp=7, dp=16, tp=8)) == (13,) + (14,) * 5 + (13,)
+    assert candidate_layouts(96, 8) == (None, (11, 13, 13, 12, 12, 12, 12, 11))
+    assert candidate_layouts(126, 16) == (None,)
+    for layers in range(2, 40):
+        for stages in range(1, layers + 1):
+            for layout in (end_lighter_layout(layers, stages), balanced_layout(layers, stages)):
+                assert layout is None or (sum(layout) == layers and min(layout) >= 1), (layers, stages)

@@ -23,7 +23,9 @@ A100 = hardware_preset("a100-80gb")
 
 def _explain(name: str, gpus: int, batch: int, attention: Attention) -> BPipeExplanation:
     searcher = Searcher(model_preset(name), A100)
-    space = SearchSpace(attention=attention, sequence_parallel=False)
+    # the memory-tight scenario: optimizer state replicated (the distributed optimizer would make room), even stages
+    space = SearchSpace(attention=attention, sequence_parallel=False, distributed_optimizer=False,
+                        uneven_stages=False)
     return explain_bpipe(searcher, num_gpus=gpus, global_batch=batch, space=space)
 
 

@@ -25,8 +25,8 @@ def test_interleaved_layout_is_per_chunk() -> None:
 
 
 @pytest.mark.parametrize(("layout", "match"), [
-    ([2, 2, 2], "places 6 layers but the model has 8 blocks \\(it drops 2\\)"),
-    ([3, 3, 3], "places 9 layers but the model has 8 blocks \\(it duplicates 1\\)"),
+    ([2, 2, 2], "places 6 layers but the model has 8 \\(it drops 2\\)"),
+    ([3, 3, 3], "places 9 layers but the model has 8 \\(it duplicates 1\\)"),
     ([4, 0, 4], "has a stage with 0 layers"),
     ([5, -1, 4], "has a stage with -1 layers"),
     ([4, 4], "has 2 entries but there are 3 stages"),
