@@ -39,8 +39,9 @@ def stage_layout(model_config: Any, num_stages: int, layout: Sequence[int] | Non
     """Blocks per stage as the runtime builds them (the given layout, or balanced by parameters)."""
     from evenpipe.runtime.stages import partition_layers
     ranges = partition_layers(model_config.num_layers, num_stages, layout=layout,
-                              block_weights=[model_config.block_params()] * model_config.num_layers,
-                              first_weight=model_config.first_params(), last_weight=model_config.last_params())
+                              block_weights=[model_config.params_per_layer] * model_config.num_layers,
+                              first_weight=model_config.embedding_params,
+                              last_weight=model_config.final_norm_params + model_config.vocab * model_config.hidden)
     return tuple(len(r) for r in ranges)
 
 
