@@ -232,9 +232,16 @@ def explain_bpipe_profiled(model: ProfileModel, *, num_devices: int, global_batc
     pays = bp is not None and (base is None or bp.step_time_s < base.step_time_s)
     if bp is not None and base is not None:
         gain = base.step_time_s / bp.step_time_s - 1
-        why = ("its balanced memory fits a larger micro-batch" if bp.config.microbatch_size > base.config.microbatch_size
-               else "at the same micro-batch size it only adds transfers" if bp.config.microbatch_size ==
-               base.config.microbatch_size else "it needs a smaller micro-batch")
+        b_bp, b_base = bp.config.microbatch_size, base.config.microbatch_size
+        if b_bp > b_base:
+            why = (f"its balanced memory fits b={b_bp} instead of b={b_base}, where one block runs at "
+                   f"{eff.get(b_bp, 0.0) / 1e9:.2f} instead of {eff.get(b_base, 0.0) / 1e9:.2f} GFLOP/s")
+        elif b_bp == b_base:
+            why = (f"its memory buys no larger micro-batch under this budget (both b={b_bp}); what differs is the "
+                   f"schedule: bubble {bp.bubble_fraction:.1%} vs {base.bubble_fraction:.1%}, exposed transfers "
+                   f"{bp.exposed_transfer_s * 1e3:.1f} vs {base.exposed_transfer_s * 1e3:.1f} ms")
+        else:
+            why = f"it fits only b={b_bp} against b={b_base}"
         verdict = "pays" if pays else "does not pay"
         lines.append(f"verdict: BPipe {verdict} here ({gain:+.1%} throughput; {why})")
     elif bp is not None:

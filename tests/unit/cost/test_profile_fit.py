@@ -158,4 +158,4 @@ def test_bpipe_pays_when_its_memory_buys_a_more_efficient_microbatch() -> None:
     assert ans.pays and ans.with_bpipe is not None and ans.without is not None
     assert ans.with_bpipe.config.microbatch_size > ans.without.config.microbatch_size
     assert ans.blocked is not None and ans.blocked.config.microbatch_size == 4
-    assert "BPipe pays" in ans.text and "larger micro-batch" in ans.text and "memory is the limit" in ans.text
+    assert "BPipe pays" in ans.text and "balanced memory fits b=4" in ans.text and "memory is the limit" in ans.text
