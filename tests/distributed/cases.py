@@ -7,12 +7,16 @@ the pipeline. Ranks outside a case's ``pp x dp`` layout skip it (but still join 
 
 from __future__ import annotations
 
+import json
+import pathlib
+import tempfile
 import traceback
 from dataclasses import dataclass, replace
 
 import torch
 
 from evenpipe.models import build_model, lm_loss, model_config
+from evenpipe.models.adapter import PipelineModel, reference_model
 from evenpipe.runtime.comm import build_groups
 from evenpipe.runtime.executor import PipelineExecutor
 from evenpipe.runtime.stages import build_stage_modules
@@ -34,6 +38,7 @@ class Case:
     dp: int = 1
     chunks: int = 1
     model: str = "gpt-tiny"
+    """A reference preset, or ``hf:NAME`` for the Hugging Face fixture ``tests/fixtures/hf/NAME``."""
     recompute: bool = False
     free_outputs: bool = True
     bpipe_budget: int | None = None
@@ -64,11 +69,53 @@ def tiny_config(name: str, num_stages: int):
                         **({"num_kv_heads": 1} if name.startswith("llama") else {}))
 
 
+HF_FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"
+_HF_TMP: list[pathlib.Path] = []
+
+
+def case_model(name: str, num_stages: int, *, seed: int = 7) -> PipelineModel:
+    """The case's model: a tiny reference config, or a Hugging Face fixture deepened to ``num_stages`` layers."""
+    if not name.startswith("hf:"):
+        return reference_model(tiny_config(name, num_stages), seed=seed)
+    from evenpipe.models.hf import hf_model
+    raw = json.loads((HF_FIXTURES / name[3:] / "config.json").read_text())
+    key = "n_layer" if "n_layer" in raw else "num_hidden_layers"
+    raw[key] = max(raw[key], num_stages)
+    if not _HF_TMP:
+        _HF_TMP.append(pathlib.Path(tempfile.mkdtemp(prefix="evenpipe-hf-")))
+    path = _HF_TMP[0] / f"{name[3:]}-{raw[key]}.json"
+    path.write_text(json.dumps(raw))
+    return hf_model(path, seed=seed, attention="eager")
+
+
+def reference_loss(model: PipelineModel, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The un-pipelined loss as the model itself computes it (Hugging Face: its forward with labels)."""
+    if model.class_name == "TransformerLM":
+        return lm_loss(model.module(tokens), targets)
+    return model.module(input_ids=tokens, labels=tokens, shift_labels=targets).loss
+
+
+def tied_weights_check(case: Case, groups, stages) -> list[str]:
+    """Tied weights held by the first and the last pipeline rank are bitwise identical."""
+    import torch.distributed as dist
+    tied = [p for m in stages.values() for p in m.tied_params]
+    if groups.embedding_group is None or not tied or groups.pp_rank not in (0, groups.pp - 1):
+        return []
+    out = []
+    for w in {id(p): p for p in tied}.values():
+        both = [torch.empty_like(w) for _ in range(2)]
+        dist.all_gather(both, w.detach().contiguous(), group=groups.embedding_group)
+        if not torch.equal(both[0], both[1]):
+            out.append(f"{case} rank {groups.pp_rank}: tied weight differs between first and last stage "
+                       f"(max diff {(both[0] - both[1]).abs().max().item():.3g})")
+    return out
+
+
 def global_batch(case: Case, vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     n = MICROBATCH * case.microbatches * case.dp
     data = torch.randint(0, vocab, (n, SEQ + 1), generator=g)
-    return data[:, :-1], data[:, 1:]
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
 def run_case(case: Case, *, stash_factory=None) -> list[str]:
@@ -86,27 +133,26 @@ def run_case(case: Case, *, stash_factory=None) -> list[str]:
 
 def _run(case: Case, groups, stash_factory) -> list[str]:
     schedule = schedule_for(case)
-    cfg = tiny_config(case.model, schedule.num_stages)
-    model = build_model(cfg, seed=7)
-    ref = build_model(cfg, seed=7)
-    names = {id(p): n for n, p in model.named_parameters()}
+    built, ref_built = case_model(case.model, schedule.num_stages), case_model(case.model, schedule.num_stages)
+    ref = ref_built.module
+    names = {id(p): n for n, p in built.module.named_parameters()}
     ref_params = dict(ref.named_parameters())
     mine = schedule.stages_of(groups.pp_rank)
-    stages = build_stage_modules(model.pipeline_parts(), num_stages=schedule.num_stages, stages=mine)
+    stages = build_stage_modules(built.parts, num_stages=schedule.num_stages, stages=mine)
     stash = (stash_factory or ActivationStash)()
-    ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=lm_loss,
+    ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=built.loss,
                           free_outputs=case.free_outputs, stash=stash)
-    params = [p for s in stages.values() for p in s.parameters()]
+    params = list({id(p): p for s in stages.values() for p in s.parameters()}.values())
     if case.adam:
         opt, ref_opt = torch.optim.AdamW(params, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     else:
         opt, ref_opt = torch.optim.SGD(params, lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     failures: list[str] = []
     for step in range(case.steps):
-        tokens, targets = global_batch(case, cfg.vocab, step)
+        tokens, targets = global_batch(case, built.spec.vocab, step)
         result = ex.step(tokens, targets)
         ref_opt.zero_grad(set_to_none=True)
-        ref_loss = lm_loss(ref(tokens), targets)
+        ref_loss = reference_loss(ref_built, tokens, targets)
         ref_loss.backward()
         try:
             torch.testing.assert_close(torch.tensor(result.loss, dtype=torch.float64), ref_loss.detach().double(), **TIGHT)
@@ -130,6 +176,7 @@ def _run(case: Case, groups, stash_factory) -> list[str]:
         except AssertionError as e:
             failures.append(f"{case} rank {groups.pp_rank}: parameter {names[id(p)]} after "
                             f"{case.steps} steps: {str(e).splitlines()[0]}")
+    failures += tied_weights_check(case, groups, stages)
     return failures[:5]
 
 

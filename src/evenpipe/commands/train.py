@@ -1,4 +1,5 @@
-"""``evenpipe train``: train a reference model with a pipeline schedule over torch.distributed.
+"""``evenpipe train``: train a reference model or a Hugging Face causal LM with a pipeline schedule over
+torch.distributed.
 
 Every option is checked here, before any process starts (bad values exit 2 with one line). Without torchrun's
 environment the command starts ``stages x dp`` local processes itself through ``torch.distributed.run``; under
@@ -20,7 +21,13 @@ __all__ = ["add_arguments", "run", "build_config", "check_fits_machine"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt-tiny", help="model preset, e.g. gpt-tiny, llama-tiny, gpt-mini")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None, help="model preset, e.g. gpt-tiny (default), llama-tiny, gpt-mini")
+    model.add_argument("--hf-config", default=None, metavar="PATH",
+                       help="a Hugging Face config.json, or a directory holding one (and maybe save_pretrained "
+                       "safetensors weights): llama, mistral, qwen2 or gpt2 (needs the 'hf' extra)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and activations; bfloat16 keeps fp32 master weights and optimizer state")
     p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, looped-bfs, zb-h1 or bpipe")
     p.add_argument("--stages", type=int, default=4, help="pipeline ranks P (1 runs un-pipelined)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step M")
@@ -78,7 +85,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         require_tensorboard()
     runtime = RuntimeOptions(steps=args.steps, dp=args.dp, backend=backend, timeout_s=args.timeout)
     config = TrainConfig(
-        model=ModelOptions(preset=args.model, seq_len=args.seq_len, init_seed=args.seed),
+        model=ModelOptions(preset=args.model or "gpt-tiny", hf_config=_abs(args.hf_config), seq_len=args.seq_len,
+                           init_seed=args.seed, dtype=args.dtype),
         schedule=schedule,
         data=DataOptions(source=DataSource.RANDOM if args.random_tokens else DataSource.CORPUS,
                          path=_abs(args.corpus), seed=args.seed,
@@ -90,10 +98,10 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
                              tensorboard=_abs(args.tensorboard), trace_json=_abs(args.trace_json),
                              predict=_abs(args.predict)),
     )
-    check_fits_machine(config.model.resolve().num_params, args.model, world=config.world_size)
+    check_fits_machine(config.model.resolve().num_params, config.model.name, world=config.world_size)
     if args.predict:  # a bad profile is refused here, before any process starts
         from evenpipe.runtime.predict import check_profile_for_training
-        check_profile_for_training(args.predict, model_name=args.model, model_config=config.model.resolve(),
+        check_profile_for_training(args.predict, model_name=config.model.name, model_config=config.model.resolve(),
                                    device="cuda" if backend is Backend.NCCL else "cpu")
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != config.world_size:
         raise ConfigError(f"world size {os.environ['WORLD_SIZE']} != stages x dp = {args.stages} x {args.dp} = "

@@ -227,7 +227,7 @@ class PipelineExecutor:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         if not grads:
             return
-        flat = torch.cat([t.reshape(-1) for t in grads])
+        flat = torch.cat([t.reshape(-1).float() for t in grads])  # reduced in fp32 whatever the model's dtype
         try:
             dist.all_reduce(flat, group=g.dp_group)
         except RuntimeError as e:
@@ -236,7 +236,7 @@ class PipelineExecutor:
         offset = 0
         for p in params:
             n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
+            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone()
             offset += n
 
     def _sum_tied_grads(self) -> None:

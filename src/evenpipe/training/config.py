@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from evenpipe.errors import ConfigError, parse_choice
 from evenpipe.runtime.data import TokenSource as DataSource
+from evenpipe.runtime.precision import TrainDtype
 from evenpipe.schedule import ScheduleFamily
 
 __all__ = [
@@ -63,20 +64,52 @@ class ModelOptions:
     """Which model to build."""
 
     preset: str = "gpt-tiny"
-    """Model preset name (see ``evenpipe.models.PRESETS``)."""
+    """Model preset name (see ``evenpipe.models.PRESETS``); unused with ``hf_config``."""
+    hf_config: str | None = None
+    """A Hugging Face ``config.json`` or a directory holding one (with or without safetensors weights)."""
+    dtype: TrainDtype = TrainDtype.FLOAT32
+    """Weights and activations; bfloat16 keeps fp32 master weights and optimizer state."""
     seq_len: int | None = None
     """Tokens per sequence; None keeps the preset's."""
     init_seed: int = 0
     """Seed of the parameter initialisation (each parameter's value depends only on it and its name)."""
 
     def __post_init__(self) -> None:
+        _coerce(self, "dtype", TrainDtype.parse(self.dtype))
         if self.seq_len is not None:
             _at_least("seq-len", self.seq_len, 1)
+        if self.hf_config is not None:
+            from evenpipe.models.hf import require_transformers
+            require_transformers()
+
+    @property
+    def name(self) -> str:
+        """The preset name or the Hugging Face path."""
+        return self.hf_config or self.preset
 
     def resolve(self) -> Any:
-        """The :class:`evenpipe.models.ModelConfig` (ConfigError for an unknown preset)."""
+        """The model record: a :class:`evenpipe.models.ModelConfig` for a preset, the
+        :class:`evenpipe.cost.ModelSpec` of a Hugging Face config (ConfigError for unknown names or bad files)."""
+        if self.hf_config is not None:
+            from evenpipe.cost.specs import from_hf_config
+            spec = from_hf_config(self.hf_config, seq_len=self.seq_len)
+            positions = spec.max_positions or spec.seq_len
+            if self.seq_len is not None and self.seq_len > positions:
+                raise ConfigError(f"--seq-len {self.seq_len} exceeds the {positions} positions of {self.hf_config}")
+            return spec
         from evenpipe.models.config import model_config
         return model_config(self.preset, **({"seq_len": self.seq_len} if self.seq_len else {}))
+
+    def build(self, device: Any) -> Any:
+        """The :class:`evenpipe.models.adapter.PipelineModel` on ``device`` in ``dtype``."""
+        if self.hf_config is not None:
+            from evenpipe.models.hf import hf_model
+            built = hf_model(self.hf_config, seed=self.init_seed)
+        else:
+            from evenpipe.models.adapter import reference_model
+            built = reference_model(self.resolve(), seed=self.init_seed, source=self.preset)
+        built.module.to(device=device, dtype=self.dtype.torch_dtype)
+        return built
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -42,6 +42,8 @@ class _Job:
     data: Any
     measured: bool
     """Whether an activation stash measures memory."""
+    model: dict[str, Any]
+    """What was trained: ``{"source", "class", "num_params"}``."""
 
 
 def _device(backend: Backend) -> torch.device:
@@ -57,8 +59,8 @@ def _stash() -> Any:
 
 
 def _build(config: TrainConfig) -> _Job:
-    from evenpipe.models import build_model, lm_loss
     from evenpipe.runtime.executor import PipelineExecutor
+    from evenpipe.runtime.precision import MasterWeightOptimizer, TrainDtype
     from evenpipe.runtime.stages import build_stage_modules
 
     rt, sched = config.runtime, config.schedule
@@ -67,18 +69,18 @@ def _build(config: TrainConfig) -> _Job:
     assert groups is not None
     device = _device(rt.backend)
     schedule = sched.build()
-    model_cfg = config.model.resolve()
-    model = build_model(model_cfg, seed=config.model.init_seed, device=device)
-    stages = build_stage_modules(model.pipeline_parts(), num_stages=schedule.num_stages,
+    built = config.model.build(device)
+    stages = build_stage_modules(built.parts, num_stages=schedule.num_stages,
                                  stages=schedule.stages_of(groups.pp_rank),
                                  layout=list(sched.layout) if sched.layout else None)
     stash = _stash()
-    ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=lm_loss,
+    ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=built.loss,
                           free_outputs=sched.free_outputs, stash=stash, device=device)
-    params = [p for s in stages.values() for p in s.parameters()]
-    opt = torch.optim.AdamW(params, lr=config.optimizer.lr)
+    params = list({id(p): p for s in stages.values() for p in s.parameters()}.values())
+    opt: Any = (torch.optim.AdamW(params, lr=config.optimizer.lr) if config.model.dtype is TrainDtype.FLOAT32
+                else MasterWeightOptimizer(torch.optim.AdamW, params, lr=config.optimizer.lr))
     return _Job(config=config, groups=groups, device=device, schedule=schedule, executor=ex, optimizer=opt,
-                data=config.token_batches(model_cfg.vocab), measured=stash is not None)
+                data=config.token_batches(built.spec.vocab), measured=stash is not None, model=built.describe())
 
 
 def _memory_bytes(device: torch.device) -> int:
@@ -171,7 +173,7 @@ def _prediction(job: _Job, reports: list[RankReport]) -> dict[str, Any] | None:
     if not out.predict:
         return None
     from evenpipe.runtime.predict import prediction_table, report_prediction
-    run = report_prediction(out.predict, model_name=cfg.model.preset, model_config=cfg.model.resolve(),
+    run = report_prediction(out.predict, model_name=cfg.model.name, model_config=cfg.model.resolve(),
                             schedule=job.schedule, microbatch_size=cfg.data.global_batch // (
                                 cfg.schedule.num_microbatches * cfg.runtime.dp),
                             layout=cfg.schedule.layout, reports=reports)
@@ -185,7 +187,8 @@ def _write_outputs(job: _Job, summary: TrainSummary, recorders: list[Any],
     if out.json_out:
         extra = {"prediction": prediction} if prediction is not None else {}
         with open(out.json_out, "w") as f:
-            json.dump({**summary.to_dict(), "config": job.config.to_dict(), **extra}, f, indent=2)
+            json.dump({**summary.to_dict(), "model": job.model, "config": job.config.to_dict(), **extra}, f,
+                      indent=2)
     if out.trace or out.trace_json:
         from evenpipe.runtime.trace import measured_trace, write_chrome_trace
         trace = measured_trace(job.schedule, recorders)
