@@ -10,6 +10,7 @@ import pytest
 
 from cases import Case, free_outputs_check, measured_trace_check, run_cases
 from harness import run_world
+from norm_cases import NORM_CASES, grad_norm_checks, norm_label
 
 pytestmark = pytest.mark.distributed
 
@@ -57,7 +58,7 @@ TRAJECTORY_CASES = _trajectory_cases()
 
 def _world_fn(rank: int, world: int) -> list[str]:
     return (run_cases(SCHEDULE_CASES + BPIPE_CASES + TRAJECTORY_CASES) + free_outputs_check()
-            + measured_trace_check())
+            + measured_trace_check() + grad_norm_checks())
 
 
 @pytest.fixture(scope="module")
@@ -93,4 +94,11 @@ def test_freeing_outputs_lowers_peak_and_keeps_gradients(world_failures: list[st
 
 def test_measured_trace_shows_bpipe_transfers(world_failures: list[str]) -> None:
     mine = [f for f in world_failures if f.startswith("measured trace") or " raised " in f]
+    assert not mine, "\n".join(mine)
+
+
+@pytest.mark.parametrize("case", NORM_CASES, ids=str)
+def test_global_grad_norm_equals_unpipelined(world_failures: list[str], case: Case) -> None:
+    fatal = [f for f in world_failures if " raised " in f or "reported nothing" in f]
+    mine = fatal + [f for f in world_failures if f.startswith(f"{norm_label(case)} rank")]
     assert not mine, "\n".join(mine)

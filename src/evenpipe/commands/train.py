@@ -47,9 +47,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--corpus", default=None, help="text file to train on, bytes as tokens (default: the shipped corpus)")
     src.add_argument("--random-tokens", action="store_true", help="train on uniformly random tokens")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument("--lr-schedule", default="constant", help="learning rate after warm-up: constant or cosine")
+    p.add_argument("--warmup-steps", type=int, default=0, help="steps of linear learning-rate warm-up")
+    p.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the cosine")
+    p.add_argument("--decay-steps", type=int, default=None,
+                   help="step at which the cosine reaches --min-lr (default: --steps)")
+    p.add_argument("--weight-decay", type=float, default=0.01,
+                   help="AdamW weight decay of matrices and embeddings (biases and norm gains are not decayed)")
+    p.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="clip the whole model's gradient L2 norm to this (default: no clipping)")
     p.add_argument("--json-out", default=None, help="write losses, step time, memory, throughput as JSON")
     p.add_argument("--metrics", default=None, help="write one JSON line of metrics per step to this file")
+    p.add_argument("--log-every", type=int, default=None,
+                   help="progress line every N steps (default: about 50 lines per job)")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also log metrics to TensorBoard in DIR (needs the tensorboard package)")
     p.add_argument("--trace", default=None, help="write a measured Chrome/Perfetto trace of the last step")
@@ -60,7 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, choices=["gloo", "nccl"],
                    help="torch.distributed backend (default: nccl with GPUs, else gloo)")
     p.add_argument("--layout", default=None, help="layers per stage (per virtual chunk), e.g. 5,6,6,5")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer before failing")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a rank may wait for a peer before the job fails (default: 300 s for the first "
+                        "step, then 10x the slowest step, at least 10 s)")
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
@@ -91,12 +104,14 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         data=DataOptions(source=DataSource.RANDOM if args.random_tokens else DataSource.CORPUS,
                          path=_abs(args.corpus), seed=args.seed,
                          global_batch=args.global_batch or args.microbatch_size * args.microbatches * args.dp),
-        optimizer=OptimizerOptions(lr=args.lr),
+        optimizer=OptimizerOptions(lr=args.lr, schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
+                                   min_lr=args.min_lr, decay_steps=args.decay_steps, weight_decay=args.weight_decay,
+                                   clip_grad_norm=args.clip_grad_norm),
         checkpoint=CheckpointOptions(),
         runtime=runtime,
         output=OutputOptions(json_out=_abs(args.json_out), trace=_abs(args.trace), metrics=_abs(args.metrics),
                              tensorboard=_abs(args.tensorboard), trace_json=_abs(args.trace_json),
-                             predict=_abs(args.predict)),
+                             predict=_abs(args.predict), log_every=args.log_every),
     )
     check_fits_machine(config.model.resolve().num_params, config.model.name, world=config.world_size)
     if args.predict:  # a bad profile is refused here, before any process starts

@@ -12,11 +12,12 @@ the transfer that failed, so a rank whose peer raised fails with a clear message
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,9 @@ __all__ = [
     "build_groups",
     "post_batch",
     "wait_all",
+    "WaitObserver",
+    "observe_waits",
+    "observed",
     "DEFAULT_TIMEOUT_S",
 ]
 
@@ -211,15 +215,55 @@ def post_batch(transfers: Sequence[Transfer], *, timeout_s: float = DEFAULT_TIME
     return PendingBatch(works, transfers, timeout_s)
 
 
+class WaitObserver(Protocol):
+    """Told when a wait on a named transfer begins and ends (the training watchdog)."""
+
+    def begin_wait(self, what: str, peer: int) -> None: ...
+    def end_wait(self) -> None: ...
+
+
+_observer: WaitObserver | None = None
+
+
+def observe_waits(observer: WaitObserver | None) -> None:
+    """Report every later wait of this process to ``observer`` (None: to nobody)."""
+    global _observer
+    _observer = observer
+
+
+@contextlib.contextmanager
+def observed(what: str, peer: int = -1) -> Iterator[None]:
+    """Report a blocking call that is not a transfer wait (a collective) to the observer; ``peer`` -1: a group."""
+    obs = _observer
+    if obs is not None:
+        obs.begin_wait(what, peer)
+    yield
+    if obs is not None:
+        obs.end_wait()
+
+
+def _named_works(b: PendingBatch) -> list[tuple[Any, str, int]]:
+    """Each work of a batch with the transfer it completes (gloo: one work per transfer; else the whole batch)."""
+    if len(b.works) == len(b.transfers):
+        return [(w, t.what, t.peer) for w, t in zip(b.works, b.transfers)]
+    return [(w, ", ".join(t.what for t in b.transfers), b.transfers[0].peer if b.transfers else -1)
+            for w in b.works]
+
+
 def wait_all(batches: Sequence[PendingBatch]) -> None:
     """Wait for every batch; a timeout or a dead peer becomes a :class:`PeerFailure` naming the transfer."""
     for b in batches:
         if b.done:
             continue
         wait_start = time.perf_counter()
+        obs = _observer
         try:
-            for w in b.works:
+            for w, what, peer in _named_works(b):
+                if obs is not None:
+                    obs.begin_wait(what, peer)
                 w.wait(datetime.timedelta(seconds=b.timeout_s))  # type: ignore[attr-defined]
+                if obs is not None:
+                    obs.end_wait()
         except RuntimeError as e:
             names = ", ".join(f"{t.what} (rank {t.peer})" for t in b.transfers)
             raise PeerFailure(f"rank {dist.get_rank()}: waiting for {names} failed, a peer probably failed or "

@@ -43,7 +43,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from evenpipe.errors import ConfigError
-from evenpipe.runtime.comm import ParallelGroups, PendingBatch, PeerFailure, Transfer, post_batch
+from evenpipe.runtime.comm import ParallelGroups, PendingBatch, PeerFailure, Transfer, observed, post_batch
 from evenpipe.runtime.split_backward import WeightState, backward_input, backward_weight
 from evenpipe.runtime.trace import RankRecorder, SendRecord
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
@@ -229,7 +229,8 @@ class PipelineExecutor:
             return
         flat = torch.cat([t.reshape(-1).float() for t in grads])  # reduced in fp32 whatever the model's dtype
         try:
-            dist.all_reduce(flat, group=g.dp_group)
+            with observed("gradient all-reduce across replicas"):
+                dist.all_reduce(flat, group=g.dp_group)
         except RuntimeError as e:
             raise PeerFailure(f"rank {dist.get_rank()}: gradient all-reduce across replicas failed: {e}") from e
         flat /= g.dp
@@ -264,12 +265,14 @@ class PipelineExecutor:
     def _share_loss(self, loss_sum: float) -> float:
         g = self.groups
         t = torch.tensor([loss_sum], dtype=torch.float64, device=self.device)
+        src = g.global_rank(self.schedule.rank_of(self.last_stage))
         try:
-            if g.dp > 1:
-                dist.all_reduce(t, group=g.dp_group)
-                t /= g.dp
-            if g.pp > 1:
-                dist.broadcast(t, g.global_rank(self.schedule.rank_of(self.last_stage)), group=g.pp_group)
+            with observed("the loss broadcast", src):
+                if g.dp > 1:
+                    dist.all_reduce(t, group=g.dp_group)
+                    t /= g.dp
+                if g.pp > 1:
+                    dist.broadcast(t, src, group=g.pp_group)
         except RuntimeError as e:
             raise PeerFailure(f"rank {dist.get_rank()}: sharing the loss failed: {e}") from e
         return float(t.item())

@@ -1,16 +1,22 @@
-"""Entry point of one launched ``evenpipe train`` worker process: ``python -m evenpipe.runtime.worker CONFIG``.
+"""Entry point of one ``evenpipe train`` worker process: ``python -m evenpipe.runtime.worker CONFIG [--status-dir D]``.
 
 ``CONFIG`` is the JSON file :func:`evenpipe.runtime.launch.launch_local` wrote from the typed
-:class:`evenpipe.training.config.TrainConfig`; torchrun provides RANK, WORLD_SIZE and the rendezvous. Under a
-user's own ``torchrun ... -m evenpipe train ...`` each process parses the command line instead and calls
-:func:`run_worker` directly.
+:class:`evenpipe.training.config.TrainConfig`; ``--status-dir`` is where this rank leaves its heartbeat and fault
+line for the launcher. Under a user's own ``torchrun ... -m evenpipe train ...`` each process parses the command
+line instead and calls :func:`run_worker` directly (fault lines then go to stderr).
+
+A failing rank does not raise through to a traceback: its watchdog writes one line naming the rank, the step
+and the action it was blocked on, and the process exits with :data:`evenpipe.training.fault.FAULT_EXIT_CODE`.
+Only an error raised by this rank's own code (not a failed peer) also prints its traceback, once.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
-import pathlib
+import os
 import sys
+import traceback
 
 from evenpipe.training.config import TrainConfig
 from evenpipe.training.summary import TrainSummary
@@ -28,23 +34,41 @@ def configure_logging(rank: int) -> None:
     root.propagate = False
 
 
-def run_worker(config: TrainConfig) -> TrainSummary:
-    """Train this rank's part of ``config``; the job summary (the same on every rank)."""
-    import os
+def run_worker(config: TrainConfig, *, status_dir: str | None = None) -> TrainSummary:
+    """Train this rank's part of ``config`` under a fault watchdog; the job summary (the same on every rank).
 
+    Never returns on failure: the watchdog reports and ends the process."""
+    from evenpipe.runtime.comm import PeerFailure, observe_waits
+    from evenpipe.training.fault import Watchdog, short_reason
     from evenpipe.training.loop import train
-    configure_logging(int(os.environ.get("RANK", "0")))
-    summary = train(config)
+
+    rank = int(os.environ.get("RANK", "0"))
+    configure_logging(rank)
+    watchdog = Watchdog(rank=rank, timeout_s=config.runtime.initial_timeout_s, status_dir=status_dir)
+    watchdog.start()
+    observe_waits(watchdog)
+    try:
+        summary = train(config, watchdog=watchdog)
+    except PeerFailure as e:
+        watchdog.fail(watchdog.describe_failure(e))
+    except BaseException as e:  # this rank's own error: its traceback once, then the one-line report
+        traceback.print_exc()
+        sys.stderr.flush()
+        watchdog.fail(f"raised {type(e).__name__}: {short_reason(e)}")
+    finally:
+        observe_waits(None)
     sys.stdout.flush()
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m evenpipe.runtime.worker CONFIG.json", file=sys.stderr)
-        return 2
-    run_worker(TrainConfig.from_json(pathlib.Path(args[0]).read_text()))
+    parser = argparse.ArgumentParser(prog="python -m evenpipe.runtime.worker")
+    parser.add_argument("config", help="TrainConfig JSON file")
+    parser.add_argument("--status-dir", default=None, help="directory for heartbeats and fault lines")
+    args = parser.parse_args(argv)
+    with open(args.config) as f:
+        config = TrainConfig.from_json(f.read())
+    run_worker(config, status_dir=args.status_dir)
     return 0
 
 

@@ -24,6 +24,7 @@ from evenpipe.schedule import ScheduleFamily
 __all__ = [
     "Backend",
     "DataSource",
+    "LrSchedule",
     "ModelOptions",
     "ScheduleOptions",
     "DataOptions",
@@ -177,15 +178,66 @@ class DataOptions:
             raise ConfigError("a corpus path was given but the data source is 'random'; drop one of them")
 
 
+class LrSchedule(enum.Enum):
+    """Shape of the learning rate over the steps after warm-up."""
+
+    CONSTANT = "constant"
+    """The peak learning rate throughout."""
+    COSINE = "cosine"
+    """Half a cosine from the peak down to ``min_lr`` at ``decay_steps``, then ``min_lr`` (Loshchilov & Hutter,
+    2017, without restarts)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OptimizerOptions:
-    """AdamW and its learning rate."""
+    """AdamW, its learning-rate schedule, weight decay and gradient clipping."""
 
     lr: float = 1e-3
-    """Learning rate."""
+    """Peak learning rate."""
+    schedule: LrSchedule = LrSchedule.CONSTANT
+    """Learning-rate shape after warm-up."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up: step ``k`` (0-based) uses ``lr * (k + 1) / warmup_steps``."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    decay_steps: int | None = None
+    """Step at which the cosine reaches ``min_lr`` (warm-up included); None: the job's last step."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay, applied to matrices and embeddings only (not to biases or norm gains)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW moment decay rates."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    clip_grad_norm: float | None = None
+    """Scale gradients so the whole model's L2 norm is at most this (None: no clipping; the norm is logged
+    either way)."""
 
     def __post_init__(self) -> None:
         _finite_positive("lr", self.lr)
+        _coerce(self, "schedule", parse_choice(LrSchedule, self.schedule, "learning-rate schedule"))
+        _at_least("warmup-steps", self.warmup_steps, 0)
+        if not (0 <= self.min_lr <= self.lr):
+            raise ConfigError(f"--min-lr must be between 0 and --lr {self.lr:g}, got {self.min_lr!r}")
+        if self.decay_steps is not None:
+            _at_least("decay-steps", self.decay_steps, 1)
+        _at_least("weight-decay", self.weight_decay, 0)
+        _coerce(self, "betas", tuple(self.betas))
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"AdamW betas must be two numbers in [0, 1), got {self.betas!r}")
+        _finite_positive("adam-eps", self.eps)
+        if self.clip_grad_norm is not None:
+            _finite_positive("clip-grad-norm", self.clip_grad_norm)
+
+    def lr_at(self, step: int, *, total_steps: int) -> float:
+        """Learning rate of 0-based ``step`` in a job of ``total_steps``."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule is LrSchedule.CONSTANT:
+            return self.lr
+        end = self.decay_steps if self.decay_steps is not None else total_steps
+        span = max(1, end - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -203,14 +255,27 @@ class RuntimeOptions:
     """Data-parallel replicas (world = stages x dp)."""
     backend: Backend = Backend.GLOO
     """torch.distributed backend."""
-    timeout_s: float = 300.0
-    """Seconds a rank waits for a peer before failing."""
+    timeout_s: float | None = None
+    """Seconds a rank may wait for a peer before the job fails; None: ``DEFAULT_TIMEOUT_S`` for the first step,
+    then a multiple of the measured step time (:func:`evenpipe.training.fault.timeout_after_step`)."""
 
     def __post_init__(self) -> None:
         _coerce(self, "backend", parse_choice(Backend, self.backend, "backend"))
         _at_least("steps", self.steps, 1)
         _at_least("dp", self.dp, 1)
-        _finite_positive("timeout", self.timeout_s)
+        if self.timeout_s is not None:
+            _finite_positive("timeout", self.timeout_s)
+
+    @property
+    def initial_timeout_s(self) -> float:
+        """The wait timeout of the first step."""
+        return self.timeout_s if self.timeout_s is not None else DEFAULT_TIMEOUT_S
+
+    @property
+    def group_timeout_s(self) -> float:
+        """Timeout of the process groups themselves: start-up, checkpoints and the final summary, where ranks may
+        drift apart by seconds (never shorter than ``DEFAULT_TIMEOUT_S``; the watchdog bounds the steps)."""
+        return max(self.initial_timeout_s, DEFAULT_TIMEOUT_S)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -229,6 +294,20 @@ class OutputOptions:
     """JSON-lines file, one record per step."""
     tensorboard: str | None = None
     """TensorBoard log directory (needs the ``tensorboard`` package)."""
+    log_every: int | None = None
+    """Log a progress line every this many steps (None: about 50 lines per job); metrics cover every step."""
+
+    def __post_init__(self) -> None:
+        if self.log_every is not None:
+            _at_least("log-every", self.log_every, 1)
+
+    def log_every_for(self, steps: int) -> int:
+        """The progress-line interval of a job of ``steps`` steps."""
+        return self.log_every if self.log_every is not None else max(1, steps // 50)
+
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Timeout of the first step when ``--timeout`` is not given (start-up, shape handshake, first allocations)."""
 
 
 _SLICES: dict[str, type] = {

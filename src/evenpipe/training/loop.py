@@ -1,9 +1,11 @@
 """The training loop of one rank: build this rank's stages and executor, run the steps, report on rank 0.
 
 Every rank computes the same global batch (a pure function of the data seed and the step) and the executor takes
-its replica's slice. Progress goes through the ``evenpipe.train`` logger (rank 0 only); per-step metrics go to the
-JSON-lines file / TensorBoard named in the output options; the returned :class:`TrainSummary` is the same on every
-rank.
+its replica's slice. After the pipeline step (which averages gradients over replicas) the whole model's gradient
+norm is measured and clipped, then AdamW steps and the learning-rate schedule advances. Progress goes through the
+``evenpipe.train`` logger (rank 0 only); per-step metrics go to the JSON-lines file / TensorBoard named in the
+output options; the returned :class:`TrainSummary` is the same on every rank. A :class:`Watchdog` bounds every
+wait (see :mod:`evenpipe.training.fault`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import os
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,7 +23,10 @@ import torch.distributed as dist
 
 from evenpipe.runtime.comm import ParallelGroups, build_groups, init_from_env
 from evenpipe.training.config import Backend, TrainConfig
+from evenpipe.training.fault import Watchdog, timeout_after_step
 from evenpipe.training.metrics import MetricsSink, StepMetrics, format_progress
+from evenpipe.training.optim import build_lr_scheduler, build_optimizer, clip_grad_global_norm
+from evenpipe.training.params import RankParameters, build_rank_stages
 from evenpipe.training.summary import RankReport, TrainSummary, memory_table, summarise
 
 __all__ = ["train"]
@@ -38,12 +43,39 @@ class _Job:
     device: torch.device
     schedule: Any
     executor: Any
-    optimizer: torch.optim.Optimizer
+    params: RankParameters
+    optimizer: Any
+    """AdamW (float32) or a master-weight AdamW (bfloat16)."""
+    scheduler: Any
     data: Any
     measured: bool
     """Whether an activation stash measures memory."""
     model: dict[str, Any]
     """What was trained: ``{"source", "class", "num_params"}``."""
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What the loop accumulates over the steps of this run."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    own: int = 0
+    hosted: int = 0
+    total: int = 0
+    evicted: int = 0
+    records: Any = None
+
+    def add(self, result: Any, dt: float, norm: float) -> None:
+        self.losses.append(result.loss)
+        self.grad_norms.append(norm)
+        self.times.append(dt)
+        self.own = max(self.own, result.peak_own_bytes)
+        self.hosted = max(self.hosted, result.peak_hosted_bytes)
+        self.total = max(self.total, result.peak_activation_bytes)
+        self.evicted = result.evicted_bytes
+        self.records = result.records
 
 
 def _device(backend: Backend) -> torch.device:
@@ -61,26 +93,25 @@ def _stash() -> Any:
 def _build(config: TrainConfig) -> _Job:
     from evenpipe.runtime.executor import PipelineExecutor
     from evenpipe.runtime.precision import MasterWeightOptimizer, TrainDtype
-    from evenpipe.runtime.stages import build_stage_modules
 
     rt, sched = config.runtime, config.schedule
-    init_from_env(rt.backend.value, timeout_s=rt.timeout_s)
-    groups = build_groups(sched.num_ranks, rt.dp, timeout_s=rt.timeout_s)
+    init_from_env(rt.backend.value, timeout_s=rt.group_timeout_s)
+    groups = build_groups(sched.num_ranks, rt.dp, timeout_s=rt.group_timeout_s)
     assert groups is not None
     device = _device(rt.backend)
     schedule = sched.build()
     built = config.model.build(device)
-    stages = build_stage_modules(built.parts, num_stages=schedule.num_stages,
-                                 stages=schedule.stages_of(groups.pp_rank),
-                                 layout=list(sched.layout) if sched.layout else None)
+    stages, params = build_rank_stages(built.module, built.parts, schedule, groups.pp_rank,
+                                       layout=list(sched.layout) if sched.layout else None)
     stash = _stash()
     ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=built.loss,
                           free_outputs=sched.free_outputs, stash=stash, device=device)
-    params = list({id(p): p for s in stages.values() for p in s.parameters()}.values())
-    opt: Any = (torch.optim.AdamW(params, lr=config.optimizer.lr) if config.model.dtype is TrainDtype.FLOAT32
-                else MasterWeightOptimizer(torch.optim.AdamW, params, lr=config.optimizer.lr))
-    return _Job(config=config, groups=groups, device=device, schedule=schedule, executor=ex, optimizer=opt,
-                data=config.token_batches(built.spec.vocab), measured=stash is not None, model=built.describe())
+    opt: Any = (build_optimizer(params, config.optimizer) if config.model.dtype is TrainDtype.FLOAT32
+                else MasterWeightOptimizer(torch.optim.AdamW, list(params.named.values()), lr=config.optimizer.lr))
+    lr_schedule = build_lr_scheduler(getattr(opt, "inner", opt), config.optimizer, total_steps=rt.steps)
+    return _Job(config=config, groups=groups, device=device, schedule=schedule, executor=ex, params=params,
+                optimizer=opt, scheduler=lr_schedule, data=config.token_batches(built.spec.vocab),
+                measured=stash is not None, model=built.describe())
 
 
 def _memory_bytes(device: torch.device) -> int:
@@ -89,75 +120,78 @@ def _memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-class _Peaks:
-    """Running maxima of the executor's per-step memory figures."""
+def _train_step(job: _Job, step: int) -> tuple[Any, float, float]:
+    """One optimizer step: pipeline, whole-model norm and clipping, AdamW, schedule; (result, lr, norm)."""
+    batch = job.data.batch(step, job.config.data.global_batch)
+    result = job.executor.step(batch.tokens, batch.targets)
+    norm = clip_grad_global_norm(job.params, job.groups, job.config.optimizer.clip_grad_norm)
+    lr = float(job.optimizer.param_groups[0]["lr"])
+    job.optimizer.step()
+    job.scheduler.step()
+    if job.device.type == "cuda":
+        torch.cuda.synchronize(job.device)
+    return result, lr, norm
 
-    def __init__(self) -> None:
-        self.own = self.hosted = self.total = self.evicted = 0
 
-    def add(self, result: Any) -> None:
-        self.own = max(self.own, result.peak_own_bytes)
-        self.hosted = max(self.hosted, result.peak_hosted_bytes)
-        self.total = max(self.total, result.peak_activation_bytes)
-        self.evicted = result.evicted_bytes
+def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSummary:
+    """Run the whole job on this rank (torch.distributed from torchrun's environment); the job summary.
 
-
-def train(config: TrainConfig) -> TrainSummary:
-    """Run the whole job on this rank (torch.distributed from torchrun's environment); the job summary."""
+    ``watchdog`` (started by the worker) bounds every wait; without one the loop runs unwatched."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    watch = watchdog or Watchdog(rank=0, timeout_s=config.runtime.initial_timeout_s, status_dir=None)
     job = _build(config)
     me, steps = dist.get_rank(), config.runtime.steps
+    watch.rank = me
     tokens_per_step = config.data.global_batch * config.seq_len
     out = config.output
     sink = MetricsSink(jsonl_path=out.metrics, tensorboard_dir=out.tensorboard) if me == 0 else None
-    losses: list[float] = []
-    times: list[float] = []
-    peaks = _Peaks()
-    records = None
+    progress = _Progress()
+    dist.barrier()  # every rank built: the first step's waits measure peers, not start-up skew
     try:
         for step in range(steps):
-            batch = job.data.batch(step, config.data.global_batch)
+            watch.step = step + 1
+            watch.progress("running the pipeline", watched=True)
             job.executor.trace = bool(out.trace or out.trace_json or out.predict) and step == steps - 1
             t0 = time.perf_counter()
-            result = job.executor.step(batch.tokens, batch.targets)
-            job.optimizer.step()
-            if job.device.type == "cuda":
-                torch.cuda.synchronize(job.device)
+            result, lr, norm = _train_step(job, step)
             dt = time.perf_counter() - t0
-            losses.append(result.loss)
-            times.append(dt)
-            peaks.add(result)
-            records = result.records
+            progress.add(result, dt, norm)
+            watch.finished_step(step + 1)
+            if config.runtime.timeout_s is None:
+                watch.timeout_s = timeout_after_step(max(progress.times))
             if sink is not None:
-                m = StepMetrics(step=step + 1, loss=result.loss, lr=job.optimizer.param_groups[0]["lr"],
-                                step_time_s=dt, tokens_per_s=tokens_per_step / dt,
-                                peak_activation_bytes=result.peak_activation_bytes,
+                m = StepMetrics(step=step + 1, loss=result.loss, lr=lr, grad_norm=norm, step_time_s=dt,
+                                tokens_per_s=tokens_per_step / dt, peak_activation_bytes=result.peak_activation_bytes,
                                 memory_bytes=_memory_bytes(job.device))
                 sink.write(m)
-                log.info(format_progress(m, steps))
+                if (step + 1) % out.log_every_for(steps) == 0 or step + 1 == steps:
+                    log.info(format_progress(m, steps))
     finally:
         if sink is not None:
             sink.close()
-    report = RankReport(pp_rank=job.groups.pp_rank, dp_rank=job.groups.dp_rank, peak_own_bytes=peaks.own,
-                        peak_hosted_bytes=peaks.hosted, peak_activation_bytes=peaks.total,
-                        evicted_bytes_per_step=peaks.evicted,
-                        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                        step_times_s=tuple(times))
-    summary = _gather_summary(job, report, records if job.groups.dp_rank == 0 else None, losses, tokens_per_step)
+    watch.progress("gathering the summary", watched=False)
+    summary = _gather_summary(job, _report(job, progress), progress, tokens_per_step)
     dist.barrier()
     dist.destroy_process_group()
     return summary
 
 
-def _gather_summary(job: _Job, report: RankReport, records: Any, losses: list[float],
-                    tokens_per_step: int) -> TrainSummary:
+def _report(job: _Job, p: _Progress) -> RankReport:
+    return RankReport(pp_rank=job.groups.pp_rank, dp_rank=job.groups.dp_rank, peak_own_bytes=p.own,
+                      peak_hosted_bytes=p.hosted, peak_activation_bytes=p.total, evicted_bytes_per_step=p.evicted,
+                      peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      step_times_s=tuple(p.times))
+
+
+def _gather_summary(job: _Job, report: RankReport, progress: _Progress, tokens_per_step: int) -> TrainSummary:
     """Gather every rank's report on rank 0, write the outputs there, and share the summary with all ranks."""
     me = dist.get_rank()
+    records = progress.records if job.groups.dp_rank == 0 else None
     gathered: list[Any] = [None] * dist.get_world_size() if me == 0 else []
     dist.gather_object((report, records), gathered if me == 0 else None, dst=0)
     shared: list[Any] = [None]
     if me == 0:
-        summary = summarise([r for r, _ in gathered], losses, num_ranks=job.config.schedule.num_ranks,
+        summary = summarise([r for r, _ in gathered], progress.losses, progress.grad_norms, num_ranks=job.config.schedule.num_ranks,
                             first_step=0, tokens_per_step=tokens_per_step)
         log.info("\n" + memory_table(summary, measured=job.measured))
         prediction = _prediction(job, [r for r, _ in gathered])

@@ -29,6 +29,8 @@ class StepMetrics:
     """Mean training loss over the global batch."""
     lr: float
     """Learning rate this step used."""
+    grad_norm: float
+    """The whole model's gradient L2 norm before clipping."""
     step_time_s: float
     """Wall-clock seconds of the step on rank 0 (pipeline, gradient sync and optimizer)."""
     tokens_per_s: float
@@ -41,7 +43,8 @@ class StepMetrics:
 
 def format_progress(m: StepMetrics, total_steps: int) -> str:
     """One progress line: step, loss, learning rate, throughput, step time and memory."""
-    return (f"step {m.step:4d}/{total_steps}  loss {m.loss:.4f}  lr {m.lr:.2e}  {m.tokens_per_s:10.0f} tokens/s  "
+    return (f"step {m.step:4d}/{total_steps}  loss {m.loss:.4f}  lr {m.lr:.2e}  grad norm {m.grad_norm:8.3f}  "
+            f"{m.tokens_per_s:10.0f} tokens/s  "
             f"step {m.step_time_s * 1e3:8.1f} ms  mem {m.memory_bytes / 2**20:8.1f} MiB")
 
 

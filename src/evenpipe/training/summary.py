@@ -39,6 +39,8 @@ class TrainSummary:
 
     losses: tuple[float, ...]
     """Training loss of every step this run executed, in order."""
+    grad_norms: tuple[float, ...]
+    """The whole model's gradient norm (before clipping) of every step this run executed."""
     first_step: int
     """Steps already done when this run started (0 unless resumed)."""
     step_time_s: float
@@ -61,15 +63,15 @@ class TrainSummary:
                 for f in dataclasses.fields(self)}
 
 
-def summarise(reports: Sequence[RankReport], losses: Sequence[float], *, num_ranks: int, first_step: int,
-              tokens_per_step: int) -> TrainSummary:
+def summarise(reports: Sequence[RankReport], losses: Sequence[float], grad_norms: Sequence[float], *,
+              num_ranks: int, first_step: int, tokens_per_step: int) -> TrainSummary:
     """Fold every rank's report into the job summary."""
     step_times = [max(r.step_times_s[i] for r in reports) for i in range(len(losses))]
     median = statistics.median(step_times) if step_times else float("nan")
 
     def per_rank(name: str) -> tuple[int, ...]:
         return tuple(max(getattr(r, name) for r in reports if r.pp_rank == k) for k in range(num_ranks))
-    return TrainSummary(losses=tuple(losses), first_step=first_step, step_time_s=median,
+    return TrainSummary(losses=tuple(losses), grad_norms=tuple(grad_norms), first_step=first_step, step_time_s=median,
                         tokens_per_s=tokens_per_step / median if step_times else float("nan"),
                         peak_activation_bytes=per_rank("peak_activation_bytes"),
                         peak_own_bytes=per_rank("peak_own_bytes"), peak_hosted_bytes=per_rank("peak_hosted_bytes"),

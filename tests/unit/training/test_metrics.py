@@ -14,7 +14,7 @@ from evenpipe.training.metrics import MetricsSink, StepMetrics, format_progress,
 
 
 def _m(step: int) -> StepMetrics:
-    return StepMetrics(step=step, loss=5.0 - step, lr=1e-3, step_time_s=0.25, tokens_per_s=4096.0,
+    return StepMetrics(step=step, loss=5.0 - step, lr=1e-3, grad_norm=1.5, step_time_s=0.25, tokens_per_s=4096.0,
                        peak_activation_bytes=1024, memory_bytes=2**20)
 
 

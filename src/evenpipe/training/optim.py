@@ -1,0 +1,74 @@
+"""The optimizer of one rank: AdamW with weight-decay groups, a warm-up + cosine learning rate, and gradient
+clipping by the whole model's norm (summed over every pipeline rank, each parameter once).
+
+Weight decay applies to parameters with two or more dimensions (linear weights, embeddings); biases and norm gains
+(one dimension) are not decayed, as in GPT-3 and nanoGPT. Groups list parameters in canonical-name order, so the
+optimizer's layout is a function of the parameters this rank holds, not of construction order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from evenpipe.runtime.comm import ParallelGroups, PeerFailure, observed
+from evenpipe.training.config import OptimizerOptions
+from evenpipe.training.params import RankParameters
+
+__all__ = ["build_optimizer", "build_lr_scheduler", "global_grad_norm", "clip_grad_global_norm", "decays"]
+
+
+def decays(param: nn.Parameter) -> bool:
+    """Whether weight decay applies: matrices and embeddings yes, biases and norm gains no."""
+    return param.dim() >= 2
+
+
+def build_optimizer(params: RankParameters, opts: OptimizerOptions) -> torch.optim.AdamW:
+    """AdamW over this rank's parameters: a decayed group and an undecayed one (empty groups left out)."""
+    names = sorted(params.named)
+    decayed = [params.named[n] for n in names if decays(params.named[n])]
+    plain = [params.named[n] for n in names if not decays(params.named[n])]
+    groups = [g for g in ({"params": decayed, "weight_decay": opts.weight_decay},
+                          {"params": plain, "weight_decay": 0.0}) if g["params"]]
+    return torch.optim.AdamW(groups, lr=opts.lr, betas=opts.betas, eps=opts.eps)
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, opts: OptimizerOptions, *,
+                       total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Sets the learning rate of step ``k`` to :meth:`OptimizerOptions.lr_at` (call ``.step()`` after each
+    optimizer step)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: opts.lr_at(k, total_steps=total_steps) / opts.lr)
+
+
+def global_grad_norm(params: RankParameters, groups: ParallelGroups) -> float:
+    """L2 norm of the whole model's gradient: squares of the owned gradients, summed in float64 over the
+    pipeline ranks of this replica (replicas hold the same averaged gradients, so they are not summed)."""
+    owned = [p.grad for p in params.owned_parameters if p.grad is not None]
+    device = owned[0].device if owned else next(iter(params.named.values())).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in owned:
+        total += torch.linalg.vector_norm(g.detach(), dtype=torch.float64) ** 2
+    if groups.pp > 1:
+        total = total.reshape(1)
+        try:
+            with observed("the gradient-norm all-reduce"):
+                dist.all_reduce(total, group=groups.pp_group)
+        except RuntimeError as e:
+            raise PeerFailure(f"rank {dist.get_rank()}: gradient-norm all-reduce failed: {e}") from e
+    return math.sqrt(float(total.sum()))
+
+
+def clip_grad_global_norm(params: RankParameters, groups: ParallelGroups, max_norm: float | None) -> float:
+    """Scale every gradient of this rank so the whole model's norm is at most ``max_norm`` (None: only measure);
+    returns the norm before clipping."""
+    norm = global_grad_norm(params, groups)
+    if max_norm is not None and math.isfinite(norm) and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params.named.values():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
