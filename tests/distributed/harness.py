@@ -73,3 +73,22 @@ def run_world(world: int, fn: RankFn, *, timeout_s: float = 240.0, pg_timeout_s:
     for r in range(world):
         results.setdefault(r, [f"rank {r} reported nothing within {timeout_s:.0f} s (hang or crash)"])
     return results
+
+
+def train_env() -> dict[str, str]:
+    """This process's environment without torchrun's variables (so ``evenpipe train`` launches its own world)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def run_train(args: list[str], json_out: Any, *, timeout_s: float = 240.0) -> tuple[dict, str]:
+    """Run ``python -m evenpipe train ARGS --json-out JSON_OUT``; its summary and stdout (asserts success)."""
+    import json
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "evenpipe", "train", *args, "--json-out", str(json_out)],
+                          env=train_env(), capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    with open(json_out) as f:
+        return json.load(f), proc.stdout

@@ -4,12 +4,11 @@ trajectory pipelined and un-pipelined (``--stages 1``); ``--json-out`` and ``--t
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from harness import run_train
 
 pytestmark = pytest.mark.distributed
 
@@ -18,14 +17,9 @@ COMMON = ["--model", "gpt-tiny", "--seq-len", "16", "--microbatches", "4", "--st
 
 
 def _train(tmp: pathlib.Path, name: str, *extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    out = tmp / f"{name}.json"
-    proc = subprocess.run([sys.executable, "-m", "evenpipe", "train", *COMMON, *extra, "--json-out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "loss" in proc.stdout and "tokens/s" in proc.stdout and "peak RSS" in proc.stdout, proc.stdout
-    return json.loads(out.read_text())
+    summary, stdout = run_train([*COMMON, *extra], tmp / f"{name}.json", timeout_s=180)
+    assert "loss" in stdout and "tokens/s" in stdout and "peak RSS" in stdout, stdout
+    return summary
 
 
 def test_same_seed_same_trajectory_pipelined_and_unpipelined(tmp_path: pathlib.Path) -> None:

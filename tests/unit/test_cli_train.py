@@ -35,6 +35,9 @@ BAD = {
     "bpipe budget too small": (["--schedule", "bpipe", "--bpipe-budget", "1"], "budget 1"),
     "zero steps": (["--steps", "0"], "--steps must be >= 1"),
     "a preset too big for this machine": (["--model", "llama3-405b"], "model llama3-405b has 405.85B parameters"),
+    "resume without a directory": (["--resume"], "need --checkpoint-dir"),
+    "token file missing": (["--tokens", "/nonexistent/t.bin"], "cannot read token file"),
+    "cosine below zero": (["--min-lr", "-1"], "--min-lr must be between 0"),
 }
 
 

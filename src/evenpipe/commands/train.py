@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from evenpipe.errors import ConfigError
 
 if TYPE_CHECKING:
-    from evenpipe.training.config import TrainConfig
+    from evenpipe.training.config import DataSource, TrainConfig
 
 __all__ = ["add_arguments", "run", "build_config", "check_fits_machine"]
 
@@ -46,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--corpus", default=None, help="text file to train on, bytes as tokens (default: the shipped corpus)")
     src.add_argument("--random-tokens", action="store_true", help="train on uniformly random tokens")
+    src.add_argument("--tokens", default=None, metavar="PATH",
+                     help="pre-tokenised flat token file (uint16 or uint32 ids), read by memory map")
+    p.add_argument("--token-dtype", default="uint16", help="element type of --tokens: uint16 or uint32")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="report a held-out loss every N steps (the last 5%% of the data is held out)")
+    p.add_argument("--eval-batches", type=int, default=4, help="global batches per evaluation")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
     p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
     p.add_argument("--lr-schedule", default="constant", help="learning rate after warm-up: constant or cosine")
@@ -71,6 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, choices=["gloo", "nccl"],
                    help="torch.distributed backend (default: nccl with GPUs, else gloo)")
     p.add_argument("--layout", default=None, help="layers per stage (per virtual chunk), e.g. 5,6,6,5")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save checkpoints here (torch.distributed.checkpoint; shared by all ranks)")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="save every N steps (default: only after the last step)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints to keep")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir (any schedule, stages, layout, dp)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a rank may wait for a peer before the job fails (default: 300 s for the first "
                         "step, then 10x the slowest step, at least 10 s)")
@@ -80,7 +93,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     """The typed job config from the parsed options, plus the checks that depend on this machine (ConfigError)."""
     import torch
 
-    from evenpipe.training.config import (Backend, CheckpointOptions, DataOptions, DataSource, ModelOptions,
+    from evenpipe.training.config import (Backend, CheckpointOptions, DataOptions, ModelOptions,
                                           OptimizerOptions, OutputOptions, RuntimeOptions, ScheduleOptions,
                                           TrainConfig)
 
@@ -101,13 +114,14 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         model=ModelOptions(preset=args.model or "gpt-tiny", hf_config=_abs(args.hf_config), seq_len=args.seq_len,
                            init_seed=args.seed, dtype=args.dtype),
         schedule=schedule,
-        data=DataOptions(source=DataSource.RANDOM if args.random_tokens else DataSource.CORPUS,
-                         path=_abs(args.corpus), seed=args.seed,
+        data=DataOptions(source=_source(args), path=_abs(args.tokens or args.corpus), seed=args.seed,
+                         token_dtype=args.token_dtype, eval_every=args.eval_every, eval_batches=args.eval_batches,
                          global_batch=args.global_batch or args.microbatch_size * args.microbatches * args.dp),
         optimizer=OptimizerOptions(lr=args.lr, schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
                                    min_lr=args.min_lr, decay_steps=args.decay_steps, weight_decay=args.weight_decay,
                                    clip_grad_norm=args.clip_grad_norm),
-        checkpoint=CheckpointOptions(),
+        checkpoint=CheckpointOptions(directory=_abs(args.checkpoint_dir), every=args.checkpoint_every,
+                                     resume=bool(args.resume), keep=args.keep_checkpoints),
         runtime=runtime,
         output=OutputOptions(json_out=_abs(args.json_out), trace=_abs(args.trace), metrics=_abs(args.metrics),
                              tensorboard=_abs(args.tensorboard), trace_json=_abs(args.trace_json),
@@ -148,6 +162,13 @@ def check_fits_machine(num_params: int, name: str, *, world: int) -> None:
         raise ConfigError(f"model {name} has {num_params / 1e9:.2f}B parameters: training it in {world} local "
                           f"process(es) needs about {need / 2**30:.1f} GiB but this machine has "
                           f"{have / 2**30:.1f} GiB available; use a smaller model (e.g. gpt-tiny, llama-mini)")
+
+
+def _source(args: argparse.Namespace) -> DataSource:
+    from evenpipe.training.config import DataSource
+    if args.tokens:
+        return DataSource.TOKENS
+    return DataSource.RANDOM if args.random_tokens else DataSource.CORPUS
 
 
 def _layout(text: str | None) -> tuple[int, ...] | None:

@@ -170,12 +170,27 @@ class DataOptions:
     """Seed of the batch order."""
     global_batch: int = 16
     """Sequences per optimizer step, over all replicas."""
+    token_dtype: str = "uint16"
+    """Element type of a token file (uint16 or uint32)."""
+    eval_every: int | None = None
+    """Report a held-out loss every this many steps (and after the last); None: no evaluation, no held-out split."""
+    eval_batches: int = 4
+    """Global batches per evaluation."""
 
     def __post_init__(self) -> None:
         _coerce(self, "source", parse_choice(DataSource, self.source, "data source"))
         _at_least("global-batch", self.global_batch, 1)
         if self.path is not None and self.source is DataSource.RANDOM:
             raise ConfigError("a corpus path was given but the data source is 'random'; drop one of them")
+        from evenpipe.runtime.token_file import parse_token_dtype
+        parse_token_dtype(self.token_dtype)
+        if self.eval_every is not None:
+            _at_least("eval-every", self.eval_every, 1)
+        _at_least("eval-batches", self.eval_batches, 1)
+
+    def eval_due(self, steps_done: int, total_steps: int) -> bool:
+        """Whether to evaluate after ``steps_done`` steps."""
+        return self.eval_every is not None and (steps_done % self.eval_every == 0 or steps_done == total_steps)
 
 
 class LrSchedule(enum.Enum):
@@ -242,7 +257,29 @@ class OptimizerOptions:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointOptions:
-    """Saving and resuming (not yet used)."""
+    """Saving and resuming (see :mod:`evenpipe.training.checkpoint`)."""
+
+    directory: str | None = None
+    """Checkpoint directory (absolute path, shared by all ranks); None: no checkpoints."""
+    every: int | None = None
+    """Save every this many steps (and after the last step); None: only after the last step."""
+    resume: bool = False
+    """Start from the newest complete checkpoint in ``directory`` when there is one."""
+    keep: int = 2
+    """Newest checkpoints kept; older ones are deleted after a save."""
+
+    def __post_init__(self) -> None:
+        if self.every is not None:
+            _at_least("checkpoint-every", self.every, 1)
+        _at_least("keep-checkpoints", self.keep, 1)
+        if self.directory is None and (self.every is not None or self.resume):
+            raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
+
+    def due(self, steps_done: int, total_steps: int) -> bool:
+        """Whether to save after ``steps_done`` steps."""
+        if self.directory is None:
+            return False
+        return steps_done == total_steps or (self.every is not None and steps_done % self.every == 0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -341,6 +378,9 @@ class TrainConfig:
         if self.data.global_batch % (sched.num_microbatches * dp):
             raise ConfigError(f"--global-batch {self.data.global_batch} is not divisible by microbatches x dp = "
                               f"{sched.num_microbatches} x {dp}")
+        if self.checkpoint.directory is not None and self.model.dtype.value != "float32":
+            raise ConfigError("--checkpoint-dir needs --dtype float32 for now (bfloat16 keeps its AdamW state on "
+                              "fp32 master copies, which checkpoints do not save yet)")
         from evenpipe.runtime.stages import partition_layers
         partition_layers(cfg.num_layers, sched.num_stages, layout=sched.layout)
         self.token_batches(cfg.vocab)  # the data source's own checks (file readable, vocabulary large enough)
@@ -349,7 +389,8 @@ class TrainConfig:
         """The deterministic batch source (:class:`evenpipe.runtime.data.TokenBatches`) for a model of ``vocab``."""
         from evenpipe.runtime.data import TokenBatches
         return TokenBatches(source=self.data.source, seq_len=self.seq_len, vocab=vocab, seed=self.data.seed,
-                            path=self.data.path)
+                            path=self.data.path, token_dtype=self.data.token_dtype,
+                            held_out=self.data.eval_every is not None)
 
     @property
     def world_size(self) -> int:

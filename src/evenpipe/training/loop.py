@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from evenpipe.runtime.comm import ParallelGroups, build_groups, init_from_env
+from evenpipe.training.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from evenpipe.training.config import Backend, TrainConfig
 from evenpipe.training.fault import Watchdog, timeout_after_step
 from evenpipe.training.metrics import MetricsSink, StepMetrics, format_progress
@@ -43,6 +44,7 @@ class _Job:
     device: torch.device
     schedule: Any
     executor: Any
+    stages: dict[int, torch.nn.Module]
     params: RankParameters
     optimizer: Any
     """AdamW (float32) or a master-weight AdamW (bfloat16)."""
@@ -59,6 +61,7 @@ class _Progress:
     """What the loop accumulates over the steps of this run."""
 
     losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     own: int = 0
@@ -108,9 +111,8 @@ def _build(config: TrainConfig) -> _Job:
                           free_outputs=sched.free_outputs, stash=stash, device=device)
     opt: Any = (build_optimizer(params, config.optimizer) if config.model.dtype is TrainDtype.FLOAT32
                 else MasterWeightOptimizer(torch.optim.AdamW, list(params.named.values()), lr=config.optimizer.lr))
-    lr_schedule = build_lr_scheduler(getattr(opt, "inner", opt), config.optimizer, total_steps=rt.steps)
-    return _Job(config=config, groups=groups, device=device, schedule=schedule, executor=ex, params=params,
-                optimizer=opt, scheduler=lr_schedule, data=config.token_batches(built.spec.vocab),
+    return _Job(config=config, groups=groups, device=device, schedule=schedule, executor=ex, stages=stages,
+                params=params, optimizer=opt, scheduler=None, data=config.token_batches(built.spec.vocab),
                 measured=stash is not None, model=built.describe())
 
 
@@ -140,40 +142,102 @@ def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSumm
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     watch = watchdog or Watchdog(rank=0, timeout_s=config.runtime.initial_timeout_s, status_dir=None)
     job = _build(config)
-    me, steps = dist.get_rank(), config.runtime.steps
-    watch.rank = me
-    tokens_per_step = config.data.global_batch * config.seq_len
+    watch.rank = dist.get_rank()
+    state = _resume(job, watch)
+    steps = config.runtime.steps
+    job.scheduler = build_lr_scheduler(getattr(job.optimizer, "inner", job.optimizer), config.optimizer,
+                                       total_steps=steps, start_step=state.step)
     out = config.output
-    sink = MetricsSink(jsonl_path=out.metrics, tensorboard_dir=out.tensorboard) if me == 0 else None
+    sink = MetricsSink(jsonl_path=out.metrics, tensorboard_dir=out.tensorboard,
+                       append=state.step > 0) if dist.get_rank() == 0 else None
     progress = _Progress()
     dist.barrier()  # every rank built: the first step's waits measure peers, not start-up skew
     try:
-        for step in range(steps):
-            watch.step = step + 1
-            watch.progress("running the pipeline", watched=True)
-            job.executor.trace = bool(out.trace or out.trace_json or out.predict) and step == steps - 1
-            t0 = time.perf_counter()
-            result, lr, norm = _train_step(job, step)
-            dt = time.perf_counter() - t0
-            progress.add(result, dt, norm)
-            watch.finished_step(step + 1)
-            if config.runtime.timeout_s is None:
-                watch.timeout_s = timeout_after_step(max(progress.times))
+        for step in range(state.step, steps):
+            metrics = _watched_step(job, watch, step, progress)
+            state = TrainState(step=step + 1, samples=state.samples + config.data.global_batch)
+            extra = {}
+            if config.data.eval_due(step + 1, steps):
+                extra["eval_loss"] = _evaluate(job, watch)
+                progress.eval_losses.append((step + 1, extra["eval_loss"]))
             if sink is not None:
-                m = StepMetrics(step=step + 1, loss=result.loss, lr=lr, grad_norm=norm, step_time_s=dt,
-                                tokens_per_s=tokens_per_step / dt, peak_activation_bytes=result.peak_activation_bytes,
-                                memory_bytes=_memory_bytes(job.device))
-                sink.write(m)
+                sink.write(metrics, **extra)
+                if extra:
+                    log.info(f"step {step + 1:4d}/{steps}  held-out loss {extra['eval_loss']:.4f}")
                 if (step + 1) % out.log_every_for(steps) == 0 or step + 1 == steps:
-                    log.info(format_progress(m, steps))
+                    log.info(format_progress(metrics, steps))
+            if config.checkpoint.due(step + 1, steps):
+                _save(job, watch, state)
     finally:
         if sink is not None:
             sink.close()
     watch.progress("gathering the summary", watched=False)
-    summary = _gather_summary(job, _report(job, progress), progress, tokens_per_step)
+    summary = _gather_summary(job, _report(job, progress), progress, first_step=steps - len(progress.losses))
     dist.barrier()
     dist.destroy_process_group()
     return summary
+
+
+def _watched_step(job: _Job, watch: Watchdog, step: int, progress: _Progress) -> StepMetrics:
+    """Step ``step`` (0-based) under the watchdog, which tightens its timeout afterwards (without --timeout)."""
+    config = job.config
+    watch.step = step + 1
+    watch.progress("running the pipeline", watched=True)
+    out = config.output
+    job.executor.trace = bool(out.trace or out.trace_json or out.predict) and step == config.runtime.steps - 1
+    t0 = time.perf_counter()
+    result, lr, norm = _train_step(job, step)
+    dt = time.perf_counter() - t0
+    progress.add(result, dt, norm)
+    watch.finished_step(step + 1)
+    if config.runtime.timeout_s is None:
+        watch.timeout_s = timeout_after_step(max(progress.times))
+    return StepMetrics(step=step + 1, loss=result.loss, lr=lr, grad_norm=norm, step_time_s=dt,
+                       tokens_per_s=config.data.global_batch * config.seq_len / dt,
+                       peak_activation_bytes=result.peak_activation_bytes, memory_bytes=_memory_bytes(job.device))
+
+
+def _evaluate(job: _Job, watch: Watchdog) -> float:
+    """Mean loss over the held-out batches (dropout off). The executor has no forward-only mode yet, so each
+    batch runs a full step whose gradients are then dropped; parameters and optimizer state are untouched."""
+    watch.progress("evaluating", watched=False)
+    modules = list(job.stages.values())
+    for m in modules:
+        m.eval()
+    data = job.config.data
+    losses = [job.executor.step(b.tokens, b.targets).loss
+              for b in (job.data.eval_batch(j, data.global_batch) for j in range(data.eval_batches))]
+    for m in modules:
+        m.train()
+    for p in job.params.named.values():
+        p.grad = None
+    watch.progress()
+    return sum(losses) / len(losses)
+
+
+def _resume(job: _Job, watch: Watchdog) -> TrainState:
+    """The newest checkpoint's state when resuming (parameters and optimizer loaded), else step 0."""
+    ck = job.config.checkpoint
+    path = latest_checkpoint(ck.directory) if ck.resume and ck.directory else None
+    if path is None:
+        if ck.resume and dist.get_rank() == 0:
+            log.info(f"no checkpoint in {ck.directory}; starting at step 0")
+        return TrainState(step=0, samples=0)
+    watch.progress("loading a checkpoint", watched=False)
+    state = load_checkpoint(path, params=job.params, optimizer=job.optimizer)
+    if dist.get_rank() == 0:
+        log.info(f"resumed from {path} at step {state.step}")
+    return state
+
+
+def _save(job: _Job, watch: Watchdog, state: TrainState) -> None:
+    ck = job.config.checkpoint
+    assert ck.directory is not None
+    watch.progress("saving a checkpoint", watched=False)
+    path = save_checkpoint(ck.directory, params=job.params, optimizer=job.optimizer, state=state, keep=ck.keep)
+    watch.progress()
+    if dist.get_rank() == 0:
+        log.info(f"saved {path}")
 
 
 def _report(job: _Job, p: _Progress) -> RankReport:
@@ -183,7 +247,7 @@ def _report(job: _Job, p: _Progress) -> RankReport:
                       step_times_s=tuple(p.times))
 
 
-def _gather_summary(job: _Job, report: RankReport, progress: _Progress, tokens_per_step: int) -> TrainSummary:
+def _gather_summary(job: _Job, report: RankReport, progress: _Progress, *, first_step: int) -> TrainSummary:
     """Gather every rank's report on rank 0, write the outputs there, and share the summary with all ranks."""
     me = dist.get_rank()
     records = progress.records if job.groups.dp_rank == 0 else None
@@ -191,8 +255,10 @@ def _gather_summary(job: _Job, report: RankReport, progress: _Progress, tokens_p
     dist.gather_object((report, records), gathered if me == 0 else None, dst=0)
     shared: list[Any] = [None]
     if me == 0:
-        summary = summarise([r for r, _ in gathered], progress.losses, progress.grad_norms, num_ranks=job.config.schedule.num_ranks,
-                            first_step=0, tokens_per_step=tokens_per_step)
+        summary = summarise([r for r, _ in gathered], progress.losses, progress.grad_norms,
+                            eval_losses=progress.eval_losses, num_ranks=job.config.schedule.num_ranks,
+                            first_step=first_step,
+                            tokens_per_step=job.config.data.global_batch * job.config.seq_len)
         log.info("\n" + memory_table(summary, measured=job.measured))
         prediction = _prediction(job, [r for r, _ in gathered])
         _write_outputs(job, summary, [rec for _, rec in gathered if rec is not None], prediction)

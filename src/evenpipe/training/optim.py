@@ -36,12 +36,18 @@ def build_optimizer(params: RankParameters, opts: OptimizerOptions) -> torch.opt
     return torch.optim.AdamW(groups, lr=opts.lr, betas=opts.betas, eps=opts.eps)
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, opts: OptimizerOptions, *,
-                       total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, opts: OptimizerOptions, *, total_steps: int,
+                       start_step: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
     """Sets the learning rate of step ``k`` to :meth:`OptimizerOptions.lr_at` (call ``.step()`` after each
-    optimizer step)."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda k: opts.lr_at(k, total_steps=total_steps) / opts.lr)
+    optimizer step). ``start_step`` > 0 resumes the schedule there, computing the rate exactly as an
+    uninterrupted run would (``initial_lr * factor``)."""
+    def factor(k: int) -> float:
+        return opts.lr_at(k, total_steps=total_steps) / opts.lr
+    if start_step == 0:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    for g in optimizer.param_groups:
+        g.setdefault("initial_lr", opts.lr)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=start_step - 1)
 
 
 def global_grad_norm(params: RankParameters, groups: ParallelGroups) -> float:

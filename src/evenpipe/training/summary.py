@@ -41,6 +41,8 @@ class TrainSummary:
     """Training loss of every step this run executed, in order."""
     grad_norms: tuple[float, ...]
     """The whole model's gradient norm (before clipping) of every step this run executed."""
+    eval_losses: tuple[tuple[int, float], ...]
+    """``(steps done, held-out loss)`` of every evaluation this run made."""
     first_step: int
     """Steps already done when this run started (0 unless resumed)."""
     step_time_s: float
@@ -64,14 +66,16 @@ class TrainSummary:
 
 
 def summarise(reports: Sequence[RankReport], losses: Sequence[float], grad_norms: Sequence[float], *,
-              num_ranks: int, first_step: int, tokens_per_step: int) -> TrainSummary:
+              eval_losses: Sequence[tuple[int, float]] = (), num_ranks: int, first_step: int,
+              tokens_per_step: int) -> TrainSummary:
     """Fold every rank's report into the job summary."""
     step_times = [max(r.step_times_s[i] for r in reports) for i in range(len(losses))]
     median = statistics.median(step_times) if step_times else float("nan")
 
     def per_rank(name: str) -> tuple[int, ...]:
         return tuple(max(getattr(r, name) for r in reports if r.pp_rank == k) for k in range(num_ranks))
-    return TrainSummary(losses=tuple(losses), grad_norms=tuple(grad_norms), first_step=first_step, step_time_s=median,
+    return TrainSummary(losses=tuple(losses), grad_norms=tuple(grad_norms), eval_losses=tuple(eval_losses),
+                        first_step=first_step, step_time_s=median,
                         tokens_per_s=tokens_per_step / median if step_times else float("nan"),
                         peak_activation_bytes=per_rank("peak_activation_bytes"),
                         peak_own_bytes=per_rank("peak_own_bytes"), peak_hosted_bytes=per_rank("peak_hosted_bytes"),
