@@ -22,6 +22,7 @@ from evenpipe.runtime.executor import PipelineExecutor
 from evenpipe.runtime.stages import build_stage_modules
 from evenpipe.runtime.stash import ActivationStash
 from evenpipe.schedule.ir import Schedule
+from harness import failures_only, missing_runs, ran
 
 MICROBATCH = 2
 CASE_TIMEOUT_S = 30.0
@@ -125,7 +126,7 @@ def run_case(case: Case, *, stash_factory=None) -> list[str]:
     if groups is None:
         return []
     try:
-        return _run(case, groups, stash_factory)
+        return _run(case, groups, stash_factory) + [ran(f"{case} rank {groups.pp_rank}/{groups.dp_rank}")]
     except Exception as e:  # fatal: the other ranks of the case are now out of step, so stop this process
         raise RuntimeError(f"{case} rank {dist.get_rank()}: {type(e).__name__}: {e}\n"
                            f"{traceback.format_exc(limit=4)}") from e
@@ -205,7 +206,47 @@ def free_outputs_check() -> list[str]:
         out.append(f"free-outputs rank 0: peak {got[True][0]} B with freeing, {got[False][0]} B without")
     if not all(torch.equal(a, b) for a, b in zip(got[True][1], got[False][1])):
         out.append(f"free-outputs rank {rank}: gradients differ when outputs are freed")
-    return out
+    return out + [ran(f"free-outputs rank {rank}")]
+
+
+def offload_schedule(family: str, pp: int, microbatches: int, ranks: set[int] | None = None) -> Schedule:
+    """``family`` with every micro-batch's activations offloaded to host memory after its forward."""
+    from evenpipe.schedule import ScheduleFamily, add_offload, compute_order, derive_communication, validate
+    compute = compute_order(ScheduleFamily.parse(family), num_ranks=pp, num_microbatches=microbatches)
+    full = derive_communication(add_offload(compute, ranks=ranks))
+    validate(full)
+    return full
+
+
+def offload_check() -> list[str]:
+    """1F1B P=2 M=4 with OFFLOAD/RELOAD on rank 0: the saved activations really leave the stash (rank 0's
+    measured peak drops to one micro-batch's) and come back with gradients equal (bitwise) to the plain run's."""
+    groups = build_groups(2, 1, timeout_s=CASE_TIMEOUT_S)
+    if groups is None:
+        return []
+    case = Case(family="1f1b", pp=2, microbatches=4)
+    got = {}
+    for offload in (True, False):
+        schedule = offload_schedule("1f1b", 2, 4, ranks={0}) if offload else schedule_for(case)
+        cfg = tiny_config(case.model, 2)
+        model = build_model(cfg, seed=7)
+        stages = build_stage_modules(model.pipeline_parts(), num_stages=2, stages=schedule.stages_of(groups.pp_rank))
+        stash = ActivationStash()
+        ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=lm_loss, stash=stash)
+        tokens, targets = global_batch(case, cfg.vocab, 0)
+        res = ex.step(tokens, targets)
+        got[offload] = (res.peak_own_bytes, [p.grad.clone() for s in stages.values() for p in s.parameters()],
+                        stash.is_empty())
+    out = []
+    rank = groups.pp_rank
+    if rank == 0 and not got[True][0] * 1.5 < got[False][0]:
+        out.append(f"offload rank 0: peak {got[True][0]} B with offload, {got[False][0]} B without (expected "
+                   "about half: one micro-batch's activations instead of two)")
+    if not all(torch.equal(a, b) for a, b in zip(got[True][1], got[False][1])):
+        out.append(f"offload rank {rank}: gradients differ when activations are offloaded")
+    if not got[True][2]:
+        out.append(f"offload rank {rank}: stash not empty after the step")
+    return out + [ran(f"offload rank {rank}")]
 
 
 def measured_trace_check() -> list[str]:
@@ -254,7 +295,20 @@ def measured_trace_check() -> list[str]:
     late = [rec for acts in trace.actions for rec in acts if rec.end < rec.start]
     if late:
         out.append(f"measured trace: transfer action ends before it starts: {late[0]}")
-    return out
+    return out + [ran(f"measured trace rank {groups.pp_rank}")]
+
+
+def case_problems(lines: list[str], case: Case) -> list[str]:
+    """Failures of ``case`` (and fatal ones), or a failure when not all its ``pp x dp`` ranks proved they ran it."""
+    fatal = [f for f in lines if " raised " in f or "reported nothing" in f]
+    return (fatal + [f for f in failures_only(lines) if f.startswith(f"{case} rank")]
+            + missing_runs(lines, str(case), case.pp * case.dp))
+
+
+def check_problems(lines: list[str], label: str, expected: int) -> list[str]:
+    """Failures of a named check (lines starting with ``label``), or its missing proofs."""
+    fatal = [f for f in lines if " raised " in f or "reported nothing" in f]
+    return fatal + [f for f in failures_only(lines) if f.startswith(label)] + missing_runs(lines, label, expected)
 
 
 def run_cases(cases: list[Case], **kw) -> list[str]:
@@ -264,4 +318,4 @@ def run_cases(cases: list[Case], **kw) -> list[str]:
     return out
 
 
-__all__ = ["Case", "run_case", "run_cases", "schedule_for", "replace"]
+__all__ = ["Case", "case_problems", "check_problems", "run_case", "run_cases", "schedule_for", "replace"]

@@ -1,7 +1,9 @@
 """Start one gloo world of N local processes, run a function on every rank, collect what each rank reports.
 
-Each rank returns a list of failure strings (empty when all its checks passed). The parent waits with a
-deadline and kills any process still running, so a hang fails the test instead of blocking CI.
+Each rank returns a list of strings: failures, and proofs that a check ran (``RAN`` lines, see :func:`ran`).
+A check passes only when its proof is there and no failure names it, so a check that never ran fails. The
+parent waits with a deadline and kills any process still running, so a hang fails the test instead of
+blocking CI.
 """
 
 from __future__ import annotations
@@ -18,6 +20,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 RankFn = Callable[[int, int], list[str]]
+
+RAN = "ran: "
+"""Prefix of a proof line: ``ran(label)`` is reported by a rank that completed the check ``label``."""
+
+
+def ran(label: str) -> str:
+    """The proof line for check ``label`` on this rank."""
+    return f"{RAN}{label}"
+
+
+def failures_only(lines: list[str]) -> list[str]:
+    """The failure lines (proofs dropped)."""
+    return [f for f in lines if not f.startswith(RAN)]
+
+
+def missing_runs(lines: list[str], label: str, expected: int) -> list[str]:
+    """A failure when fewer than ``expected`` ranks proved that they ran ``label``."""
+    got = sum(1 for f in lines if f == ran(label) or f.startswith(ran(label) + " rank "))
+    return [] if got >= expected else [f"{label}: only {got} of {expected} ranks reported that it ran"]
 
 
 def free_port() -> int:
@@ -38,7 +59,7 @@ def _entry(rank: int, world: int, port: int, fn: RankFn, out: Any, pg_timeout_s:
     out.put((rank, failures))
     out.close()
     out.join_thread()
-    if dist.is_initialized() and not failures:
+    if dist.is_initialized() and not failures_only(failures):
         dist.destroy_process_group()
 
 

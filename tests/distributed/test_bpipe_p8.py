@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cases import Case, run_cases
+from cases import Case, case_problems, run_cases
 from harness import run_world
 
 pytestmark = pytest.mark.distributed
@@ -19,5 +19,6 @@ def _rank_fn(rank: int, world: int) -> list[str]:
 
 def test_bpipe_p8_matches_single_process() -> None:
     results = run_world(8, _rank_fn, timeout_s=240, pg_timeout_s=60)
-    failures = [f for fs in results.values() for f in fs]
+    lines = [f for fs in results.values() for f in fs]
+    failures = [f for case in CASES for f in case_problems(lines, case)]
     assert not failures, "\n".join(failures)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from cases import Case, free_outputs_check, measured_trace_check, run_cases
+from cases import (Case, case_problems, check_problems, free_outputs_check, measured_trace_check, offload_check,
+                   offload_schedule, run_cases)
 from harness import run_world
 from norm_cases import NORM_CASES, grad_norm_checks, norm_label
 
@@ -30,6 +31,10 @@ def _schedule_cases() -> list[Case]:
     for family, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("looped-bfs", 2)):
         out.append(Case(family=family, pp=2, microbatches=4, chunks=chunks, recompute=True))
         out.append(Case(family=family, pp=2, microbatches=4, chunks=chunks, free_outputs=False, model="llama-tiny"))
+    # host offload (OFFLOAD/RELOAD) of every micro-batch on every rank, full and split backward
+    for family, dp in (("1f1b", 2), ("zb-h1", 1)):
+        out.append(Case(family=f"{family}+offload", pp=2, microbatches=4, dp=dp,
+                        text=offload_schedule(family, 2, 4).to_text()))
     return out
 
 
@@ -58,7 +63,7 @@ TRAJECTORY_CASES = _trajectory_cases()
 
 def _world_fn(rank: int, world: int) -> list[str]:
     return (run_cases(SCHEDULE_CASES + BPIPE_CASES + TRAJECTORY_CASES) + free_outputs_check()
-            + measured_trace_check() + grad_norm_checks())
+            + measured_trace_check() + grad_norm_checks() + offload_check())
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +73,7 @@ def world_failures() -> list[str]:
 
 
 def _mine(failures: list[str], case: Case) -> list[str]:
-    fatal = [f for f in failures if " raised " in f or "reported nothing" in f]
-    return fatal + [f for f in failures if f.startswith(f"{case} rank")]
+    return case_problems(failures, case)
 
 
 @pytest.mark.parametrize("case", SCHEDULE_CASES, ids=str)
@@ -88,12 +92,17 @@ def test_loss_trajectory_matches_single_process(world_failures: list[str], case:
 
 
 def test_freeing_outputs_lowers_peak_and_keeps_gradients(world_failures: list[str]) -> None:
-    mine = [f for f in world_failures if f.startswith("free-outputs") or " raised " in f]
+    mine = check_problems(world_failures, "free-outputs", 2)
+    assert not mine, "\n".join(mine)
+
+
+def test_offload_moves_activations_to_host_and_back(world_failures: list[str]) -> None:
+    mine = check_problems(world_failures, "offload", 2)
     assert not mine, "\n".join(mine)
 
 
 def test_measured_trace_shows_bpipe_transfers(world_failures: list[str]) -> None:
-    mine = [f for f in world_failures if f.startswith("measured trace") or " raised " in f]
+    mine = check_problems(world_failures, "measured trace", 4)
     assert not mine, "\n".join(mine)
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from evenpipe.errors import ConfigError
 from evenpipe.schedule import ActionKind, Schedule, bpipe_transform, build_schedule, compute_order
+from evenpipe.schedule.semantics import SEMANTICS, MemoryEffect, kind_table
 
 from evenpipe.cost.hardware import GIB, Hardware
 from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, ScheduleFamily, stage_layers
@@ -223,28 +224,47 @@ def _peak_activations(schedule: Schedule, rank: int, unit: list[float], extra_fi
             best = _Peak(own + spike, emb, head, hosted)
 
     for a in schedule.actions[rank]:
-        k, s = a.kind, a.stage
-        if k in _DURING_BACKWARD:
+        step, s = _WALK[a.kind.code], a.stage
+        assert step is not None
+        if step.transient:
             record(transient)  # the micro-batch's activations plus the layer being recomputed/back-propagated
-        if k is ActionKind.FORWARD or k is ActionKind.LOAD:
-            own += unit[s]
-            de, dh = extras(s, 1.0)
+        if step.own:
+            own += step.own * unit[s] - (step.own * weight_grad_unit[s] if step.keeps_weight_grad else 0.0)
+            de, dh = extras(s, float(step.own))
             emb, head = emb + de, head + dh
-        elif k is ActionKind.BACKWARD or k is ActionKind.EVICT or k is ActionKind.BACKWARD_INPUT:
-            own -= unit[s] - (weight_grad_unit[s] if k is ActionKind.BACKWARD_INPUT else 0.0)
-            de, dh = extras(s, -1.0)
-            emb, head = emb + de, head + dh
-        elif k is ActionKind.BACKWARD_WEIGHT:
+        elif step.weight_grad:
             own -= weight_grad_unit[s]
-        elif k is ActionKind.ACCEPT:
-            hosted += unit[s]
-        elif k is ActionKind.RETURN:
-            hosted -= unit[s]
+        elif step.hosted:
+            hosted += step.hosted * unit[s]
         record(0.0)
     return best
 
 
-_DURING_BACKWARD = frozenset({ActionKind.RECOMPUTE, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT})
+@dataclass(frozen=True, slots=True)
+class _WalkStep:
+    """What one action does to the program-order memory walk (from its :class:`MemoryEffect`)."""
+
+    own: int = 0
+    """+1 / -1 stage unit (and its embedding/head extras) of the rank's own."""
+    keeps_weight_grad: bool = False
+    """With ``own = -1``: the weight-gradient inputs stay (``I``)."""
+    weight_grad: bool = False
+    """Frees the weight-gradient inputs ``I`` kept (``W``)."""
+    hosted: int = 0
+    """+1 / -1 stage unit of a partner's."""
+    transient: bool = False
+    """A layer's full activations exist while it runs (recompute or backward through layers)."""
+
+
+_EFFECT_STEP = {
+    MemoryEffect.NONE: _WalkStep(), MemoryEffect.REBUILD: _WalkStep(transient=True),
+    MemoryEffect.ALLOCATE: _WalkStep(own=1), MemoryEffect.BRING_BACK: _WalkStep(own=1),
+    MemoryEffect.FREE_ALL: _WalkStep(own=-1, transient=True), MemoryEffect.SEND_AWAY: _WalkStep(own=-1),
+    MemoryEffect.FREE_ALL_BUT_WEIGHT_GRAD: _WalkStep(own=-1, keeps_weight_grad=True, transient=True),
+    MemoryEffect.FREE_REST: _WalkStep(weight_grad=True),
+    MemoryEffect.HOST: _WalkStep(hosted=1), MemoryEffect.UNHOST: _WalkStep(hosted=-1),
+}
+_WALK = kind_table("memory walk", {k: _EFFECT_STEP[SEMANTICS[k].memory] for k in ActionKind})
 
 
 def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig) -> tuple[StageMemory, ...]:

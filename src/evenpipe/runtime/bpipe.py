@@ -57,14 +57,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from evenpipe.runtime.comm import PendingBatch, Transfer, post_batch
+from evenpipe.runtime.executor import register_kinds
 from evenpipe.schedule.ir import Action, ActionKind
 
 if TYPE_CHECKING:
     from evenpipe.runtime.executor import _StepRun
 
-__all__ = ["BpipeOps", "loading_key"]
+__all__ = ["BPIPE_KINDS", "BpipeOps", "loading_key"]
 
 _K = ActionKind
+BPIPE_KINDS = frozenset({_K.EVICT, _K.ACCEPT, _K.RETURN, _K.LOAD})
+"""The kinds BPipe runs; the executor dispatches them to :meth:`BpipeOps.transfers`."""
+register_kinds("bpipe", BPIPE_KINDS)
 
 
 def _empty_unit(key: tuple[int, int]) -> Any:

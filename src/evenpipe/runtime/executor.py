@@ -32,6 +32,7 @@ plus ``W`` cost one backward.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
@@ -47,8 +48,9 @@ from evenpipe.runtime.comm import ParallelGroups, PendingBatch, PeerFailure, Tra
 from evenpipe.runtime.split_backward import WeightState, backward_input, backward_weight
 from evenpipe.runtime.trace import RankRecorder, SendRecord
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
+from evenpipe.schedule.semantics import kind_table
 
-__all__ = ["PipelineExecutor", "StepResult", "LossFn"]
+__all__ = ["PipelineExecutor", "StepResult", "LossFn", "Phase", "register_kinds"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,38 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``loss_fn(last_stage_output, targets) -> scalar`` mean loss of one micro-batch."""
 
 _K = ActionKind
-_BPIPE_KINDS = frozenset({_K.EVICT, _K.ACCEPT, _K.RETURN, _K.LOAD})
+
+
+class Phase(enum.Enum):
+    """How the executor's loop runs an action kind (the dispatch from kind to handler)."""
+
+    COMPUTE = "compute: runs stage layers, one at a time"
+    PIPE_MESSAGE = "pipeline message: posted with its neighbours in one batch on the pipeline group"
+    EXTENSION = "extension message: posted alone by the add-on that registered the kind (BPipe)"
+    HOST_MOVE = "host move: saved activations to host memory and back, on this rank"
+
+
+_CORE_KINDS: dict[ActionKind, Phase] = {
+    _K.FORWARD: Phase.COMPUTE, _K.BACKWARD: Phase.COMPUTE, _K.BACKWARD_INPUT: Phase.COMPUTE,
+    _K.BACKWARD_WEIGHT: Phase.COMPUTE, _K.RECOMPUTE: Phase.COMPUTE,
+    _K.SEND_F: Phase.PIPE_MESSAGE, _K.RECV_F: Phase.PIPE_MESSAGE, _K.SEND_B: Phase.PIPE_MESSAGE,
+    _K.RECV_B: Phase.PIPE_MESSAGE, _K.OFFLOAD: Phase.HOST_MOVE, _K.RELOAD: Phase.HOST_MOVE,
+}
+_EXTENSIONS: dict[ActionKind, str] = {}
+"""Kind -> name of the add-on that runs it (registered with :func:`register_kinds`)."""
+
+
+def register_kinds(owner: str, kinds: "frozenset[ActionKind] | set[ActionKind]") -> None:
+    """An add-on (BPipe) declares that it runs ``kinds`` (posted one action at a time, see :class:`Phase`)."""
+    for k in kinds:
+        assert k not in _CORE_KINDS and _EXTENSIONS.get(k, owner) == owner, f"{k.name} registered twice"
+        _EXTENSIONS[k] = owner
+
+
+def _dispatch() -> tuple[Phase | None, ...]:
+    """The executor's kind -> phase table, checked to cover every kind (:func:`kind_table`)."""
+    import evenpipe.runtime.bpipe  # noqa: F401  (registers its kinds)
+    return kind_table("executor", {**_CORE_KINDS, **{k: Phase.EXTENSION for k in _EXTENSIONS}})
 _HANDSHAKE_TAG = 2**30
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8)
 
@@ -136,9 +169,13 @@ class PipelineExecutor:
         self.device = torch.device(device)
         self.trace = trace
         self.actions: tuple[Action, ...] = schedule.actions[groups.pp_rank]
+        self.phases = _dispatch()
         self.recompute_stages = {a.stage for a in self.actions if a.kind is _K.RECOMPUTE}
-        if stash is None and any(a.kind in _BPIPE_KINDS for a in self.actions):
-            raise ConfigError("schedule has BPipe evict/load actions; the executor needs an ActivationStash")
+        moves = sorted({a.kind.name for a in self.actions if self.phases[a.kind.code] in (Phase.EXTENSION,
+                                                                                           Phase.HOST_MOVE)})
+        if stash is None and moves:
+            raise ConfigError(f"schedule has activation moves ({', '.join(moves)}); the executor needs an "
+                              "ActivationStash")
         self.last_stage = schedule.num_stages - 1
         self._shapes: dict[tuple[int, ...], dict[int, tuple[tuple[int, ...], torch.dtype]]] = {}
         self._bpipe_sizes: dict[tuple[int, ...], dict[int, tuple[int, int]]] = {}  # learned on the first step
@@ -313,6 +350,7 @@ class _StepRun:
         self.recorder = RankRecorder(ex.groups.pp_rank) if ex.trace else None
         self._send_records: dict[int, list[SendRecord]] = {}
         self.output_sends: dict[tuple[int, int], PendingBatch] = {}  # SEND_F batch per key (BPipe waits on it)
+        self.offloaded: dict[tuple[int, int], Any] = {}  # OFFLOAD -> RELOAD: (meta, host copy) or None
         from evenpipe.runtime.bpipe import BpipeOps  # local: BPipe is an add-on of the executor
         shape = tuple(mb_inputs[0].shape)
         learning = shape not in ex._bpipe_sizes
@@ -320,21 +358,26 @@ class _StepRun:
 
     # -- loop ------------------------------------------------------------------------------------------------
     def execute(self) -> None:
-        acts = self.ex.actions
+        acts, phases = self.ex.actions, self.ex.phases
+        compute, host_move = Phase.COMPUTE, Phase.HOST_MOVE
         i = 0
         while i < len(acts):
             a = acts[i]
-            if a.kind.is_transfer:
+            phase = phases[a.kind.code]
+            if phase is not compute and phase is not host_move:
                 j = i
-                while j < len(acts) and acts[j].kind.is_transfer:
+                while j < len(acts) and phases[acts[j].kind.code] not in (compute, host_move):
                     j += 1
                 self._post(list(range(i, j)))
                 i = j
                 continue
             self.current = a
-            self.bpipe.before_compute(a)  # F/R: earlier evictions land first, so their buffers are freed
             t0 = time.perf_counter()
-            self._compute(a)
+            if phase is host_move:
+                self._host_move(a)
+            else:
+                self.bpipe.before_compute(a)  # F/R: earlier evictions land first, so their buffers are freed
+                self._compute(a)
             if self.recorder is not None:
                 self.recorder.action(i, a, t0, time.perf_counter(), self.ex.stash)
                 for batch, _ in self.recvs.values():  # stamps arrivals (see RankRecorder.received)
@@ -382,7 +425,7 @@ class _StepRun:
         pp_items: list[tuple[Transfer, Any, Action]] = []
         for idx in indices:
             a = self.ex.actions[idx]
-            if a.kind not in _BPIPE_KINDS:
+            if self.ex.phases[a.kind.code] is Phase.PIPE_MESSAGE:
                 self.current = a
                 t, on_posted = self._pp_transfer(a)
                 pp_items.append((t, on_posted, a))
@@ -390,7 +433,7 @@ class _StepRun:
             self._post_items(pp_items, t0)
         for idx in indices:
             a = self.ex.actions[idx]
-            if a.kind in _BPIPE_KINDS:
+            if self.ex.phases[a.kind.code] is Phase.EXTENSION:
                 # each BPipe action alone: a header receive must be waitable without waiting for other sends
                 self.current = a
                 batch = self._post_items([(t, on_posted, a) for t, on_posted in self.bpipe.transfers(a)], t0,
@@ -468,18 +511,39 @@ class _StepRun:
     # -- compute ---------------------------------------------------------------------------------------------
     def _compute(self, a: Action) -> None:
         key = (a.stage, a.microbatch)
-        if a.kind is _K.FORWARD:
+        k = a.kind
+        if k is _K.FORWARD:
             self._forward(key)
-        elif a.kind is _K.RECOMPUTE:
+        elif k is _K.RECOMPUTE:
             self._recompute(key)
-        elif a.kind is _K.BACKWARD:
-            self._backward(key, split=False)
-        elif a.kind is _K.BACKWARD_INPUT:
-            self._backward(key, split=True)
-        elif a.kind is _K.BACKWARD_WEIGHT:
-            self._weight(key)
+        elif k is _K.BACKWARD or k is _K.BACKWARD_INPUT:
+            self._backward(key, split=k is _K.BACKWARD_INPUT)
         else:
-            raise ConfigError(f"the executor cannot run action {a} ({a.kind.name}) on this device")
+            assert k is _K.BACKWARD_WEIGHT, f"{a} is not a compute"
+            self._weight(key)
+
+    def _host_move(self, a: Action) -> None:
+        """``OFFLOAD``: the key's saved activations go to host memory (one flat copy) and their device storages
+        are freed in place; ``RELOAD``: they come back, so the graph sees identical values again."""
+        key = a.key
+        stash = self.ex.stash
+        if a.kind is _K.OFFLOAD:
+            sent = self.output_sends.pop(key, None)
+            if sent is not None:  # the stage output may be one of the storages freed in place: send it first
+                sent.wait_sends()
+            if key not in stash.keys():  # nothing saved (a recomputed first stage keeps only token ids)
+                self.offloaded[key] = None
+                return
+            meta, flat = stash.export(key)
+            host = flat.to("cpu", copy=True) if flat.device.type != "cpu" else flat
+            stash.drop(key)
+            self.offloaded[key] = (meta, host)
+            return
+        assert a.kind is _K.RELOAD, f"{a} is not a host move"
+        item = self.offloaded.pop(key)
+        if item is not None:
+            meta, host = item
+            stash.restore(key, meta, host.to(self.ex.device))
 
     def _stage_input(self, key: tuple[int, int]) -> torch.Tensor:
         s, mb = key

@@ -19,7 +19,7 @@ from evenpipe.schedule.bpipe import (
     held_units,
     held_units_trace,
 )
-from evenpipe.schedule.build import add_recompute, build_schedule, compute_order
+from evenpipe.schedule.build import add_offload, add_recompute, build_schedule, compute_order
 from evenpipe.schedule.comm import derive_communication
 from evenpipe.schedule.family import ScheduleFamily
 from evenpipe.schedule.grid import format_grid
@@ -45,6 +45,7 @@ __all__ = [
     "Schedule",
     "ScheduleFamily",
     "WitnessTiming",
+    "add_offload",
     "add_recompute",
     "bpipe_partner",
     "bpipe_transform",

@@ -32,19 +32,16 @@ import math
 from evenpipe.errors import ConfigError
 from evenpipe.schedule.comm import derive_communication
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
+from evenpipe.schedule.semantics import TABLES
 from evenpipe.schedule.witness import WitnessTiming, witness_timing
 
 __all__ = ["bpipe_partner", "bpipe_transform", "default_bpipe_budget", "held_units", "held_units_trace"]
 
 _F, _B, _I, _W, _R = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
                       ActionKind.BACKWARD_WEIGHT, ActionKind.RECOMPUTE)
-_DELTA = {_F: 1, _B: -1, _W: -1, ActionKind.EVICT: -1, ActionKind.LOAD: 1, ActionKind.ACCEPT: 1,
-          ActionKind.RETURN: -1, ActionKind.OFFLOAD: -1, ActionKind.RELOAD: 1}
-"""Change in held activation units caused by each action kind (others: 0)."""
-_BACKWARDS = frozenset({_B, _I, _W})
-"""Computes that allocate nothing; derive_communication posts an ACCEPT due while one runs ahead of it."""
-_DELTA_BY_TOKEN = {k.value: d for k, d in _DELTA.items()}
-"""The same, keyed by token: ``kind._value_`` is a plain attribute and a str hashes faster than an enum member."""
+_UNITS, _HOSTED, _BACKWARD = TABLES.units, TABLES.hosted, TABLES.backward
+"""Held-unit change, hosted-or-own and backward-or-not of each kind code (:mod:`evenpipe.schedule.semantics`).
+Backwards allocate nothing: derive_communication posts an ACCEPT due while one runs ahead of it."""
 
 
 def bpipe_partner(rank: int, num_ranks: int) -> int | None:
@@ -63,9 +60,9 @@ def default_bpipe_budget(num_ranks: int) -> int:
 def held_units_trace(actions: tuple[Action, ...]) -> list[int]:
     """Held units (own plus hosted) after each action of one rank, in program order."""
     held, out = 0, []
-    delta = _DELTA_BY_TOKEN
+    units = _UNITS
     for a in actions:
-        held += delta.get(a.kind._value_, 0)
+        held += units[a.kind.code]
         out.append(held)
     return out
 
@@ -168,12 +165,12 @@ def _own_and_hosted_peaks(actions: tuple[Action, ...]) -> tuple[int, int]:
     minus RETURN), each on its own."""
     own = hosted = own_peak = hosted_peak = 0
     for a in actions:
-        token = a.kind._value_
-        if token == "ACCEPT" or token == "RETURN":
-            hosted += _DELTA_BY_TOKEN[token]
+        code = a.kind.code
+        if _HOSTED[code]:
+            hosted += _UNITS[code]
             hosted_peak = max(hosted_peak, hosted)
         else:
-            own += _DELTA_BY_TOKEN.get(token, 0)
+            own += _UNITS[code]
             own_peak = max(own_peak, own)
     return own_peak, hosted_peak
 
@@ -207,7 +204,7 @@ def _acceptor_peak(own: tuple[Action, ...], timing: WitnessTiming, acceptor: int
         last = j
         while last < len(events) and events[last][0] <= own_starts[i]:
             last += 1
-        if a.kind in _BACKWARDS:
+        if _BACKWARD[a.kind.code]:
             for k in range(last, len(events)):
                 if events[k][0] >= own_finishes[i]:
                     break
@@ -218,7 +215,7 @@ def _acceptor_peak(own: tuple[Action, ...], timing: WitnessTiming, acceptor: int
             held, hosted = held + step, hosted + step
             peak, hosted_peak = max(peak, held), max(hosted_peak, hosted)
         j = last
-        held += _DELTA.get(a.kind, 0)
+        held += _UNITS[a.kind.code]
         peak = max(peak, held)
     for _, m in events[j:]:
         step = 1 if m.kind is ActionKind.EVICT else -1
@@ -279,7 +276,7 @@ def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int, earl
         evictable.difference_update(victims)
         away.update(victims)
         away.difference_update(loads)
-        held += len(loads) - len(victims) + _DELTA.get(a.kind, 0)
+        held += len(loads) - len(victims) + _UNITS[a.kind.code]
         if a.kind is _F and a.key in forced:
             evict_after_forward[a.key] = Action(ActionKind.EVICT, a.stage, a.microbatch, partner)
             away.add(a.key)

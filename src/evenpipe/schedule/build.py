@@ -16,7 +16,7 @@ from evenpipe.schedule.generate.interleaved import interleaved_round_size
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.schedule.validate import validate
 
-__all__ = ["build_schedule", "add_recompute", "compute_order"]
+__all__ = ["build_schedule", "add_offload", "add_recompute", "compute_order"]
 
 
 def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
@@ -108,5 +108,31 @@ def add_recompute(schedule: Schedule) -> Schedule:
             if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and a.key not in have:
                 row.append(Action(ActionKind.RECOMPUTE, a.stage, a.microbatch))
             row.append(a)
+        out.append(row)
+    return schedule.with_actions(out)
+
+
+def add_offload(schedule: Schedule, *, ranks: "set[int] | None" = None) -> Schedule:
+    """Offload every micro-batch's saved activations to host memory right after its ``F`` and reload them right
+    before its first use (``R``, ``B`` or ``I``), on ``ranks`` (default: all), unless that use comes next.
+
+    Works on a compute-only schedule (the markers are kept by :func:`derive_communication`)."""
+    uses = (ActionKind.RECOMPUTE, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
+    out = []
+    for r, acts in enumerate(schedule.actions):
+        if ranks is not None and r not in ranks:
+            out.append(list(acts))
+            continue
+        row: list[Action] = []
+        away: set[tuple[int, int]] = set()
+        for i, a in enumerate(acts):
+            if a.kind in uses and a.key in away:
+                row.append(Action(ActionKind.RELOAD, a.stage, a.microbatch))
+                away.discard(a.key)
+            row.append(a)
+            nxt = acts[i + 1] if i + 1 < len(acts) else None
+            if a.kind is ActionKind.FORWARD and not (nxt is not None and nxt.key == a.key and nxt.kind in uses):
+                row.append(Action(ActionKind.OFFLOAD, a.stage, a.microbatch))
+                away.add(a.key)
         out.append(row)
     return schedule.with_actions(out)

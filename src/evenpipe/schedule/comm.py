@@ -47,20 +47,37 @@ keep the argument. The validator re-checks progress by a dry run.
 
 from __future__ import annotations
 
-from evenpipe.schedule.ir import COMPUTE_KINDS, Action, ActionKind, Schedule
+import enum
+
+from evenpipe.schedule.ir import Action, ActionKind, Schedule
+from evenpipe.schedule.semantics import SEMANTICS, TABLES, kind_table
 from evenpipe.schedule.witness import WitnessTiming, witness_timing
 
 __all__ = ["derive_communication"]
 
-_F, _B, _I = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT
-_EVICT, _LOAD, _ACCEPT = ActionKind.EVICT, ActionKind.LOAD, ActionKind.ACCEPT
+_K = ActionKind
 
-_COMPUTE = frozenset(k.value for k in COMPUTE_KINDS)
-_LOCAL = frozenset({ActionKind.OFFLOAD.value, ActionKind.RELOAD.value})
-_KEPT = _COMPUTE | _LOCAL | {_EVICT.value, _LOAD.value}
-_FREEING = frozenset({_B.value, _I.value, ActionKind.BACKWARD_WEIGHT.value})
+
+class _Part(enum.Enum):
+    """How the derivation treats a kind found in its input."""
+
+    PRODUCER = "a compute whose output may cross to another rank"
+    COMPUTE = "a compute that sends nothing"
+    MARKER = "a memory move kept on the rank that decides it; its counterpart is derived on the peer"
+    LOCAL = "a host move, kept right before the next compute"
+    DERIVED = "dropped and derived again"
+
+
+_PART = kind_table("communication", {k: (
+    _Part.DERIVED if TABLES.derived[k.code] else
+    _Part.LOCAL if SEMANTICS[k].host_side else
+    _Part.MARKER if not TABLES.compute[k.code] else
+    _Part.PRODUCER if k in (_K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPUT) else _Part.COMPUTE) for k in ActionKind})
+_OUTPUT_MESSAGE = {_K.FORWARD.code: _K.SEND_F, _K.BACKWARD.code: _K.SEND_B, _K.BACKWARD_INPUT.code: _K.SEND_B}
+"""What each producer sends when the neighbouring stage lives elsewhere (its output, or its input gradient)."""
+_IS_COMPUTE = TABLES.compute
+_FREEING = TABLES.backward
 """Computes that allocate nothing (backwards): an ``ACCEPT`` due while one runs is posted before it."""
-"""Token sets, tested with ``kind._value_`` (hashing a str is much cheaper than hashing an enum member)."""
 
 _Message = tuple[tuple[int, int, int, int], int, Action, int, Action]
 """``(order key, sender rank, send action, receiver rank, receive action)``."""
@@ -73,7 +90,8 @@ def derive_communication(compute: Schedule) -> Schedule:
     their order; other transfers are recomputed. Raises ``ScheduleValidationError`` if the compute order itself
     has a cyclic wait.
     """
-    kept = compute.with_actions([[a for a in acts if a.kind._value_ in _KEPT] for acts in compute.actions])
+    kept = compute.with_actions([[a for a in acts if _PART[a.kind.code] is not _Part.DERIVED]
+                                 for acts in compute.actions])
     timing = witness_timing(kept)
     messages = _messages(kept, timing)
     messages.sort(key=lambda msg: msg[0])
@@ -92,23 +110,23 @@ def _merge(acts: tuple[Action, ...], starts: tuple[int, ...], finishes: tuple[in
     out: list[Action] = []
     local: list[Action] = []  # OFFLOAD/RELOAD: kept right before the next compute, as in the input
     j, n = 0, len(comm)
-    accepts = any(a.kind is _ACCEPT for _, a in comm)
+    accepts = any(a.kind is _K.ACCEPT for _, a in comm)
     for i, a in enumerate(acts):
-        token = a.kind._value_
-        if token not in _COMPUTE:
-            if token in _LOCAL:
+        code = a.kind.code
+        if not _IS_COMPUTE[code]:
+            if _PART[code] is _Part.LOCAL:
                 local.append(a)
             continue  # EVICT/LOAD markers come back through ``comm``
         start = starts[i]
         while j < n and comm[j][0] <= start:
             out.append(comm[j][1])
             j += 1
-        if accepts and token in _FREEING:
+        if accepts and _FREEING[code]:
             last, finish = j, finishes[i]
             for k in range(j, n):
                 if comm[k][0] >= finish:
                     break
-                if comm[k][1].kind is _ACCEPT:
+                if comm[k][1].kind is _K.ACCEPT:
                     last = k + 1
             out.extend(m for _, m in comm[j:last])
             j = last
@@ -134,23 +152,23 @@ def _messages(kept: Schedule, timing: WitnessTiming) -> list[_Message]:
     for r, acts in enumerate(kept.actions):
         finish = timing.finish[r]
         for i, a in enumerate(acts):
-            token, s, m = a.kind._value_, a.stage, a.microbatch
-            if token == "F":
-                if s + 1 < S and layout[s + 1] != r:
-                    dst = layout[s + 1]
-                    out.append(((finish[i], 0, r, i), r, Action(ActionKind.SEND_F, s, m, dst),
-                                dst, Action(ActionKind.RECV_F, s + 1, m, r)))
-            elif token == "B" or token == "I":
-                if s > 0 and layout[s - 1] != r:
-                    dst = layout[s - 1]
-                    out.append(((finish[i], 0, r, i), r, Action(ActionKind.SEND_B, s, m, dst),
-                                dst, Action(ActionKind.RECV_B, s - 1, m, r)))
-            elif a.kind is _EVICT:
-                assert a.peer is not None
+            code, s, m = a.kind.code, a.stage, a.microbatch
+            part = _PART[code]
+            if part is _Part.PRODUCER:
+                send_kind = _OUTPUT_MESSAGE[code]
+                send = SEMANTICS[send_kind]
+                assert send.neighbour_shift is not None and send.peer_kind is not None
+                t = s + send.neighbour_shift
+                if 0 <= t < S and layout[t] != r:
+                    dst = layout[t]
+                    out.append(((finish[i], 0, r, i), r, Action(send_kind, s, m, dst),
+                                dst, Action(send.peer_kind, t, m, r)))
+            elif part is _Part.MARKER:
+                peer, other = a.peer, SEMANTICS[a.kind].peer_kind
+                assert peer is not None and other is not None
                 key = (_anchor_time(timing, acts, r, i), 1, r, i)
-                out.append((key, r, a, a.peer, Action(ActionKind.ACCEPT, s, m, r)))
-            elif a.kind is _LOAD:
-                assert a.peer is not None
-                key = (_anchor_time(timing, acts, r, i), 1, r, i)
-                out.append((key, a.peer, Action(ActionKind.RETURN, s, m, r), r, a))
+                if TABLES.sends[code]:  # EVICT: this rank sends, the partner accepts
+                    out.append((key, r, a, peer, Action(other, s, m, r)))
+                else:  # LOAD: the partner returns, this rank receives
+                    out.append((key, peer, Action(other, s, m, r), r, a))
     return out

@@ -68,6 +68,12 @@ class ActionKind(enum.Enum):
     RELOAD = "RELOAD"
     """Copy offloaded activations back from host memory."""
 
+    code: int
+    """Small ordinal (declaration order), set below: index of this kind in the integer tables that
+    :mod:`evenpipe.schedule.semantics` compiles for hot loops."""
+
+    __hash__ = object.__hash__  # members are singletons: identity hashing is C-fast (Enum's hashes the name)
+
     @property
     def token(self) -> str:
         return self.value
@@ -88,6 +94,10 @@ class ActionKind(enum.Enum):
     def is_transfer(self) -> bool:
         return self in SEND_KINDS or self in RECV_KINDS
 
+
+for _code, _kind in enumerate(ActionKind):
+    _kind.code = _code
+del _code, _kind
 
 COMPUTE_KINDS = frozenset(
     {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT,

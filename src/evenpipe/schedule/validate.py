@@ -26,34 +26,31 @@ from __future__ import annotations
 from evenpipe.errors import ScheduleValidationError
 from evenpipe.schedule.grid import format_grid
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
+from evenpipe.schedule.semantics import SEMANTICS, TABLES, Requirement, kind_table
 
 __all__ = ["validate", "message_key"]
 
-_KINDS = tuple(ActionKind)
-_CODE = {k.value: i for i, k in enumerate(_KINDS)}
-"""Small integer per kind, looked up by the kind's string value (cheaper than hashing the enum)."""
-_C = {k: _CODE[k.value] for k in _KINDS}
+_KINDS = TABLES.kinds
+_C = {k: k.code for k in _KINDS}
 F, B, I, W, R = (_C[ActionKind.FORWARD], _C[ActionKind.BACKWARD], _C[ActionKind.BACKWARD_INPUT],
                  _C[ActionKind.BACKWARD_WEIGHT], _C[ActionKind.RECOMPUTE])
-SF, RF, SB, RB = _C[ActionKind.SEND_F], _C[ActionKind.RECV_F], _C[ActionKind.SEND_B], _C[ActionKind.RECV_B]
-EV, AC, RT, LD = _C[ActionKind.EVICT], _C[ActionKind.ACCEPT], _C[ActionKind.RETURN], _C[ActionKind.LOAD]
-OF, RL = _C[ActionKind.OFFLOAD], _C[ActionKind.RELOAD]
-_TRANSFER = frozenset({SF, RF, SB, RB, EV, AC, RT, LD})
-_CHANNEL = {SF: 0, RF: 0, SB: 1, RB: 1, EV: 2, AC: 2, RT: 3, LD: 3}
-_STAGE_SHIFT = {SF: 0, RF: -1, SB: 0, RB: 1, EV: 0, AC: 0, RT: 0, LD: 0}
-"""Offset from an action's stage to the sending stage of its message (RECV_F(s) carries F(s-1)'s output)."""
-_COUNTERPART = {SF: RF, RF: SF, SB: RB, RB: SB, EV: AC, AC: EV, RT: LD, LD: RT}
-_USES_ACTIVATIONS = frozenset({B, I, W, R, SF, EV, OF})
-_NEIGHBOUR = {SF: 1, RB: 1, RF: -1, SB: -1}
-"""Activation/gradient transfers: offset from the action's stage to the stage whose rank must be the peer."""
-_NEEDS = {W: (I, "I"), R: (F, "F"), SF: (F, "F"), EV: (F, "F"), LD: (EV, "EVICT"), RT: (AC, "ACCEPT"),
-          OF: (F, "F"), RL: (OF, "OFFLOAD")}
-"""Single same-rank prerequisite of some kinds: (kind code, token for the message)."""
+RF, EV, AC, OF = _C[ActionKind.RECV_F], _C[ActionKind.EVICT], _C[ActionKind.ACCEPT], _C[ActionKind.OFFLOAD]
+RB = _C[ActionKind.RECV_B]
+_TRANSFER = frozenset(c for c, is_msg in enumerate(TABLES.message) if is_msg)
+"""Messages between two ranks (host moves are local)."""
+_CHANNEL, _STAGE_SHIFT, _COUNTERPART = TABLES.channel, TABLES.sender_stage_shift, TABLES.peer_code
+_ON_PEER = tuple(SEMANTICS[k].stage_on_peer for k in _KINDS)
+_NEIGHBOUR = TABLES.neighbour_shift
+_AWAY = TABLES.away
+_USES_ACTIVATIONS = frozenset(k.code for k in _KINDS if Requirement.ACTIVATIONS_HERE in SEMANTICS[k].requires)
+_REQUIRES = kind_table("validator", {k: tuple(q for q in SEMANTICS[k].requires
+                                             if q is not Requirement.ACTIVATIONS_HERE) for k in _KINDS})
+"""Per kind code, the program-order predicates :meth:`_Scan.missing` checks (activations-here separately)."""
 
 
 def message_key(rank: int, a: Action) -> tuple[int, int, int]:
     """``(channel, sending stage, mb)``: equal for a send and its matching receive (channels F, B, evict, load)."""
-    code = _CODE[a.kind.value]
+    code = a.kind.code
     if code not in _TRANSFER:
         raise ValueError(f"{a} is not a transfer")
     return (_CHANNEL[code], a.stage + _STAGE_SHIFT[code], a.microbatch)
@@ -101,17 +98,17 @@ class _Scan:
 
     def rank(self, r: int, acts: tuple[Action, ...]) -> None:
         S, M, P, layout, done, away = self.S, self.M, self.P, self.layout, self.done, self.away
-        code_of, transfers, uses_activations, missing_of = _CODE, _TRANSFER, _USES_ACTIVATIONS, self.missing
+        transfers, uses_activations, missing_of, on_peer = _TRANSFER, _USES_ACTIVATIONS, self.missing, _ON_PEER
         check = self.first_dependency_error is None
         keys: list[int] = []
         append = keys.append
         for i, a in enumerate(acts):
-            code, s, m, peer = code_of[a.kind._value_], a.stage, a.microbatch, a.peer
+            code, s, m, peer = a.kind.code, a.stage, a.microbatch, a.peer
             if s >= S or m >= M or (peer is not None and not 0 <= peer < P):
                 raise self.fail("range", f"rank {r} action {i} {a}: stages are 0..{S - 1}, micro-batches "
                                 f"0..{M - 1}, ranks 0..{P - 1}", r, i)
             home = layout[s]
-            if (home != r) if code != AC and code != RT else (home != peer):
+            if (home != peer) if on_peer[code] else (home != r):
                 raise self.fail("placement", f"rank {r} action {i} {a} references stage {s}, which lives on rank "
                                 f"{home}", r, i)
             u = s * M + m
@@ -132,10 +129,8 @@ class _Scan:
                 self.transfer(code, a, r, i, u)
                 append((_CHANNEL[code] * S + s + _STAGE_SHIFT[code]) * M + m)
             else:
-                if code == OF:
-                    away[u] = 1
-                elif code == RL:
-                    away[u] = 0
+                if _AWAY[code]:
+                    away[u] = 1 if _AWAY[code] > 0 else 0
                 append(-1)
             row[u] = r + 1
         self.keys.append(keys)
@@ -143,7 +138,7 @@ class _Scan:
     def transfer(self, code: int, a: Action, r: int, i: int, u: int) -> None:
         """Peer checks; record the transfer for matching; track evicted activations."""
         s, peer, S = a.stage, a.peer, self.S
-        offset = _NEIGHBOUR.get(code)
+        offset = _NEIGHBOUR[code]
         expected = None if offset is None else s + offset
         if expected is not None and not (0 <= expected < S and peer == self.layout[expected]):
             want = f"rank {self.layout[expected]}" if 0 <= expected < S else "no transfer (no such stage)"
@@ -152,37 +147,54 @@ class _Scan:
             raise self.fail("placement", f"rank {r} action {i} {a} sends to its own rank", r, i)
         self.peer[code][u] = peer if peer is not None else -1
         self.where[(code, u)] = (r, i)
-        if code == EV:
-            self.away[u] = 1
-        elif code == LD:
-            self.away[u] = 0
+        if _AWAY[code]:
+            self.away[u] = 1 if _AWAY[code] > 0 else 0
 
     def missing(self, code: int, s: int, m: int, u: int, r: int) -> str:
         """The token of the first action that must precede this one on rank ``r`` but has not run, or ''."""
-        done, M, me = self.done, self.M, r + 1
-        if code == F:
-            if s == 0:
-                return ""
-            if self.layout[s - 1] == r:
-                return "" if done[F][u - M] == me else f"{s - 1}F{m}"
-            return "" if done[RF][u] == me else f"{s}RECV_F{m}"
-        if code == B or code == I:
-            if done[F][u] != me:
-                return f"{s}F{m}"
-            if self.recomputed[u] and done[R][u] != me:
-                return f"{s}R{m}"
-            if s + 1 < self.S:
-                if self.layout[s + 1] == r:
-                    ok = done[B][u + M] == me or done[I][u + M] == me
-                    return "" if ok else f"{s + 1}B{m} (or {s + 1}I{m})"
-                return "" if done[RB][u] == me else f"{s}RECV_B{m}"
-            return ""
-        need = _NEEDS.get(code)
-        if need is not None:
-            return "" if done[need[0]][u] == me else f"{s}{need[1]}{m}"
-        if code == SB:
-            return "" if done[B][u] == me or done[I][u] == me else f"{s}B{m} (or {s}I{m})"
+        for req in _REQUIRES[code] or ():
+            miss = _CHECKS[req](self, s, m, u, r + 1)
+            if miss:
+                return miss
         return ""
+
+    # -- one checker per named predicate (Requirement); ``me`` is 1 + the rank --------------------------------
+    def _input(self, s: int, m: int, u: int, me: int) -> str:
+        if s == 0:
+            return ""
+        if self.layout[s - 1] == me - 1:
+            return "" if self.done[F][u - self.M] == me else f"{s - 1}F{m}"
+        return "" if self.done[RF][u] == me else f"{s}RECV_F{m}"
+
+    def _own_forward(self, s: int, m: int, u: int, me: int) -> str:
+        return "" if self.done[F][u] == me else f"{s}F{m}"
+
+    def _recomputed(self, s: int, m: int, u: int, me: int) -> str:
+        return "" if not self.recomputed[u] or self.done[R][u] == me else f"{s}R{m}"
+
+    def _output_gradient(self, s: int, m: int, u: int, me: int) -> str:
+        done = self.done
+        if s + 1 >= self.S:
+            return ""
+        if self.layout[s + 1] == me - 1:
+            v = u + self.M
+            return "" if done[B][v] == me or done[I][v] == me else f"{s + 1}B{m} (or {s + 1}I{m})"
+        return "" if done[RB][u] == me else f"{s}RECV_B{m}"
+
+    def _input_gradient(self, s: int, m: int, u: int, me: int) -> str:
+        return "" if self.done[I][u] == me else f"{s}I{m}"
+
+    def _gradient_produced(self, s: int, m: int, u: int, me: int) -> str:
+        return "" if self.done[B][u] == me or self.done[I][u] == me else f"{s}B{m} (or {s}I{m})"
+
+    def _evicted(self, s: int, m: int, u: int, me: int) -> str:
+        return "" if self.done[EV][u] == me else f"{s}EVICT{m}"
+
+    def _accepted(self, s: int, m: int, u: int, me: int) -> str:
+        return "" if self.done[AC][u] == me else f"{s}ACCEPT{m}"
+
+    def _offloaded(self, s: int, m: int, u: int, me: int) -> str:
+        return "" if self.done[OF][u] == me else f"{s}OFFLOAD{m}"
 
     def completeness(self) -> None:
         """Every (stage, mb) has one F and either one B or one I and one W."""
@@ -213,6 +225,16 @@ class _Scan:
                 a = self.schedule.actions[r][i]
                 want = _KINDS[other].value
                 raise self.fail("matching", f"rank {r} action {i} {a} has no matching {want} on rank {peer}", r, i)
+
+
+_CHECKS = {
+    Requirement.INPUT: _Scan._input, Requirement.OWN_FORWARD: _Scan._own_forward,
+    Requirement.RECOMPUTED: _Scan._recomputed, Requirement.OUTPUT_GRADIENT: _Scan._output_gradient,
+    Requirement.INPUT_GRADIENT: _Scan._input_gradient, Requirement.GRADIENT_PRODUCED: _Scan._gradient_produced,
+    Requirement.EVICTED: _Scan._evicted, Requirement.ACCEPTED: _Scan._accepted, Requirement.OFFLOADED: _Scan._offloaded,
+}
+"""The checker of each named predicate (:data:`Requirement.ACTIVATIONS_HERE` is tracked in the scan itself)."""
+assert set(_CHECKS) | {Requirement.ACTIVATIONS_HERE} == set(Requirement), "a requirement has no checker"
 
 
 def _dry_run(schedule: Schedule, keys: list[list[int]]) -> None:

@@ -11,6 +11,7 @@ from typing import Mapping
 from evenpipe.errors import ScheduleValidationError
 from evenpipe.schedule.grid import format_grid
 from evenpipe.schedule.ir import ActionKind, Schedule
+from evenpipe.schedule.semantics import SEMANTICS, TABLES, Requirement, kind_table
 
 __all__ = ["WITNESS_DURATIONS", "WitnessTiming", "witness_timing"]
 
@@ -19,6 +20,18 @@ WITNESS_DURATIONS: Mapping[ActionKind, int] = {
     ActionKind.BACKWARD_WEIGHT: 1, ActionKind.RECOMPUTE: 1,
 }
 """Durations of the witness run; any positive values give a valid order, these mimic B = 2F."""
+
+
+_DEP_SLOT = {Requirement.INPUT: (-1, 0), Requirement.OWN_FORWARD: (0, 0), Requirement.OUTPUT_GRADIENT: (1, 1),
+             Requirement.INPUT_GRADIENT: (0, 1)}
+"""Requirement -> (stage offset, slot) of the compute finish it waits for: slot 0 is a forward's finish, slot 1
+an input gradient's (``B`` or ``I``). Requirements met in program order on one rank are not timing edges."""
+_PRODUCES = {ActionKind.FORWARD: 0, ActionKind.BACKWARD: 1, ActionKind.BACKWARD_INPUT: 1}
+"""Kinds whose finish others wait for, and the slot it is recorded in."""
+_SPEC = kind_table("witness", {k: ((tuple(_DEP_SLOT[q] for q in SEMANTICS[k].requires if q in _DEP_SLOT),
+                                    _PRODUCES.get(k, -1)) if TABLES.compute[k.code] else None)
+                               for k in ActionKind})
+"""Per kind code: (timing dependencies, produced slot) for computes; ``None``: not timed (transfers)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,7 +57,8 @@ def witness_timing(schedule: Schedule, durations: Mapping[ActionKind, int] = WIT
     """
     P, S, M = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
     lists = schedule.actions
-    dur = {k.value: d for k, d in durations.items()}
+    dur: list[int | None] = [durations.get(k) for k in ActionKind]
+    spec = _SPEC
     start = [[-1] * len(acts) for acts in lists]
     finish = [[-1] * len(acts) for acts in lists]
     # done[2*u] = finish of F(u), done[2*u+1] = finish of B/I(u), u = stage*M + mb; -1 = not yet
@@ -58,23 +72,19 @@ def witness_timing(schedule: Schedule, durations: Mapping[ActionKind, int] = WIT
         st, fi = start[r], finish[r]
         while i < len(acts):
             a = acts[i]
-            token = a.kind._value_
-            if token not in dur:
+            code = a.kind.code
+            d_i = dur[code]
+            sp = spec[code]
+            if d_i is None or sp is None:
                 i += 1
                 continue
-            u = a.stage * M + a.microbatch
-            deps: tuple[int, ...]
-            if token == "F":
-                deps = (2 * (u - M),) if a.stage > 0 else ()
-            elif token == "B" or token == "I":
-                deps = (2 * u, 2 * (u + M) + 1) if a.stage + 1 < S else (2 * u,)
-            elif token == "W":
-                deps = (2 * u + 1,)
-            else:  # R
-                deps = (2 * u,)
+            s, u = a.stage, a.stage * M + a.microbatch
             ready = t_free
             blocked = -1
-            for d in deps:
+            for ds, slot in sp[0]:
+                if not 0 <= s + ds < S:
+                    continue
+                d = 2 * (u + ds * M) + slot
                 t = done[d]
                 if t < 0:
                     blocked = d
@@ -84,10 +94,11 @@ def witness_timing(schedule: Schedule, durations: Mapping[ActionKind, int] = WIT
             if blocked >= 0:
                 waiting.setdefault(blocked, []).append(r)
                 break
-            st[i], t_free = ready, ready + dur[token]
+            st[i], t_free = ready, ready + d_i
             fi[i] = t_free
-            if token == "F" or token == "B" or token == "I":
-                slot = 2 * u if token == "F" else 2 * u + 1
+            produced = sp[1]
+            if produced >= 0:
+                slot = 2 * u + produced
                 done[slot] = t_free
                 woken = waiting.pop(slot, None)
                 if woken:

@@ -44,7 +44,8 @@ from itertools import accumulate, repeat
 from typing import Hashable
 
 from evenpipe.errors import ConfigError, ScheduleValidationError
-from evenpipe.schedule.ir import MATCHING_RECV, Action, ActionKind, Schedule
+from evenpipe.schedule.ir import Action, ActionKind, Schedule
+from evenpipe.schedule.semantics import SEMANTICS, TABLES, kind_table
 from evenpipe.sim.costs import SimCosts
 from evenpipe.sim.trace import ActionRecord, MemoryTimeline, TransferRecord, Trace
 
@@ -56,19 +57,41 @@ _HOST = -1
 _MEM_EPS = 1e-9
 """Relative tolerance for float round-off in the memory balance."""
 
-# Integer kind codes for the hot loop (enum members hash slowly). Computes < _SEND <= sends < _RECV <= receives.
+# Integer event codes for the hot loop. Computes < _SEND <= sends < _RECV <= receives; a compute's code is its
+# kind's code (F, B, I, W, R come first in ActionKind).
 _F, _B, _I, _W, _R, _SEND, _SEND_FREES, _RECV, _RECV_ALLOC = range(9)
-_CODE = {
-    "F": _F, "B": _B, "I": _I, "W": _W, "R": _R,
-    "SEND_F": _SEND, "SEND_B": _SEND, "EVICT": _SEND_FREES, "RETURN": _SEND_FREES, "OFFLOAD": _SEND_FREES,
-    "RECV_F": _RECV, "RECV_B": _RECV, "ACCEPT": _RECV_ALLOC, "LOAD": _RECV_ALLOC, "RELOAD": _RECV_ALLOC,
-}
-"""Token -> code; ``_SEND_FREES`` sends free the sender's copy on arrival, ``_RECV_ALLOC`` receives allocate
-when their transfer starts."""
-_MATCH = {send.value: recv.value for send, recv in MATCHING_RECV.items()}
-"""Send token -> token of the receive that completes it."""
-_STAGE_SHIFT = {"SEND_F": 1, "SEND_B": -1, "EVICT": 0, "RETURN": 0}
-"""Send token -> stage offset of its receive (SEND_F feeds stage s+1, SEND_B feeds s-1, BPipe keeps s)."""
+assert [k.code for k in (_K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT, _K.RECOMPUTE)] == \
+    [_F, _B, _I, _W, _R]
+
+
+def _event_code(k: ActionKind) -> int:
+    sem = SEMANTICS[k]
+    if sem.is_compute:
+        return k.code
+    if sem.sends:
+        return _SEND_FREES if sem.frees_on_arrival else _SEND
+    return _RECV_ALLOC if sem.allocates_on_start else _RECV
+
+
+_CODE = kind_table("simulator", {k: _event_code(k) for k in ActionKind})
+"""Kind code -> event code; ``_SEND_FREES`` sends free the sender's copy on arrival, ``_RECV_ALLOC`` receives
+allocate when their transfer starts."""
+_MATCH = TABLES.peer_code
+"""Kind code -> code of the kind on the other side of the message."""
+_RECV_SHIFT = tuple(-TABLES.sender_stage_shift[p] if p >= 0 else 0 for p in TABLES.peer_code)
+"""Send kind code -> stage offset of its receive (SEND_F feeds stage s+1, SEND_B feeds s-1, BPipe keeps s)."""
+_HOST_SIDE = tuple(SEMANTICS[k].host_side for k in ActionKind)
+_FREES = tuple(SEMANTICS[k].frees_on_arrival for k in ActionKind)
+"""Transfer kind code -> whether arrival frees the sender's copy."""
+_ALLOCS = tuple((SEMANTICS[k].sends and not SEMANTICS[k].host_side
+                 and SEMANTICS[SEMANTICS[k].peer_kind or k].allocates_on_start)
+                or (SEMANTICS[k].host_side and not SEMANTICS[k].sends and SEMANTICS[k].allocates_on_start)
+                for k in ActionKind)
+"""Transfer kind code (a peer message is named by its send, a host move by itself) -> whether its start
+allocates on the receiving rank."""
+(_KF, _KB, _KI, _KR, _KSEND_F, _KRECV_F, _KRECV_B, _KEVICT, _KACCEPT, _KRETURN, _KLOAD, _KOFFLOAD,
+ _KRELOAD) = (k.code for k in (_K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPUT, _K.RECOMPUTE, _K.SEND_F, _K.RECV_F,
+                               _K.RECV_B, _K.EVICT, _K.ACCEPT, _K.RETURN, _K.LOAD, _K.OFFLOAD, _K.RELOAD))
 
 _Dep = tuple[Hashable, float, int]
 """(signal, delay after it, transfer id or -1): a compute waits until ``signal`` time + delay."""
@@ -200,8 +223,7 @@ class _Engine:
         self.xfers.append(_Xfer(src, dst, kind, stage, mb, num_bytes, duration, link,
                                 send_pos, recv_pos, tid if signal is None else signal,
                                 (send_pos is not None) + (recv_pos is not None), 0.0, -1.0, -1.0, 0.0,
-                                kind is _K.EVICT or kind is _K.RETURN or kind is _K.OFFLOAD,
-                                kind is _K.EVICT or kind is _K.RETURN or kind is _K.RELOAD))
+                                _FREES[kind.code], _ALLOCS[kind.code]))
         if send_pos is not None:
             self.xfer_at[send_pos[0]][send_pos[1]] = tid
         if recv_pos is not None:
@@ -225,29 +247,29 @@ class _Engine:
                          [st.backward_input for st in stages], [st.backward_weight for st in stages],
                          [st.recompute_time for st in stages]]
         code = _CODE
-        self.codes = [[code[a.kind._value_] for a in acts] for acts in sched.actions]
+        self.codes = [[code[a.kind.code] for a in acts] for acts in sched.actions]  # type: ignore[misc]
         self.recomputed = {a.key for acts, codes in zip(sched.actions, self.codes) if _R in codes
                            for a, c in zip(acts, codes) if c == _R}
         self.xfer_at = [[-1] * len(acts) for acts in sched.actions]
-        unmatched: dict[tuple[int, int, str, int, int], tuple[int, int]] = {}  # one side seen, other not yet
-        recv_index: list[dict[tuple[str, int, int], int]] = []
-        pop, match, shift = unmatched.pop, _MATCH, _STAGE_SHIFT
+        unmatched: dict[tuple[int, int, int, int, int], tuple[int, int]] = {}  # one side seen, other not yet
+        recv_index: list[dict[tuple[int, int, int], int]] = []
+        pop, match, shift, host_side = unmatched.pop, _MATCH, _RECV_SHIFT, _HOST_SIDE
         for r, acts in enumerate(sched.actions):
-            idx: dict[tuple[str, int, int], int] = {}
+            idx: dict[tuple[int, int, int], int] = {}
             codes = self.codes[r]
             for i, c in enumerate(codes):
                 if c < _SEND:
                     continue
                 a = acts[i]
-                tok = a.kind._value_
+                kc = a.kind.code
                 peer = a.peer
-                if peer is None or tok == "OFFLOAD" or tok == "RELOAD":  # host transfers: no peer rank
+                if peer is None or host_side[kc]:  # host transfers: no peer rank
                     continue
                 if c < _RECV:
-                    key = (r, peer, match[tok], a.stage + shift[tok], a.microbatch)
+                    key = (r, peer, match[kc], a.stage + shift[kc], a.microbatch)
                     side = (r, i)
                 else:
-                    key = (peer, r, tok, a.stage, a.microbatch)
+                    key = (peer, r, kc, a.stage, a.microbatch)
                     idx[key[2:]] = i
                     side = (-1 - r, i)  # receives are marked with negative ranks
                 other = pop(key, None)
@@ -268,7 +290,8 @@ class _Engine:
             recv_index.append(idx)
         for key, (r, i) in unmatched.items():
             if r >= 0:
-                raise self._fail("match", f"{sched.actions[r][i]} on rank {r} has no matching {key[2]} on rank "
+                raise self._fail("match", f"{sched.actions[r][i]} on rank {r} has no matching "
+                                 f"{TABLES.kinds[key[2]].value} on rank "
                                  f"{key[1]}", r, i)
             r = -1 - r
             raise self._fail("match", f"{sched.actions[r][i]} on rank {r} has no matching send on rank {key[0]}",
@@ -276,12 +299,12 @@ class _Engine:
         self.gates = [[()] * len(acts) for acts in sched.actions]
         self.deps = [self._prepare_rank(r, recv_index[r]) for r in range(sched.num_ranks)]
 
-    def _prepare_rank(self, r: int, recv_index: dict[tuple[str, int, int], int]) -> list[tuple[_Dep, ...]]:
+    def _prepare_rank(self, r: int, recv_index: dict[tuple[int, int, int], int]) -> list[tuple[_Dep, ...]]:
         """Derive what each compute of rank ``r`` waits for, and the data each of its sends waits for."""
         sched = self.schedule
         last = sched.num_stages - 1
         done: set[tuple[str, int, int]] = set()  # ("F" | "G", stage, mb) produced so far on this rank
-        away: dict[tuple[int, int], str] = {}  # (stage, mb) -> EVICT/OFFLOAD not yet brought back
+        away: dict[tuple[int, int], ActionKind] = {}  # (stage, mb) -> EVICT/OFFLOAD not yet brought back
         back: dict[tuple[int, int], int] = {}  # (stage, mb) -> LOAD/RELOAD index not yet consumed
         accepted: dict[tuple[int, int], int] = {}
         offloaded: set[tuple[int, int]] = set()
@@ -298,45 +321,45 @@ class _Engine:
                 continue
             s, m = a.stage, a.microbatch
             if c == _SEND:  # SEND_F / SEND_B: normally after the compute that produced the data
-                signal = ("F", s, m) if a.kind._value_ == "SEND_F" else ("G", s, m)
+                signal = ("F", s, m) if a.kind.code == _KSEND_F else ("G", s, m)
                 if signal not in done:
                     self._add_data_dep(xfer_at[i], signal)
                     self.needed.add(signal)
                 out.append(no_deps)
                 continue
-            tok = a.kind._value_
+            kc = a.kind.code
             deps: list[_Dep] = []
             if c < _SEND:
-                if tok == "F" and s > 0:
-                    deps.extend(self._input_dep(r, s, m, s - 1, "RECV_F", "F", recv_index, done))
-                elif (tok == "B" or tok == "I") and s < last:
-                    deps.extend(self._input_dep(r, s, m, s + 1, "RECV_B", "G", recv_index, done))
-                if tok != "F":
+                if kc == _KF and s > 0:
+                    deps.extend(self._input_dep(r, s, m, s - 1, _KRECV_F, "F", recv_index, done))
+                elif (kc == _KB or kc == _KI) and s < last:
+                    deps.extend(self._input_dep(r, s, m, s + 1, _KRECV_B, "G", recv_index, done))
+                if kc != _KF:
                     if (s, m) in back:
                         tid = xfer_at[back.pop((s, m))]
                         deps.append((tid, 0.0, tid))
                     elif (s, m) in away:
-                        raise self._fail("evict", f"{a} on rank {r} needs activations that {away[(s, m)]} "
+                        raise self._fail("evict", f"{a} on rank {r} needs activations that {away[(s, m)].value} "
                                          f"sent away and no load brings back before it", r, i)
-                if tok == "F":
+                if kc == _KF:
                     done.add(("F", s, m))
-                elif tok == "B" or tok == "I":
+                elif kc == _KB or kc == _KI:
                     done.add(("G", s, m))
-                if evicting and (tok == "F" or tok == "R"):
+                if evicting and (kc == _KF or kc == _KR):
                     gates[i] = tuple(evicting)
                     evicting.clear()
-            elif tok == "EVICT" or tok == "OFFLOAD":
-                away[(s, m)] = tok
-                if tok == "EVICT":
+            elif kc == _KEVICT or kc == _KOFFLOAD:
+                away[(s, m)] = a.kind
+                if kc == _KEVICT:
                     evicting.append(xfer_at[i])
-                if tok == "OFFLOAD":
+                if kc == _KOFFLOAD:
                     offloaded.add((s, m))
                     self._new_xfer(r, _HOST, a.kind, s, m, self._bytes_moved(s, m), (r, i), None, (r, _HOST),
                                    signal=("off", r, s, m))
-            elif tok == "LOAD" or tok == "RELOAD":
+            elif kc == _KLOAD or kc == _KRELOAD:
                 away.pop((s, m), None)
                 back[(s, m)] = i
-                if tok == "RELOAD":
+                if kc == _KRELOAD:
                     if (s, m) not in offloaded:
                         raise self._fail("offload", f"{a} on rank {r} reloads activations never offloaded", r, i)
                     tid = self._new_xfer(_HOST, r, a.kind, s, m, self._bytes_moved(s, m), None, (r, i),
@@ -344,16 +367,16 @@ class _Engine:
                     self._add_data_dep(tid, ("off", r, s, m))
                 else:
                     self._gate_transfer(xfer_at[i], evicting)
-            elif tok == "ACCEPT":
+            elif kc == _KACCEPT:
                 accepted[(s, m)] = i
                 self._gate_transfer(xfer_at[i], returning)
                 returning[:] = [xfer_at[i]]  # later ACCEPTs start after this one (and so after these RETURNs)
-            elif tok == "RETURN":
+            elif kc == _KRETURN:
                 if (s, m) not in accepted:
                     raise self._fail("evict", f"{a} on rank {r} returns activations it never accepted", r, i)
                 self._add_data_dep(xfer_at[i], xfer_at[accepted.pop((s, m))])
                 returning.append(xfer_at[i])
-            if (tok == "EVICT" or tok == "OFFLOAD") and ("F", s, m) not in done:
+            if (kc == _KEVICT or kc == _KOFFLOAD) and ("F", s, m) not in done:
                 self._add_data_dep(xfer_at[i], ("F", s, m))
                 self.needed.add(("F", s, m))
             out.append(tuple(deps) if deps else no_deps)
@@ -365,12 +388,12 @@ class _Engine:
             self.xfers[tid].pending += 1
             self.gated.setdefault(landing, []).append(tid)
 
-    def _input_dep(self, r: int, s: int, m: int, src_stage: int, recv_token: str, signal: str,
-                   recv_index: dict[tuple[str, int, int], int], done: set[tuple[str, int, int]]) -> list[_Dep]:
+    def _input_dep(self, r: int, s: int, m: int, src_stage: int, recv_code: int, signal: str,
+                   recv_index: dict[tuple[int, int, int], int], done: set[tuple[str, int, int]]) -> list[_Dep]:
         """What compute (s, m) on rank r waits for from stage ``src_stage`` (its input or its output gradient)."""
         q = self.schedule.stage_to_rank[src_stage]
         if q != r:
-            j = recv_index.get((recv_token, s, m))
+            j = recv_index.get((recv_code, s, m))
             if j is not None:
                 tid = self.xfer_at[r][j]
                 return [(tid, 0.0, tid)]

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, TypeAlias
 
 from evenpipe.errors import ConfigError
-from evenpipe.schedule.ir import COMPUTE_KINDS, Action, ActionKind, Schedule, parse_action
+from evenpipe.schedule.ir import Action, ActionKind, Schedule, parse_action
+from evenpipe.schedule.semantics import TABLES
 
 __all__ = ["ActionRecord", "TransferRecord", "MemoryTimeline", "Trace", "SimResult", "TRACE_FORMAT",
            "TRACE_VERSION"]
@@ -23,8 +24,8 @@ TRACE_FORMAT = "evenpipe.trace"
 TRACE_VERSION = 1
 """``version`` field of a trace's JSON form; bumped when the fields change meaning."""
 
-_COMPUTE_TOKENS = frozenset(k.value for k in COMPUTE_KINDS)
-"""Compute kinds by token: strings hash far faster than enum members in hot loops."""
+_IS_COMPUTE = TABLES.compute
+"""Whether each kind code is a compute (list indexing by ``kind.code``, for hot loops)."""
 
 
 class ActionRecord(NamedTuple):
@@ -181,11 +182,11 @@ class Trace:
     def compute_records(self) -> Iterator[ActionRecord]:
         """Every compute action of every rank."""
         for acts in self.actions:
-            yield from (rec for rec in acts if rec.action.kind._value_ in _COMPUTE_TOKENS)
+            yield from (rec for rec in acts if _IS_COMPUTE[rec.action.kind.code])
 
     def busy_time(self, rank: int) -> float:
         """Total compute time of one rank."""
-        return sum(rec.end - rec.start for rec in self.actions[rank] if rec.action.kind._value_ in _COMPUTE_TOKENS)
+        return sum(rec.end - rec.start for rec in self.actions[rank] if _IS_COMPUTE[rec.action.kind.code])
 
     @property
     def bubble_fraction(self) -> float:

@@ -140,8 +140,18 @@ def test_truncated_counting_matches_the_full_schedule(family: ScheduleFamily, v:
 def test_gpt_model_with_gqa_is_allowed() -> None:
     m = ModelSpec(name="g", arch=Arch.GPT, num_layers=8, hidden=1024, num_heads=16, num_kv_heads=4,
                   ffn_hidden=4096, vocab=1000, seq_len=512, tied_embeddings=True)
-    mem = memory_per_stage(m, A100, ParallelConfig(tp=8, pp=2, global_batch=16))
-    assert mem[0].activations > mem[1].activations > 0
+    cfg = ParallelConfig(tp=8, pp=2, global_batch=16)
+    mem = memory_per_stage(m, A100, cfg)
+    # 1F1B on 2 ranks: rank 0 holds 2 micro-batches of its 4 layers, rank 1 one; GQA shrinks K and V from
+    # 4·s·b·h/t to 4·s·b·h_kv/min(t, kv_heads) bytes per layer (h_kv = 256, split over 4 ranks, not 8)
+    act = activation_bytes(m, cfg)
+    per_mb = 4 * act.layer_saved
+    assert mem[0].activations == pytest.approx(2 * per_mb / GIB)
+    assert mem[1].activations == pytest.approx(per_mb / GIB)
+    s, b, h = m.seq_len, cfg.microbatch_size, m.hidden
+    mha = dataclasses.replace(m, num_kv_heads=16)
+    assert act.layer_saved == pytest.approx(activation_bytes(mha, cfg).layer_saved
+                                            - 4 * s * b * (h / 8 - m.kv_hidden / 4))
 
 
 @pytest.mark.parametrize("kw", [
