@@ -372,11 +372,12 @@ class _StepRun:
                 i = j
                 continue
             self.current = a
+            if phase is compute:
+                self.bpipe.before_compute(a)  # F/R: earlier evictions land first, so their buffers are freed
             t0 = time.perf_counter()
             if phase is host_move:
                 self._host_move(a)
             else:
-                self.bpipe.before_compute(a)  # F/R: earlier evictions land first, so their buffers are freed
                 self._compute(a)
             if self.recorder is not None:
                 self.recorder.action(i, a, t0, time.perf_counter(), self.ex.stash)
