@@ -31,6 +31,11 @@ def _schedule_cases() -> list[Case]:
     for family, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("looped-bfs", 2)):
         out.append(Case(family=family, pp=2, microbatches=4, chunks=chunks, recompute=True))
         out.append(Case(family=family, pp=2, microbatches=4, chunks=chunks, free_outputs=False, model="llama-tiny"))
+    # the zero-bubble and V-shaped families (V placement: the last stage, and so the loss, on rank 0)
+    for family in ("zb-h2", "zb-v", "v-half", "v-min", "dualpipev"):
+        for pp, dp in LAYOUTS:
+            out.append(Case(family=family, pp=pp, microbatches=2 * pp, dp=dp, chunks=1 if family == "zb-h2" else 2,
+                            model="llama-tiny" if dp == 2 else "gpt-tiny"))
     # host offload (OFFLOAD/RELOAD) of every micro-batch on every rank, full and split backward
     for family, dp in (("1f1b", 2), ("zb-h1", 1)):
         out.append(Case(family=f"{family}+offload", pp=2, microbatches=4, dp=dp,

@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     p.add_argument("--dp", type=int, help="data-parallel size (default --gpus/(tp·pp), or 1)")
-    p.add_argument("--chunks", type=int, default=1, help="stages per pipeline rank for interleaved (default 1)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="stages per pipeline rank for interleaved (default 1; 2 for the V-shaped families)")
     p.add_argument("--microbatch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--recompute", default="none", metavar="MODE", help="none, selective or full (default none)")
@@ -60,10 +61,12 @@ def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
             if tp < 1 or pp < 1 or args.gpus % (tp * pp):
                 raise ConfigError(f"--gpus {args.gpus} is not a multiple of tp·pp = {tp}·{pp}")
             dp = args.gpus // (tp * pp)
-    return ParallelConfig(tp=tp, pp=pp, dp=dp, chunks=args.chunks, microbatch_size=args.microbatch_size,
+    family = ScheduleFamily.parse(args.schedule)
+    chunks = args.chunks if args.chunks is not None else (1 if family.has_chunks else family.traits.chunks.chunks(None))
+    return ParallelConfig(tp=tp, pp=pp, dp=dp, chunks=chunks, microbatch_size=args.microbatch_size,
                           global_batch=args.global_batch, recompute=Recompute.parse(args.recompute),
                           sequence_parallel=args.sequence_parallel, attention=Attention.parse(args.attention),
-                          schedule=ScheduleFamily.parse(args.schedule),
+                          schedule=family,
                           distributed_optimizer=args.distributed_optimizer, bpipe_budget=args.bpipe_budget,
                           layout=parse_layout(args.layout) if args.layout else None)
 

@@ -13,6 +13,7 @@ from evenpipe.commands.model_args import (add_model_arguments, any_model_given, 
 from evenpipe.errors import ConfigError
 from evenpipe.report.tables import exposed_table, summary_table
 from evenpipe.schedule import ScheduleFamily, build_schedule
+from evenpipe.schedule.build import plan_durations_for
 from evenpipe.sim import Link, SimCosts, Trace, simulate
 
 __all__ = ["add_arguments", "run", "trace_from_args", "summary_json"]
@@ -24,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=int, required=True, metavar="P", help="pipeline ranks P")
     parser.add_argument("--microbatches", type=int, required=True, metavar="M", help="micro-batches per step M")
     parser.add_argument("--chunks", type=int, default=None, metavar="V",
-                        help="stages per rank for interleaved / looped-bfs (default 2 there, else 1)")
+                        help="stages per rank for interleaved / looped-bfs (default 2); the other families fix it "
+                        "(1, or 2 for the V-shaped zb-v, v-half, v-min, dualpipev)")
     times = parser.add_argument_group("durations per micro-batch of one rank's layers (seconds)")
     times.add_argument("--forward-time", type=float, default=1.0, metavar="F", help="forward (default 1)")
     times.add_argument("--backward-time", type=float, default=2.0, metavar="B",
@@ -65,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def trace_from_args(args: argparse.Namespace) -> Trace:
     """Build and simulate the schedule the arguments describe (``ConfigError`` for bad values)."""
     family = ScheduleFamily.parse(args.schedule)
-    chunks = args.chunks if args.chunks is not None else (2 if family.has_chunks else 1)
+    chunks = family.traits.chunks.chunks(args.chunks) if args.chunks is None else args.chunks
     for name in ("forward_time", "backward_time", "weight_time", "link_latency", "activation_bytes",
                  "output_bytes", "checkpoint_bytes"):
         value = getattr(args, name)
@@ -76,7 +78,9 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         sched = build_schedule(family, num_ranks=args.stages, num_microbatches=args.microbatches,
-                               num_chunks=chunks, bpipe_budget=args.bpipe_budget, recompute=args.recompute)
+                               num_chunks=chunks, bpipe_budget=args.bpipe_budget, recompute=args.recompute,
+                               plan_durations=plan_durations_for(args.forward_time, args.backward_time,
+                                                                 args.weight_time))
     if getattr(args, "profile", None):
         return _profiled(args, sched).trace
     if any_model_given(args):

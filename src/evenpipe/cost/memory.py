@@ -182,13 +182,9 @@ def counting_schedule(cfg: ParallelConfig) -> Schedule:
     per-rank peaks saturate by m = 2·p (1F1B: min(p - r, m); interleaved: min(v·p + p - 1, v·m) chunks; ZB-H1
     at most 1F1B's; BPipe at its budget), so the truncated schedule has the same peaks; a unit test checks this against the full one."""
     m = cfg.num_microbatches
-    if cfg.schedule in _SATURATING and m > _TRUNCATE_FACTOR * cfg.pp:
+    if cfg.schedule.traits.memory_saturates and m > _TRUNCATE_FACTOR * cfg.pp:
         m = _TRUNCATE_FACTOR * cfg.pp
     return _cached_counting_schedule(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.bpipe_budget)
-
-
-_SATURATING = frozenset({ScheduleFamily.ONE_F_ONE_B, ScheduleFamily.INTERLEAVED, ScheduleFamily.ZB_H1,
-                         ScheduleFamily.BPIPE})
 
 
 @functools.lru_cache(maxsize=128)
@@ -290,8 +286,8 @@ def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig) -> tup
     for r in range(p):
         n_params = params_layer * sum(layers[s] for s in schedule.stages_of(r))
         peak = _peak_activations(schedule, r, unit, act.embedding, act.head, wg_unit, transient)
-        emb_state = embed_params * state_bytes if r == 0 else 0.0
-        head_state = head_params * state_bytes if r == p - 1 else 0.0
+        emb_state = embed_params * state_bytes if r == schedule.rank_of(0) else 0.0
+        head_state = head_params * state_bytes if r == schedule.rank_of(num_stages - 1) else 0.0
         out.append(StageMemory(
             rank=r,
             weights=n_params * BYTES_WEIGHT / GIB,

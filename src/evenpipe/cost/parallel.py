@@ -198,16 +198,13 @@ def describe_layout(layout: "tuple[int, ...] | None") -> str:
     return ",".join(f"{n}x{k}" if k > 2 else ",".join([str(n)] * k) for n, k in runs)
 
 
-_INTERLEAVED_FAMILIES = ("interleaved", "looped-bfs")
-
-
 def check_config(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, num_gpus: int | None = None) -> None:
     """Raise ConfigError (one line naming the value) when ``cfg`` cannot run ``model`` on ``hw``.
 
     Rules: tp divides the attention heads and the FFN size (KV heads are split when tp divides them and
     replicated when they divide tp); every stage holds at least one layer;
-    chunks > 1 only with an interleaved/looped schedule; dp·b divides the global batch; the GPU count equals
-    tp·pp·dp; tp fits in a node; BPipe needs pp >= 2. Uneven stages: the layout (given, or
+    chunks as the schedule family allows (its traits); M as the family allows; dp·b divides the global batch; the
+    GPU count equals tp·pp·dp; tp fits in a node; BPipe needs pp >= 2. Uneven stages: the layout (given, or
     :func:`stage_layers`' default) must place every layer exactly once. The schedule generator adds its own rules (interleaved
     needs m % p == 0; a BPipe budget must be meetable) and raises ConfigError the same way.
     """
@@ -222,9 +219,13 @@ def check_config(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, num_gpus: 
         raise ConfigError(f"tp {cfg.tp} does not divide ffn_hidden {model.ffn_hidden}")
     if cfg.tp > hw.gpus_per_node:
         raise ConfigError(f"tp {cfg.tp} exceeds the {hw.gpus_per_node} GPUs of one {hw.name} node")
-    if cfg.chunks > 1 and cfg.schedule.value not in _INTERLEAVED_FAMILIES:
-        raise ConfigError(f"chunks {cfg.chunks} needs schedule interleaved or looped-bfs, "
-                          f"not {cfg.schedule.value}")
+    traits = cfg.schedule.traits
+    if not traits.chunks.allows(cfg.chunks):
+        raise ConfigError(f"chunks {cfg.chunks} is not allowed for schedule {cfg.schedule.value}: it takes "
+                          f"{traits.chunks.value} (interleaved and looped-bfs let you choose)")
+    why = traits.microbatch_error(cfg.pp, cfg.num_microbatches, cfg.chunks)
+    if why is not None:
+        raise ConfigError(f"schedule {cfg.schedule.value} {why}")
     if cfg.num_stages > model.num_layers:
         raise ConfigError(f"pp·chunks = {cfg.pp}·{cfg.chunks} = {cfg.num_stages} stages need at least as many "
                           f"layers; {model.name} has {model.num_layers}")
@@ -232,5 +233,5 @@ def check_config(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, num_gpus: 
     if cfg.global_batch % (cfg.dp * cfg.microbatch_size):
         raise ConfigError(f"global batch {cfg.global_batch} is not divisible by dp·microbatch_size = "
                           f"{cfg.dp}·{cfg.microbatch_size} = {cfg.dp * cfg.microbatch_size}")
-    if cfg.schedule.value == "bpipe" and cfg.pp < 2:
+    if cfg.schedule is ScheduleFamily.BPIPE and cfg.pp < 2:
         raise ConfigError(f"schedule bpipe needs pp >= 2, got pp {cfg.pp}")

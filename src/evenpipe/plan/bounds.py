@@ -24,10 +24,6 @@ from evenpipe.sim.costs import SimCosts
 
 __all__ = ["PipelineBounds", "pipeline_bounds", "step_time_lower_bound", "stage_layout"]
 
-_SPLIT_BACKWARD = frozenset({ScheduleFamily.ZB_H1})
-"""Families that run the backward as separate I and W actions (W may trail the last I)."""
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineBounds:
     """Lower bounds (seconds) on one simulated step."""
@@ -41,9 +37,9 @@ class PipelineBounds:
     recomputation) work of one micro-batch over all of rank 0's stages."""
 
 
-def stage_layout(pp: int, chunks: int) -> tuple[int, ...]:
-    """Rank of each stage: stage s on rank s mod p (every planned family; interleaved chunk c of rank r is c·p+r)."""
-    return tuple(s % pp for s in range(pp * chunks))
+def stage_layout(family: ScheduleFamily, pp: int, chunks: int) -> tuple[int, ...]:
+    """Rank of each stage under ``family``'s placement (looped: stage s on rank s mod p; V: s or 2p-1-s)."""
+    return family.traits.stage_to_rank(pp, chunks)
 
 
 def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microbatches: int, *,
@@ -98,8 +94,9 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
 def _pipeline_bounds_of(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency) -> PipelineBounds:
     """Pipeline bounds, shared by configurations that differ only in optimizer sharding (it changes no stage)."""
     costs = stage_sim_costs(model, hw, cfg, eff)
-    return pipeline_bounds(costs, stage_layout(cfg.pp, cfg.chunks), cfg.num_microbatches,
-                           recompute=cfg.recompute is Recompute.FULL, split_backward=cfg.schedule in _SPLIT_BACKWARD)
+    return pipeline_bounds(costs, stage_layout(cfg.schedule, cfg.pp, cfg.chunks), cfg.num_microbatches,
+                           recompute=cfg.recompute is Recompute.FULL,
+                           split_backward=cfg.schedule.traits.split_backward)
 
 
 def step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
@@ -111,7 +108,7 @@ def step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
     """
     eff = efficiency or Efficiency()
     b = _pipeline_bounds_of(model, hw, dataclasses.replace(cfg, distributed_optimizer=False), eff)
-    placement = stage_layout(cfg.pp, cfg.chunks)
+    placement = stage_layout(cfg.schedule, cfg.pp, cfg.chunks)
     layers = stage_layers(model, cfg)
     rank0_layers = sum(n for n, r in zip(layers, placement) if r == 0)  # estimate's rank 0 holds these and more
     layer_params = layer_params_per_rank(model, cfg.tp) * rank0_layers

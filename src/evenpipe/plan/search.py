@@ -200,8 +200,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def _chunk_options(model: ModelSpec, pp: int, family: ScheduleFamily, space: SearchSpace) -> list[int]:
-    if not family.has_chunks:
-        return [1]
+    if not family.has_chunks:  # the placement fixes the chunks (1, or 2 in a V)
+        v = family.traits.chunks.chunks(None)
+        if v == 1:
+            return [1]
+        if pp < 2 or pp * v > model.num_layers or (space.layout is not None and len(space.layout) != pp * v):
+            return []
+        return [v]
     if pp < 2:
         return []
     if space.layout is not None:

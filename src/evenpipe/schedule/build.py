@@ -10,29 +10,42 @@ from typing import Callable, Iterator
 from evenpipe.errors import ConfigError
 from evenpipe.schedule.bpipe import bpipe_transform
 from evenpipe.schedule.comm import derive_communication
-from evenpipe.schedule.family import ScheduleFamily
+from evenpipe.schedule.family import Ordering, ScheduleFamily
 from evenpipe.schedule.generate import gpipe, interleaved, looped_bfs, one_f_one_b, zb_h1
-from evenpipe.schedule.generate.interleaved import interleaved_round_size
+from evenpipe.schedule.generate.capped import capped_zero_bubble
+from evenpipe.schedule.generate.dualpipe_v import dualpipe_v
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.schedule.validate import validate
 
-__all__ = ["build_schedule", "add_offload", "add_recompute", "compute_order"]
+__all__ = ["build_schedule", "add_offload", "add_recompute", "compute_order", "plan_durations_for"]
 
 
-def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
-                   bpipe_budget: int | None = None, recompute: bool = False) -> Schedule:
+def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None,
+                   bpipe_budget: int | None = None, recompute: bool = False,
+                   plan_durations: tuple[int, int, int] | None = None) -> Schedule:
     """A complete schedule (compute, SEND/RECV, and for bpipe EVICT/ACCEPT/RETURN/LOAD), already validated.
 
-    ``num_chunks`` is V, the stages per rank, for ``interleaved`` and ``looped-bfs`` (others need 1).
+    ``num_chunks`` is V, the stages per rank, for ``interleaved`` and ``looped-bfs`` (default 2); the other
+    families fix it (1, or 2 for the V-shaped ones), and ``None`` takes the family's default.
     Interleaved takes micro-batches in equal rounds (``M % max(1, M // P) == 0``; any multiple of P gives
     Megatron's schedule exactly). ``bpipe_budget`` is the
     activation units a rank may hold under BPipe (default ``ceil((P+1)/2)``). ``recompute`` inserts ``R`` right
-    before every backward (``B`` or ``I``). Bad values raise ``ConfigError``.
+    before every backward (``B`` or ``I``). ``plan_durations`` are the relative integer durations of ``F``, ``I``
+    and ``W`` that the memory-capped families (zb-h2, zb-v, v-half, v-min) plan their order with (default 1, 1, 1;
+    :func:`plan_durations_for` turns measured or modelled times into them). Bad values raise ``ConfigError``.
     """
     fam = ScheduleFamily.parse(family)
+    num_chunks = fam.traits.chunks.chunks(num_chunks) if num_chunks is None else num_chunks
     with _gc_paused():
         return _build(fam, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks,
-                      bpipe_budget=bpipe_budget, recompute=recompute)
+                      bpipe_budget=bpipe_budget, recompute=recompute, plan_durations=plan_durations)
+
+
+def plan_durations_for(forward: float, backward_input: float, backward_weight: float) -> tuple[int, int, int]:
+    """Integer durations of F, I and W in the ratio of the given times (F counts 2, none less than 1)."""
+    if not forward > 0:
+        return (1, 1, 1)
+    return tuple(max(1, round(2 * t / forward)) for t in (forward, backward_input, backward_weight))  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
@@ -49,8 +62,9 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_chunks: int,
-           bpipe_budget: int | None, recompute: bool) -> Schedule:
-    compute = compute_order(fam, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
+           bpipe_budget: int | None, recompute: bool, plan_durations: tuple[int, int, int] | None) -> Schedule:
+    compute = compute_order(fam, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks,
+                            plan_durations=plan_durations)
     if bpipe_budget is not None and fam is not ScheduleFamily.BPIPE:
         warnings.warn(f"bpipe_budget={bpipe_budget} has no effect on schedule {fam.value!r}", stacklevel=3)
     if recompute:
@@ -67,24 +81,41 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
     return full
 
 
-def compute_order(family: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+def compute_order(family: ScheduleFamily, *, num_ranks: int, num_microbatches: int,
+                  num_chunks: int | None = None, plan_durations: tuple[int, int, int] | None = None) -> Schedule:
     """The compute-only schedule of ``family`` after checking the sizes (``ConfigError`` when out of range)."""
-    P, M, V = num_ranks, num_microbatches, num_chunks
+    P, M = num_ranks, num_microbatches
+    V = family.traits.chunks.chunks(num_chunks) if num_chunks is None else num_chunks
     if P < 1:
         raise ConfigError(f"num_ranks must be >= 1, got {P}")
     if M < 1:
         raise ConfigError(f"num_microbatches must be >= 1, got {M}")
+    if plan_durations is not None and (len(plan_durations) != 3 or min(plan_durations) < 1):
+        raise ConfigError(f"plan_durations must be three integers >= 1 (F, I, W), got {plan_durations}")
     if V < 1:
         raise ConfigError(f"num_chunks must be >= 1, got {V}")
-    if V != 1 and not family.has_chunks:
-        raise ConfigError(f"schedule {family.value!r} has one stage per rank; got num_chunks={V}, allowed: 1 "
-                          f"(use interleaved or looped-bfs for chunks)")
-    if family is ScheduleFamily.INTERLEAVED and interleaved_round_size(P, M) is None:
-        near = [m for m in range(max(1, M - P), M + P + 1) if interleaved_round_size(P, m) is not None]
-        raise ConfigError(f"interleaved needs num_microbatches M with M % max(1, M // P) == 0 (equal rounds); "
-                          f"got M={M} for P={P} ranks (nearby allowed: {', '.join(map(str, near))}; any multiple "
-                          f"of {P} works)")
+    traits = family.traits
+    if not traits.chunks.allows(V):
+        fixed = traits.chunks.chunks(None)
+        what = "one stage" if fixed == 1 else f"{fixed} stages"
+        raise ConfigError(f"schedule {family.value!r} has {what} per rank; got num_chunks={V}, allowed: "
+                          f"{fixed} (use interleaved or looped-bfs to choose the chunks)")
+    why = traits.microbatch_error(P, M, V)
+    if why is not None:
+        raise ConfigError(f"{family.value} {why}")
+    if family.traits.ordering is Ordering.MEMORY_CAPPED:
+        return _capped(family, P, M, V, plan_durations or (1, 1, 1))
     return _GENERATORS[family](P, M, V)
+
+
+def _capped(family: ScheduleFamily, P: int, M: int, V: int, durations: tuple[int, int, int]) -> Schedule:
+    """A memory-capped family: its placement and its cap (see the family's traits)."""
+    traits = family.traits
+    cap = traits.activation_cap
+    assert cap is not None
+    return capped_zero_bubble(family.value, num_ranks=P, num_microbatches=M, stage_to_rank=traits.stage_to_rank(P, V),
+                              cap=cap(P), durations=durations,
+                              meta={"chunks": traits.chunks.chunks(V), "plan_durations": list(durations)})
 
 
 _GENERATORS: dict[ScheduleFamily, Callable[[int, int, int], Schedule]] = {
@@ -93,9 +124,12 @@ _GENERATORS: dict[ScheduleFamily, Callable[[int, int, int], Schedule]] = {
     ScheduleFamily.INTERLEAVED: lambda P, M, V: interleaved(num_ranks=P, num_microbatches=M, num_chunks=V),
     ScheduleFamily.LOOPED_BFS: lambda P, M, V: looped_bfs(num_ranks=P, num_microbatches=M, num_chunks=V),
     ScheduleFamily.ZB_H1: lambda P, M, V: zb_h1(num_ranks=P, num_microbatches=M),
+    ScheduleFamily.DUALPIPE_V: lambda P, M, V: dualpipe_v(num_ranks=P, num_microbatches=M),
     ScheduleFamily.BPIPE: lambda P, M, V: one_f_one_b(num_ranks=P, num_microbatches=M),  # transformed later
 }
 """Compute order of each family from (ranks, micro-batches, chunks): the named presets."""
+assert set(_GENERATORS) | {f for f in ScheduleFamily if f.traits.ordering is Ordering.MEMORY_CAPPED} == \
+    set(ScheduleFamily), "every family needs a generator"
 
 
 def add_recompute(schedule: Schedule) -> Schedule:

@@ -53,7 +53,7 @@ def test_valid_config_passes() -> None:
     (_cfg(tp=5, dp=16), None, "tp 5"),
     (_cfg(layout=(12,) * 7 + (11,)), None, "places 95 layers but the model has 96 (it drops 1)"),
     (_cfg(chunks=13, schedule=ScheduleFamily.INTERLEAVED), None, "pp·chunks"),
-    (_cfg(chunks=2), None, "chunks 2 needs schedule interleaved"),
+    (_cfg(chunks=2), None, "chunks 2 is not allowed for schedule 1f1b"),
     (_cfg(global_batch=1000), None, "global batch 1000"),
     (_cfg(tp=16, dp=8), None, "tp 16"),
     (_cfg(pp=1, dp=128, schedule=ScheduleFamily.BPIPE), None, "bpipe needs pp >= 2"),

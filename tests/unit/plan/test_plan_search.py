@@ -174,3 +174,32 @@ def test_peak_memory_grows_with_the_microbatch_size(name: str, gpus: int, batch:
     for s in series:
         values = [p for _, p in s]
         assert values == sorted(values), s
+
+
+NEW_FAMILIES = (ScheduleFamily.ZB_H2, ScheduleFamily.ZB_V, ScheduleFamily.V_HALF, ScheduleFamily.V_MIN,
+                ScheduleFamily.DUALPIPE_V)
+
+
+def test_lower_bound_holds_for_the_v_shaped_and_zero_bubble_families() -> None:
+    """The bound reads the family's placement: a V puts the last stage on rank 0, where round-robin would not."""
+    model = model_preset("gpt-1.7b")
+    space = SearchSpace(max_microbatch_size=2, schedules=NEW_FAMILIES)
+    checked: dict[ScheduleFamily, int] = {f: 0 for f in NEW_FAMILIES}
+    for cfg in enumerate_configs(model, A100, num_gpus=8, global_batch=32, space=space):
+        try:
+            check_config(model, A100, cfg, 8)
+            est = estimate(model, A100, cfg)
+        except EvenpipeError:
+            continue
+        assert cfg.chunks == cfg.schedule.traits.chunks.chunks(None)
+        bound = step_time_lower_bound(model, A100, cfg)
+        assert bound <= est.step_time_s * (1 + 1e-9), cfg.describe()
+        checked[cfg.schedule] += 1
+    assert all(n > 0 for n in checked.values()), checked
+
+
+def test_planner_searches_the_new_families() -> None:
+    space = SearchSpace(max_microbatch_size=2, schedules=(ScheduleFamily.ONE_F_ONE_B,) + NEW_FAMILIES)
+    result = Searcher(SMALL, A100).search(num_gpus=8, global_batch=32, space=space, top_k=3,
+                                          best_per_schedule=True)
+    assert set(result.best_by_schedule) >= {ScheduleFamily.ZB_V, ScheduleFamily.DUALPIPE_V}

@@ -87,7 +87,7 @@ def test_makespan_bound_is_exact_for_uniform_1f1b() -> None:
 def test_bounds_count_recompute_weight_grad_and_chunks() -> None:
     p, v, m = 2, 2, 4
     costs = SimCosts.uniform(num_stages=p * v, num_chunks=v, forward=1.0, backward=2.0, weight=1.0)
-    layout = stage_layout(p, v)
+    layout = stage_layout(ScheduleFamily.INTERLEAVED, p, v)
     assert layout == (0, 1, 0, 1)
     # last rank: stage 0's forward (0.5) and input-gradient (1.0) bracket m * (F + B + W) = 4 * 4
     assert _bounds(costs, layout, m).makespan == pytest.approx(0.5 + 16 + 1.0)

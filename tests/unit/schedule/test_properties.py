@@ -25,7 +25,7 @@ def configs(draw: st.DrawFn) -> tuple[ScheduleFamily, int, int, int, bool]:
         M = P * draw(st.integers(1, max(1, 64 // P)))  # Megatron's case
     else:
         M = draw(st.integers(1, 64))
-    V = draw(st.integers(1, 4)) if family.has_chunks else 1
+    V = draw(st.integers(1, 4)) if family.has_chunks else family.traits.chunks.chunks(None)
     return family, P, M, V, draw(st.booleans())
 
 
@@ -42,8 +42,9 @@ def check_complete(s: Schedule) -> None:
 @given(configs())
 def test_every_generated_schedule_validates(config: tuple[ScheduleFamily, int, int, int, bool]) -> None:
     family, P, M, V, recompute = config
-    if family is ScheduleFamily.INTERLEAVED and interleaved_round_size(P, M) is None:
-        with pytest.raises(ConfigError, match=f"got M={M} for P={P}"):
+    if family.traits.microbatch_error(P, M, V) is not None:
+        assert family is not ScheduleFamily.INTERLEAVED or interleaved_round_size(P, M) is None
+        with pytest.raises(ConfigError, match=f"M={M} for P={P}"):
             build_schedule(family, num_ranks=P, num_microbatches=M, num_chunks=V)
         return
     s = build_schedule(family, num_ranks=P, num_microbatches=M, num_chunks=V, recompute=recompute)
@@ -53,6 +54,11 @@ def test_every_generated_schedule_validates(config: tuple[ScheduleFamily, int, i
     for acts in s.actions:
         trace = held_units_trace(acts)
         assert not trace or (min(trace) >= 0 and trace[-1] == 0)
+    cap = family.traits.activation_cap
+    if cap is not None:  # memory-capped families never exceed their cap (in chunk-activations)
+        assert max(held_units(s)) <= cap(P)
+    if family is ScheduleFamily.DUALPIPE_V:  # DualPipe's PP + 1 stage-activations per device, PP = 2P stages
+        assert held_units(s) == [2 * P + 1] * P
     if family is ScheduleFamily.BPIPE:
         assert max(held_units(s)) <= math.ceil((P + 1) / 2)
         if M >= P:

@@ -7,11 +7,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from evenpipe.errors import ConfigError
-from evenpipe.schedule import build_schedule, held_units
+from evenpipe.schedule import ScheduleFamily, build_schedule, held_units
 from evenpipe.schedule.ir import Action, ActionKind
 from evenpipe.sim import Link, SimCosts, StageCosts, Trace, simulate
 
-FAMILIES = ["gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "bpipe"]
+FAMILIES = [f.value for f in ScheduleFamily]
 positive = st.floats(min_value=0.01, max_value=10.0, allow_nan=False)
 
 
@@ -29,7 +29,7 @@ def stage_costs(draw: st.DrawFn) -> StageCosts:
        recompute=st.booleans(), data=st.data())
 def test_random_schedules_simulate_soundly(family: str, p: int, m: int, v: int, recompute: bool,
                                            data: st.DataObject) -> None:
-    chunks = v if family in ("interleaved", "looped-bfs") else 1
+    chunks = v if ScheduleFamily.parse(family).has_chunks else None
     if family == "interleaved":
         m = max(p, m - m % p)  # Megatron's rule: M a multiple of P
     try:
