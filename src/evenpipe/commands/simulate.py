@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     pred = None
     if args.profile:
         family = ScheduleFamily.parse(args.schedule)
-        chunks = args.chunks if args.chunks is not None else (2 if family.has_chunks else 1)
+        chunks = family.traits.chunks.chunks(None) if args.chunks is None else args.chunks
         sched = build_schedule(family, num_ranks=args.stages, num_microbatches=args.microbatches,
                                num_chunks=chunks, bpipe_budget=args.bpipe_budget, recompute=args.recompute)
         pred = _profiled(args, sched)

@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step M")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = stages x dp)")
-    p.add_argument("--chunks", type=int, default=1, help="stages per rank V (interleaved, looped-bfs)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="stages per rank V (interleaved, looped-bfs; default 1); the V-shaped families use 2")
     p.add_argument("--microbatch-size", type=int, default=2, help="sequences per micro-batch b")
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per step (default: microbatch-size x microbatches x dp)")

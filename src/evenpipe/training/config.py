@@ -118,11 +118,11 @@ class ScheduleOptions:
     """The pipeline schedule and how the model is cut."""
 
     family: ScheduleFamily = ScheduleFamily.ONE_F_ONE_B
-    """Schedule family (gpipe, 1f1b, interleaved, looped-bfs, zb-h1, bpipe)."""
+    """Schedule family (see :class:`ScheduleFamily`)."""
     num_ranks: int = 4
     """Pipeline ranks P (1 runs un-pipelined)."""
-    num_chunks: int = 1
-    """Stages per rank V (interleaved, looped-bfs)."""
+    num_chunks: int | None = None
+    """Stages per rank V (interleaved, looped-bfs); None: the family's own (1, or 2 for the V-shaped ones)."""
     num_microbatches: int = 8
     """Micro-batches per step M."""
     recompute: bool = False
@@ -136,6 +136,9 @@ class ScheduleOptions:
 
     def __post_init__(self) -> None:
         _coerce(self, "family", ScheduleFamily.parse(self.family))
+        if self.num_chunks is None:
+            fam = self.family
+            _coerce(self, "num_chunks", 1 if fam.has_chunks else fam.traits.chunks.chunks(None))
         for name, value in (("stages", self.num_ranks), ("chunks", self.num_chunks),
                             ("microbatches", self.num_microbatches)):
             _at_least(name, value, 1)
@@ -148,6 +151,7 @@ class ScheduleOptions:
     @property
     def num_stages(self) -> int:
         """Stages in pipeline order, virtual chunks counted."""
+        assert self.num_chunks is not None
         return self.num_ranks * self.num_chunks
 
     def build(self) -> Any:
