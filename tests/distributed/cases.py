@@ -48,12 +48,15 @@ class Case:
     """Hand-written schedule text instead of the generator."""
     adam: bool = False
     """AdamW instead of SGD (loss trajectories)."""
+    bpipe: bool = False
+    """Apply the BPipe transform to the family (``--bpipe``)."""
 
     def __str__(self) -> str:
         extra = "".join([f" V={self.chunks}" if self.chunks > 1 else "", " R" if self.recompute else "",
                          "" if self.free_outputs else " keep-outputs",
                          f" K={self.bpipe_budget}" if self.bpipe_budget else "",
-                         f" steps={self.steps}" if self.steps != 2 else "", " adamw" if self.adam else ""])
+                         f" steps={self.steps}" if self.steps != 2 else "", " adamw" if self.adam else "",
+                         " +bpipe" if self.bpipe else ""])
         return f"{self.family} {self.model} P={self.pp} M={self.microbatches} DP={self.dp}{extra}"
 
 
@@ -62,7 +65,8 @@ def schedule_for(case: Case) -> Schedule:
         return Schedule.from_text(case.text)
     from evenpipe.schedule import build_schedule
     return build_schedule(case.family, num_ranks=case.pp, num_microbatches=case.microbatches,
-                          num_chunks=case.chunks, bpipe_budget=case.bpipe_budget, recompute=case.recompute)
+                          num_chunks=case.chunks, bpipe_budget=case.bpipe_budget, recompute=case.recompute,
+                          bpipe=case.bpipe)
 
 
 def tiny_config(name: str, num_stages: int):

@@ -51,6 +51,12 @@ def _bpipe_cases() -> list[Case]:
                 for recompute in (False, True):
                     out.append(Case(family="bpipe", pp=pp, microbatches=m, dp=dp, model=model, recompute=recompute))
     out.append(Case(family="bpipe", pp=4, microbatches=9, free_outputs=False))  # kept outputs travel too
+    # BPipe as a transform of other schedules (pairs and budget from each schedule's own memory profile)
+    for family, chunks in (("interleaved", 2), ("1f1b", 1), ("zb-h1", 1), ("gpipe", 1)):
+        for pp, dp in ((2, 1), (2, 2), (4, 1)):
+            out.append(Case(family=family, pp=pp, microbatches=2 * pp, dp=dp, chunks=chunks, bpipe=True,
+                            model="llama-tiny" if dp == 2 else "gpt-tiny"))
+    out.append(Case(family="interleaved", pp=4, microbatches=8, chunks=2, bpipe=True, recompute=True))
     return out
 
 

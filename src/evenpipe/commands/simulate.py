@@ -43,8 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="bytes of the activation / gradient message between stages (default 0)")
     link.add_argument("--checkpoint-bytes", type=float, default=None, metavar="N",
                       help="with --recompute: bytes kept per micro-batch (the stage input; default --output-bytes)")
+    parser.add_argument("--bpipe", action="store_true",
+                        help="apply the BPipe transform (pairs from the schedule's memory profile; --schedule bpipe is "
+                        "1f1b with it)")
     parser.add_argument("--bpipe-budget", type=int, default=None, metavar="K",
-                        help="BPipe: activation units a rank may hold (default ceil((P+1)/2))")
+                        help="BPipe: activation units of one stage a rank may hold (default: the lowest balanced "
+                        "peak the pairing allows; ceil((P+1)/2) for 1F1B)")
     parser.add_argument("--recompute", action="store_true", help="recompute activations before each backward")
     prof = parser.add_argument_group("measured costs (instead of the durations and sizes above)")
     prof.add_argument("--profile", default=None, metavar="PROFILE",
@@ -80,7 +84,7 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
         sched = build_schedule(family, num_ranks=args.stages, num_microbatches=args.microbatches,
                                num_chunks=chunks, bpipe_budget=args.bpipe_budget, recompute=args.recompute,
                                plan_durations=plan_durations_for(args.forward_time, args.backward_time,
-                                                                 args.weight_time))
+                                                                 args.weight_time), bpipe=args.bpipe)
     if getattr(args, "profile", None):
         return _profiled(args, sched).trace
     if any_model_given(args):
@@ -155,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         family = ScheduleFamily.parse(args.schedule)
         chunks = family.traits.chunks.chunks(None) if args.chunks is None else args.chunks
         sched = build_schedule(family, num_ranks=args.stages, num_microbatches=args.microbatches,
-                               num_chunks=chunks, bpipe_budget=args.bpipe_budget, recompute=args.recompute)
+                               num_chunks=chunks, bpipe_budget=args.bpipe_budget, recompute=args.recompute,
+                               bpipe=args.bpipe)
         pred = _profiled(args, sched)
         trace = pred.trace
     else:

@@ -13,6 +13,7 @@ import os
 from typing import TYPE_CHECKING
 
 from evenpipe.errors import ConfigError
+from evenpipe.schedule.family import ScheduleFamily
 
 if TYPE_CHECKING:
     from evenpipe.training.config import DataSource, TrainConfig
@@ -28,7 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        "safetensors weights): llama, mistral, qwen2 or gpt2 (needs the 'hf' extra)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights and activations; bfloat16 keeps fp32 master weights and optimizer state")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, looped-bfs, zb-h1 or bpipe")
+    p.add_argument("--schedule", default="1f1b",
+                   help=f"schedule family: {', '.join(f.value for f in ScheduleFamily)} (default 1f1b)")
+    p.add_argument("--bpipe", action="store_true",
+                   help="apply BPipe to the schedule (1f1b, interleaved, gpipe, looped-bfs, zb-h1)")
     p.add_argument("--stages", type=int, default=4, help="pipeline ranks P (1 runs un-pipelined)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step M")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
@@ -103,6 +107,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     schedule = ScheduleOptions(family=args.schedule, num_ranks=args.stages, num_chunks=args.chunks,
                                num_microbatches=args.microbatches, recompute=bool(args.recompute),
                                free_outputs=bool(args.free_outputs), bpipe_budget=args.bpipe_budget,
+                               bpipe=args.bpipe,
                                layout=_layout(args.layout))
     backend = Backend(args.backend or ("nccl" if torch.cuda.is_available() else "gloo"))
     if backend is Backend.NCCL and not torch.cuda.is_available():

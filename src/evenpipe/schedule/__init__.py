@@ -13,11 +13,13 @@ every transfer in a deadlock-free order; :func:`validate` checks the result (``b
 """
 
 from evenpipe.schedule.bpipe import (
+    bpipe_pairs,
     bpipe_partner,
     bpipe_transform,
     default_bpipe_budget,
     held_units,
     held_units_trace,
+    lowest_bpipe_budget,
 )
 from evenpipe.schedule.build import add_offload, add_recompute, build_schedule, compute_order
 from evenpipe.schedule.comm import derive_communication
@@ -47,6 +49,7 @@ __all__ = [
     "WitnessTiming",
     "add_offload",
     "add_recompute",
+    "bpipe_pairs",
     "bpipe_partner",
     "bpipe_transform",
     "build_schedule",
@@ -56,6 +59,7 @@ __all__ = [
     "format_grid",
     "held_units",
     "held_units_trace",
+    "lowest_bpipe_budget",
     "message_key",
     "parse_action",
     "validate",

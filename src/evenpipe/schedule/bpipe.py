@@ -35,7 +35,8 @@ from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.schedule.semantics import TABLES
 from evenpipe.schedule.witness import WitnessTiming, witness_timing
 
-__all__ = ["bpipe_partner", "bpipe_transform", "default_bpipe_budget", "held_units", "held_units_trace"]
+__all__ = ["bpipe_pairs", "bpipe_partner", "bpipe_transform", "default_bpipe_budget", "held_units",
+           "held_units_trace", "lowest_bpipe_budget"]
 
 _F, _B, _I, _W, _R = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
                       ActionKind.BACKWARD_WEIGHT, ActionKind.RECOMPUTE)
@@ -72,53 +73,83 @@ def held_units(schedule: Schedule) -> list[int]:
     return [max(held_units_trace(acts), default=0) for acts in schedule.actions]
 
 
+def bpipe_pairs(compute: Schedule) -> tuple[tuple[int, int], ...]:
+    """``(evictor, acceptor)`` pairs from the schedule's own memory profile: ranks ordered by their program-order
+    peak (fullest first, lower rank first among equals), the fullest paired with the emptiest, the second
+    fullest with the second emptiest, ...; the middle rank of an odd count has no partner. For 1F1B (peaks
+    ``P - r``) this is BPipe's ``x <-> P-1-x``."""
+    peaks = held_units(compute)
+    P = compute.num_ranks
+    order = sorted(range(P), key=lambda r: (-peaks[r], r))
+    return tuple((order[i], order[P - 1 - i]) for i in range(P // 2))
+
+
+def lowest_bpipe_budget(schedule: Schedule) -> int:
+    """The lowest balanced peak the pairing of :func:`bpipe_pairs` allows: the smallest budget, from the mean
+    of each pair's peaks up, for which the transform finds a schedule (``ceil((P+1)/2)`` for 1F1B, M >= P)."""
+    compute = schedule.compute_only()
+    timing = witness_timing(compute)
+    pairs = bpipe_pairs(compute)
+    peaks = held_units(compute)
+    paired = {r for pair in pairs for r in pair}
+    start = max([math.ceil((peaks[e] + peaks[a]) / 2) for e, a in pairs]
+                + [peaks[r] for r in range(compute.num_ranks) if r not in paired] + [1])
+    top = max(peaks, default=1)
+    return next((k for k in range(start, top + 1) if _plan(compute, timing, k, pairs) is not None), top)
+
+
 def bpipe_transform(schedule: Schedule, *, budget: int | None = None, balance: bool = True) -> Schedule:
     """Add BPipe's EVICT/LOAD (and derived ACCEPT/RETURN plus all SEND/RECV) so every rank holds <= ``budget``.
 
-    With ``balance`` (default) and a budget no larger than the default, a pair whose acceptor would peak below
-    the budget (the middle pair of an even ``p``, whose evictor needs no room) moves one micro-batch anyway, so
-    that with ``M >= p`` every rank peaks at the budget: balanced memory for one extra overlapped evict/load per
-    step. A larger budget is slack the caller asked for, and nothing moves that need not.
+    Works on any schedule whose stages do not hand activations to a stage on the same rank (1F1B, GPipe,
+    interleaved and looped with P >= 2, ZB-H1): pairs come from its own memory profile (:func:`bpipe_pairs`) and
+    the budget, in activation units of one stage (a chunk when interleaved), defaults to
+    :func:`lowest_bpipe_budget`. With ``balance`` (default) and a budget no larger than the default, a pair whose
+    acceptor would peak below the budget (the middle pair of an even ``p``, whose evictor needs no room) moves
+    one micro-batch anyway, so that every rank peaks at the budget: balanced memory for one extra overlapped
+    evict/load per step. A larger budget is slack the caller asked for, and nothing moves that need not.
 
-    ``schedule`` must have one stage per rank (BPipe is defined on 1F1B); its transfers are ignored and derived
-    again. Raises ``ConfigError`` naming the smallest budget that works when ``budget`` cannot be met.
+    The schedule's transfers are ignored and derived again. Raises ``ConfigError`` naming the smallest budget
+    that works when ``budget`` cannot be met.
     """
     P = schedule.num_ranks
-    if schedule.num_stages != P:
-        raise ConfigError(f"bpipe needs one stage per rank, got {schedule.num_stages} stages on {P} ranks "
-                          f"(chunks={schedule.num_chunks}); use num_chunks=1")
-    K = default_bpipe_budget(P) if budget is None else budget
-    if K < 1:
-        raise ConfigError(f"bpipe budget must be >= 1 activation unit, got {K}")
+    local = [s for s in range(schedule.num_stages - 1) if schedule.rank_of(s) == schedule.rank_of(s + 1)]
+    if local and P > 1:
+        raise ConfigError(f"bpipe needs every stage boundary to cross ranks; stages {local[0]} and {local[0] + 1} "
+                          f"of {schedule.name!r} share rank {schedule.rank_of(local[0])} (V-shaped placements "
+                          "hand activations over locally)")
+    if budget is not None and budget < 1:
+        raise ConfigError(f"bpipe budget must be >= 1 activation unit, got {budget}")
     compute = schedule.compute_only()
+    default = lowest_bpipe_budget(compute)
+    K = default if budget is None else budget
     timing = witness_timing(compute)
-    meta = {**schedule.meta, "family": "bpipe", "budget": K, "chunks": 1}
-    lists = _plan(compute, timing, K, balance=balance and K <= default_bpipe_budget(P))
+    pairs = bpipe_pairs(compute)
+    meta = {**schedule.meta, "bpipe": True, "budget": K, "pairs": [list(p) for p in pairs]}
+    lists = _plan(compute, timing, K, pairs, balance=balance and K <= default)
     if lists is None:
         no_eviction = max(held_units(compute), default=0)
-        smallest = next((k for k in range(K + 1, no_eviction + 1) if _plan(compute, timing, k) is not None),
-                        no_eviction)
+        smallest = next((k for k in range(K + 1, no_eviction + 1)
+                         if _plan(compute, timing, k, pairs) is not None), no_eviction)
         raise ConfigError(f"bpipe budget {K} cannot be met for {P} ranks and {schedule.num_microbatches} "
                           f"micro-batches; the smallest budget that works is {smallest}")
     result = derive_communication(compute.with_actions(lists))
     assert max(held_units(result), default=0) <= K, "acceptor check disagrees with the derived schedule"
     assert all(sum(_own_and_hosted_peaks(acts)) <= K for acts in result.actions), "acceptor overlap exceeds budget"
-    return result.with_actions(result.actions, name="bpipe", meta=meta)
+    return result.with_actions(result.actions, meta=meta)
 
 
-def _plan(compute: Schedule, timing: WitnessTiming, budget: int, *,
+def _plan(compute: Schedule, timing: WitnessTiming, budget: int, pairs: tuple[tuple[int, int], ...], *,
           balance: bool = False) -> list[list[Action]] | None:
     """Every rank's compute list with EVICT/LOAD markers on evictors, or ``None`` if some rank would exceed
     ``budget``. Acceptors are checked in the program order :func:`derive_communication` will give them.
     With ``balance``, pairs whose acceptor would stay below the budget move one extra micro-batch."""
-    P = compute.num_ranks
     lists = [list(acts) for acts in compute.actions]
-    for r in range(P):
-        partner = bpipe_partner(r, P)
-        if partner is None or r > partner:
-            if partner is None and max(held_units_trace(compute.actions[r]), default=0) > budget:
-                return None
-            continue
+    paired = {r for pair in pairs for r in pair}
+    if any(max(held_units_trace(compute.actions[r]), default=0) > budget
+           for r in range(compute.num_ranks) if r not in paired):
+        return None
+    for r, partner in pairs:
         peak = budget + 1
         for early in (True, False):  # prefer overlapping the eviction with compute; fall back for the acceptor
             marked = _evict_and_load(compute.actions[r], budget, partner=partner, early=early)

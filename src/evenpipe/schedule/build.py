@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 from evenpipe.errors import ConfigError
 from evenpipe.schedule.bpipe import bpipe_transform
 from evenpipe.schedule.comm import derive_communication
-from evenpipe.schedule.family import Ordering, ScheduleFamily
+from evenpipe.schedule.family import Ordering, ScheduleFamily, Transform
 from evenpipe.schedule.generate import gpipe, interleaved, looped_bfs, one_f_one_b, zb_h1
 from evenpipe.schedule.generate.capped import capped_zero_bubble
 from evenpipe.schedule.generate.dualpipe_v import dualpipe_v
@@ -22,7 +22,7 @@ __all__ = ["build_schedule", "add_offload", "add_recompute", "compute_order", "p
 
 def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None,
                    bpipe_budget: int | None = None, recompute: bool = False,
-                   plan_durations: tuple[int, int, int] | None = None) -> Schedule:
+                   plan_durations: tuple[int, int, int] | None = None, bpipe: bool = False) -> Schedule:
     """A complete schedule (compute, SEND/RECV, and for bpipe EVICT/ACCEPT/RETURN/LOAD), already validated.
 
     ``num_chunks`` is V, the stages per rank, for ``interleaved`` and ``looped-bfs`` (default 2); the other
@@ -32,13 +32,17 @@ def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbat
     activation units a rank may hold under BPipe (default ``ceil((P+1)/2)``). ``recompute`` inserts ``R`` right
     before every backward (``B`` or ``I``). ``plan_durations`` are the relative integer durations of ``F``, ``I``
     and ``W`` that the memory-capped families (zb-h2, zb-v, v-half, v-min) plan their order with (default 1, 1, 1;
-    :func:`plan_durations_for` turns measured or modelled times into them). Bad values raise ``ConfigError``.
+    :func:`plan_durations_for` turns measured or modelled times into them). ``bpipe`` applies the BPipe
+    transform to any family that allows it (``bpipe`` itself is 1F1B with it); ``bpipe_budget`` is then in
+    activation units of one stage (a chunk when interleaved), default the lowest balanced peak the pairing
+    allows. Bad values raise ``ConfigError``.
     """
     fam = ScheduleFamily.parse(family)
     num_chunks = fam.traits.chunks.chunks(num_chunks) if num_chunks is None else num_chunks
     with _gc_paused():
         return _build(fam, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks,
-                      bpipe_budget=bpipe_budget, recompute=recompute, plan_durations=plan_durations)
+                      bpipe_budget=bpipe_budget, recompute=recompute, plan_durations=plan_durations,
+                      bpipe=bpipe or fam is ScheduleFamily.BPIPE)
 
 
 def plan_durations_for(forward: float, backward_input: float, backward_weight: float) -> tuple[int, int, int]:
@@ -62,15 +66,19 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_chunks: int,
-           bpipe_budget: int | None, recompute: bool, plan_durations: tuple[int, int, int] | None) -> Schedule:
+           bpipe_budget: int | None, recompute: bool, plan_durations: tuple[int, int, int] | None,
+           bpipe: bool) -> Schedule:
+    if bpipe and Transform.BPIPE not in fam.traits.transforms:
+        allowed = ", ".join(f.value for f in ScheduleFamily if Transform.BPIPE in f.traits.transforms)
+        raise ConfigError(f"--bpipe does not apply to schedule {fam.value!r}; allowed: {allowed}")
     compute = compute_order(fam, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks,
                             plan_durations=plan_durations)
-    if bpipe_budget is not None and fam is not ScheduleFamily.BPIPE:
+    if bpipe_budget is not None and not bpipe:
         warnings.warn(f"bpipe_budget={bpipe_budget} has no effect on schedule {fam.value!r}", stacklevel=3)
     if recompute:
         compute = add_recompute(compute)
     meta: dict[str, object] = {**compute.meta, "family": fam.value, "chunks": num_chunks, "recompute": recompute}
-    if fam is ScheduleFamily.BPIPE:
+    if bpipe:
         full = bpipe_transform(compute, budget=bpipe_budget)
         meta.update(full.meta)
         meta["family"] = fam.value

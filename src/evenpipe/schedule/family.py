@@ -187,7 +187,7 @@ TRAITS: dict[ScheduleFamily, FamilyTraits] = {
                                             transforms=_RECOMPUTE_ONLY, min_microbatches_per_stage=1),
     ScheduleFamily.BPIPE: FamilyTraits(placement=Placement.LINEAR, chunks=ChunkRule.ONE,
                                        ordering=Ordering.ONE_F_ONE_B, split_backward=False,
-                                       transforms=_RECOMPUTE_ONLY),
+                                       transforms=_BOTH),  # already transformed: --bpipe changes nothing
 }
 """One record per family."""
 assert set(TRAITS) == set(ScheduleFamily), "every family needs its traits"

@@ -129,8 +129,10 @@ class ScheduleOptions:
     """Full activation recomputation per stage."""
     free_outputs: bool = True
     """Free each stage output once sent."""
+    bpipe: bool = False
+    """Apply the BPipe transform to the family (``bpipe`` is 1F1B with it)."""
     bpipe_budget: int | None = None
-    """BPipe: activation units a rank may hold (None: ceil((P+1)/2))."""
+    """BPipe: activation units of one stage a rank may hold (None: the lowest balanced peak)."""
     layout: tuple[int, ...] | None = None
     """Blocks per stage (per virtual chunk), in pipeline order; None balances by parameter count."""
 
@@ -158,8 +160,9 @@ class ScheduleOptions:
         """The validated :class:`evenpipe.schedule.Schedule`."""
         from evenpipe.schedule import build_schedule
         return build_schedule(self.family, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
-                              num_chunks=self.num_chunks, recompute=self.recompute,
-                              bpipe_budget=self.bpipe_budget if self.family is ScheduleFamily.BPIPE else None)
+                              num_chunks=self.num_chunks, recompute=self.recompute, bpipe=self.bpipe,
+                              bpipe_budget=self.bpipe_budget if self.family is ScheduleFamily.BPIPE or self.bpipe
+                              else None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -101,13 +101,13 @@ def test_transform_of_a_full_1f1b_schedule() -> None:
     moved = bpipe_transform(one)
     validate(moved)
     assert moved.actions == build_schedule("bpipe", num_ranks=6, num_microbatches=12).actions
-    assert moved.meta["budget"] == 4 and moved.name == "bpipe"
+    assert moved.meta["budget"] == 4 and moved.meta["bpipe"] is True and moved.name == "1f1b"
 
 
-def test_needs_one_chunk() -> None:
-    il = build_schedule("interleaved", num_ranks=2, num_microbatches=4, num_chunks=2)
-    with pytest.raises(ConfigError, match="bpipe needs one stage per rank, got 4 stages on 2 ranks"):
-        bpipe_transform(il)
+def test_needs_stage_boundaries_that_cross_ranks() -> None:
+    v = build_schedule("zb-v", num_ranks=2, num_microbatches=4)
+    with pytest.raises(ConfigError, match="stages 1 and 2 of 'zb-v' share rank 1"):
+        bpipe_transform(v)
 
 
 def test_evictor_holds_budget_with_recompute() -> None:

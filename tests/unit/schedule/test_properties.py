@@ -12,13 +12,14 @@ from hypothesis import strategies as st
 from evenpipe.errors import ConfigError
 from evenpipe.schedule import (ActionKind, Schedule, ScheduleFamily, build_schedule, held_units, held_units_trace,
                                validate)
+from evenpipe.schedule.family import Transform
 from evenpipe.schedule.generate.interleaved import interleaved_round_size
 
 K = ActionKind
 
 
 @st.composite
-def configs(draw: st.DrawFn) -> tuple[ScheduleFamily, int, int, int, bool]:
+def configs(draw: st.DrawFn) -> tuple[ScheduleFamily, int, int, int, bool, bool]:
     family = draw(st.sampled_from(list(ScheduleFamily)))
     P = draw(st.integers(1, 16))
     if family is ScheduleFamily.INTERLEAVED and draw(st.booleans()):
@@ -26,7 +27,8 @@ def configs(draw: st.DrawFn) -> tuple[ScheduleFamily, int, int, int, bool]:
     else:
         M = draw(st.integers(1, 64))
     V = draw(st.integers(1, 4)) if family.has_chunks else family.traits.chunks.chunks(None)
-    return family, P, M, V, draw(st.booleans())
+    bpipe = P >= 2 and Transform.BPIPE in family.traits.transforms and draw(st.booleans())
+    return family, P, M, V, draw(st.booleans()), bpipe
 
 
 def check_complete(s: Schedule) -> None:
@@ -40,15 +42,18 @@ def check_complete(s: Schedule) -> None:
 
 @settings(max_examples=120, deadline=None)
 @given(configs())
-def test_every_generated_schedule_validates(config: tuple[ScheduleFamily, int, int, int, bool]) -> None:
-    family, P, M, V, recompute = config
+def test_every_generated_schedule_validates(config: tuple[ScheduleFamily, int, int, int, bool, bool]) -> None:
+    family, P, M, V, recompute, bpipe = config
     if family.traits.microbatch_error(P, M, V) is not None:
         assert family is not ScheduleFamily.INTERLEAVED or interleaved_round_size(P, M) is None
         with pytest.raises(ConfigError, match=f"M={M} for P={P}"):
             build_schedule(family, num_ranks=P, num_microbatches=M, num_chunks=V)
         return
-    s = build_schedule(family, num_ranks=P, num_microbatches=M, num_chunks=V, recompute=recompute)
+    s = build_schedule(family, num_ranks=P, num_microbatches=M, num_chunks=V, recompute=recompute, bpipe=bpipe)
     validate(s)
+    if bpipe:  # BPipe on any schedule: within its budget, never above the plain schedule's peak
+        plain = build_schedule(family, num_ranks=P, num_microbatches=M, num_chunks=V, recompute=recompute)
+        assert max(held_units(s)) <= s.meta["budget"] <= max(held_units(plain))
     check_complete(s)
     assert s.num_stages == P * V
     for acts in s.actions:

@@ -26,14 +26,15 @@ def stage_costs(draw: st.DrawFn) -> StageCosts:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(family=st.sampled_from(FAMILIES), p=st.integers(1, 16), m=st.integers(1, 64), v=st.integers(1, 4),
-       recompute=st.booleans(), data=st.data())
-def test_random_schedules_simulate_soundly(family: str, p: int, m: int, v: int, recompute: bool,
+       recompute=st.booleans(), bpipe=st.booleans(), data=st.data())
+def test_random_schedules_simulate_soundly(family: str, p: int, m: int, v: int, recompute: bool, bpipe: bool,
                                            data: st.DataObject) -> None:
     chunks = v if ScheduleFamily.parse(family).has_chunks else None
     if family == "interleaved":
         m = max(p, m - m % p)  # Megatron's rule: M a multiple of P
     try:
-        sched = build_schedule(family, num_ranks=p, num_microbatches=m, num_chunks=chunks, recompute=recompute)
+        sched = build_schedule(family, num_ranks=p, num_microbatches=m, num_chunks=chunks, recompute=recompute,
+                               bpipe=bpipe)
     except ConfigError:
         assume(False)  # sizes the family does not support (e.g. interleaved needs M % P == 0)
         return
