@@ -145,7 +145,7 @@ def _configs(model: ProfileModel, *, num_devices: int, global_batch: int, schedu
         if num_devices % p:
             continue
         for family in schedules:
-            v = chunks if family.has_chunks else 1
+            v = family.traits.chunks.chunks(chunks)
             if p * v > layers:
                 continue
             for b in range(1, max_microbatch_size + 1):
