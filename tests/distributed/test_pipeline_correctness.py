@@ -79,7 +79,7 @@ def _world_fn(rank: int, world: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def world_failures() -> list[str]:
-    results = run_world(4, _world_fn, timeout_s=420, pg_timeout_s=60)
+    results = run_world(4, _world_fn, timeout_s=900, pg_timeout_s=60)  # a hang shows as a 60 s peer timeout
     return [f for fs in results.values() for f in fs]
 
 
