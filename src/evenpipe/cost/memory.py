@@ -287,7 +287,7 @@ def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig) -> tup
         n_params = params_layer * sum(layers[s] for s in schedule.stages_of(r))
         peak = _peak_activations(schedule, r, unit, act.embedding, act.head, wg_unit, transient)
         emb_state = embed_params * state_bytes if r == schedule.rank_of(0) else 0.0
-        head_state = head_params * state_bytes if r == schedule.rank_of(num_stages - 1) else 0.0
+        head_state = head_params * state_bytes if r == schedule.rank_of(schedule.num_stages - 1) else 0.0
         out.append(StageMemory(
             rank=r,
             weights=n_params * BYTES_WEIGHT / GIB,
