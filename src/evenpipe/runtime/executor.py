@@ -290,8 +290,10 @@ class PipelineExecutor:
                               f"{g.pp - 1}; this schedule puts them on {first_rank} and {last_rank}")
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tied]
         flat = torch.cat([t.reshape(-1).float() for t in grads])
+        other = g.global_rank(last_rank if g.pp_rank == first_rank else first_rank)
         try:
-            dist.all_reduce(flat, group=g.embedding_group)
+            with observed("the tied-weight gradient all-reduce", other):
+                dist.all_reduce(flat, group=g.embedding_group)
         except RuntimeError as e:
             raise PeerFailure(f"rank {dist.get_rank()}: tied-weight gradient all-reduce failed: {e}") from e
         offset = 0
