@@ -53,7 +53,7 @@ def train(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Path, sched
           b: int) -> dict:
     tag = f"{schedule}_b{b}"
     summary, trace = out / f"{tag}.json", out / f"{tag}_trace.evenpipe.json"
-    model = ["--model", args.hf_config] if args.hf_config else ["--model", args.model]
+    model = ["--hf-config", args.hf_config] if args.hf_config else ["--model", args.model]
     cmd = [sys.executable, "-m", "evenpipe", "train", *model, "--schedule", schedule, "--stages", str(args.stages),
            "--chunks", str(chunks), "--microbatches", str(args.microbatches), "--microbatch-size", str(b),
            "--steps", str(args.steps), "--random-tokens", "--json-out", str(summary), "--trace-json", str(trace),

@@ -115,3 +115,12 @@ def test_train_refuses_a_profile_of_another_model(profile_path: pathlib.Path, ca
     code = main(["train", "--model", "gpt-mini", "--stages", "2", "--predict", str(profile_path)])
     err = capsys.readouterr().err
     assert code == 2 and "not 'gpt-mini'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_train_refuses_a_profile_of_another_dtype(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(make_profile().to_json())  # gpt-tiny, measured in float32
+    code = main(["train", "--model", "gpt-tiny", "--stages", "2", "--seq-len", "16", "--dtype", "bfloat16",
+                 "--predict", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "measured in float32, training runs in bfloat16" in err and len(err.strip().splitlines()) == 1

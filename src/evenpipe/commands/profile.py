@@ -123,9 +123,9 @@ def run(args: argparse.Namespace) -> int:
         sizes = parse_int_list(args.microbatch_sizes, "--microbatch-sizes")
         seq_lens = parse_int_list(args.seq_len, "--seq-len") if args.seq_len else ()
         name, cfg = _model_config(args, seq_lens)
-        options = ProfileOptions(model_name=name, model_config=cfg, microbatch_sizes=sizes, seq_lens=seq_lens,
-                                 dtype=args.dtype, device=args.device, repeats=args.repeats, warmup=args.warmup,
-                                 num_processes=args.processes)
+        options = ProfileOptions(model_name=name, model_config=cfg, hf_config=args.hf_config,
+                                 microbatch_sizes=sizes, seq_lens=seq_lens, dtype=args.dtype, device=args.device,
+                                 repeats=args.repeats, warmup=args.warmup, num_processes=args.processes)
         profile = profile_model(options, show_progress=not args.no_progress and sys.stderr.isatty())
         out = pathlib.Path(args.out)
         out.write_text(profile.to_json())

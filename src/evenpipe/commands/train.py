@@ -137,6 +137,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     if args.predict:  # a bad profile is refused here, before any process starts
         from evenpipe.runtime.predict import check_profile_for_training
         check_profile_for_training(args.predict, model_name=config.model.name, model_config=config.model.resolve(),
+                                   dtype=config.model.dtype.value,
                                    device="cuda" if backend is Backend.NCCL else "cpu")
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != config.world_size:
         raise ConfigError(f"world size {os.environ['WORLD_SIZE']} != stages x dp = {args.stages} x {args.dp} = "

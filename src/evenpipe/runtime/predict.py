@@ -105,9 +105,12 @@ def prediction_table(run: PredictedRun) -> str:
 
 
 def report_prediction(profile_path: str, *, model_name: str, model_config: Any, schedule: Schedule,
-                      microbatch_size: int, layout: Sequence[int] | None, reports: Sequence[Any]) -> PredictedRun:
-    """The prediction of a finished run (``reports``: every rank's ``RankReport``; replica 0 is compared)."""
-    profile = check_profile_for_training(profile_path, model_name=model_name, model_config=model_config)
+                      microbatch_size: int, layout: Sequence[int] | None, reports: Sequence[Any],
+                      dtype: str = "float32") -> PredictedRun:
+    """The prediction of a finished run (``reports``: every rank's ``RankReport``; replica 0 is compared) in
+    training dtype ``dtype``."""
+    profile = check_profile_for_training(profile_path, model_name=model_name, model_config=model_config,
+                                         dtype=dtype)
     mine = [r for r in reports if r.dp_rank == 0]
     return predicted_run(profile, schedule, microbatch_size=microbatch_size,
                          layout=stage_layout(model_config, schedule.num_stages, layout),

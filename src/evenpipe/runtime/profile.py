@@ -51,7 +51,10 @@ class ProfileOptions:
     model_name: str
     """Preset name or HF config path (recorded in the profile, checked by its users)."""
     model_config: Any
-    """The :class:`~evenpipe.models.ModelConfig` to build."""
+    """The :class:`~evenpipe.models.ModelConfig` to build (its sizes; see ``hf_config``)."""
+    hf_config: str | None = None
+    """A Hugging Face config.json (or save_pretrained directory): profile the transformers modules themselves,
+    as ``train --hf-config`` runs them, not evenpipe's reference model of the same sizes."""
     microbatch_sizes: tuple[int, ...] = (1, 2, 4)
     """Micro-batch sizes to measure."""
     seq_lens: tuple[int, ...] = ()
@@ -132,15 +135,26 @@ class _Progress:
 # ---- one layer kind -------------------------------------------------------------------------------------------
 
 class _Head(nn.Module):
-    """The last part plus the loss, as the last stage runs it."""
+    """The last part plus the model's loss, as the last stage runs it."""
 
-    def __init__(self, last: nn.Module) -> None:
+    def __init__(self, last: nn.Module, loss: Any) -> None:
         super().__init__()
-        self.last = last
+        self.last, self.loss = last, loss
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        from evenpipe.models import lm_loss
-        return lm_loss(self.last(x), targets)
+        return self.loss(self.last(x), targets)
+
+
+def _build(options: ProfileOptions, device: torch.device, dtype: torch.dtype) -> Any:
+    """The :class:`~evenpipe.models.adapter.PipelineModel` training would build (HF modules or the reference)."""
+    if options.hf_config is not None:
+        from evenpipe.models.hf import hf_model
+        built = hf_model(options.hf_config, seed=options.seed)
+    else:
+        from evenpipe.models.adapter import reference_model
+        built = reference_model(options.model_config, seed=options.seed, source=options.model_name)
+    built.module.to(device=device, dtype=dtype)
+    return built
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -248,19 +262,18 @@ class _LayerBench:
 
 def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None) -> dict[LayerKind, list[LayerSample]]:
     """Samples of every layer kind at every (micro-batch size, sequence length)."""
-    from evenpipe.models import build_model
     cfg = options.model_config
     device = torch.device(options.device)
     dtype = DTYPES[options.dtype]
     torch.manual_seed(options.seed)
-    model = build_model(cfg, seed=options.seed, device=device, dtype=dtype)
-    parts = model.pipeline_parts()
+    built = _build(options, device, dtype)
+    parts = built.parts
     timer = _Timer(device)
     benches = {LayerKind.EMBEDDING: _LayerBench(LayerKind.EMBEDDING, parts.first, device=device, timer=timer,
                                                 repeats=options.repeats, warmup=options.warmup),
                LayerKind.BLOCK: _LayerBench(LayerKind.BLOCK, parts.blocks[0], device=device, timer=timer,
                                             repeats=options.repeats, warmup=options.warmup),
-               LayerKind.HEAD: _LayerBench(LayerKind.HEAD, _Head(parts.last), device=device, timer=timer,
+               LayerKind.HEAD: _LayerBench(LayerKind.HEAD, _Head(parts.last, built.loss), device=device, timer=timer,
                                            repeats=options.repeats, warmup=options.warmup)}
     out: dict[LayerKind, list[LayerSample]] = {k: [] for k in LayerKind}
     for s in options.seq_lens or (cfg.seq_len,):
@@ -282,10 +295,8 @@ def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None
 
 def _optimizer_times(options: ProfileOptions, *, repeats: int) -> dict[LayerKind, float]:
     """Median AdamW step seconds over one layer's parameters, per kind (gradients present, as in training)."""
-    from evenpipe.models import build_model
     device, dtype = torch.device(options.device), DTYPES[options.dtype]
-    model = build_model(options.model_config, seed=options.seed, device=device, dtype=dtype)
-    parts = model.pipeline_parts()
+    parts = _build(options, device, dtype).parts
     timer = _Timer(device)
     out = {}
     for kind, module in ((LayerKind.EMBEDDING, parts.first), (LayerKind.BLOCK, parts.blocks[0]),

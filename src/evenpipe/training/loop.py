@@ -276,7 +276,7 @@ def _prediction(job: _Job, reports: list[RankReport]) -> dict[str, Any] | None:
     run = report_prediction(out.predict, model_name=cfg.model.name, model_config=cfg.model.resolve(),
                             schedule=job.schedule, microbatch_size=cfg.data.global_batch // (
                                 cfg.schedule.num_microbatches * cfg.runtime.dp),
-                            layout=cfg.schedule.layout, reports=reports)
+                            layout=cfg.schedule.layout, reports=reports, dtype=cfg.model.dtype.value)
     log.info("\n" + prediction_table(run))
     return run.to_dict()
 

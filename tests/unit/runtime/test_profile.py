@@ -1,25 +1,45 @@
 """The profiler measures what the executor's stash counts: stage activation units built from per-layer samples
-equal the stash's own count of a real stage forward, at profiled and unprofiled micro-batch sizes."""
+equal the stash's own count of a real stage forward, at profiled and unprofiled micro-batch sizes -- for the
+reference models and for a Hugging Face Llama (whose own transformers modules are profiled, as training runs
+them)."""
 
 from __future__ import annotations
+
+import pathlib
 
 import pytest
 import torch
 
 from evenpipe.cost.profile import LayerKind, Profile
 from evenpipe.cost.profile_fit import ProfileModel
-from evenpipe.models import build_model, model_config
+from evenpipe.models import model_config
 from evenpipe.runtime.profile import ProfileOptions, measure_layers, profile_model
 from evenpipe.runtime.stages import build_stage_modules
 from evenpipe.runtime.stash import ActivationStash
 
 
-@pytest.fixture(scope="module", params=["gpt-tiny", "llama-tiny"])
+HF_LLAMA = str(pathlib.Path(__file__).parents[2] / "fixtures" / "hf" / "tiny-llama" / "config.json")
+
+
+def _model(name: str):  # -> (ModelConfig, PipelineModel)
+    """The model a name stands for: a preset (reference model) or a Hugging Face config path (transformers)."""
+    if name.endswith(".json"):
+        pytest.importorskip("transformers")
+        from evenpipe.models import load_model_config
+        from evenpipe.models.hf import hf_model
+        return load_model_config(name), hf_model(name, seed=0)
+    from evenpipe.models.adapter import reference_model
+    return model_config(name), reference_model(model_config(name), seed=0)
+
+
+@pytest.fixture(scope="module", params=["gpt-tiny", "llama-tiny", HF_LLAMA],
+                ids=["gpt-tiny", "llama-tiny", "hf-llama"])
 def measured(request: pytest.FixtureRequest) -> tuple[str, ProfileModel]:
     torch.set_num_threads(1)
-    cfg = model_config(request.param)
-    opts = ProfileOptions(model_name=request.param, model_config=cfg, microbatch_sizes=(1, 2, 4), repeats=1,
-                          warmup=0, num_processes=1)
+    cfg, _ = _model(request.param)
+    opts = ProfileOptions(model_name=request.param, model_config=cfg, microbatch_sizes=(1, 2, 4), repeats=3,
+                          warmup=1, num_processes=1,
+                          hf_config=request.param if request.param.endswith(".json") else None)
     layers = measure_layers(opts)
     from evenpipe.runtime.profile import _machine, _model_info
     profile = Profile(machine=_machine(opts, "gloo", 1), model=_model_info(opts),
@@ -31,9 +51,8 @@ def measured(request: pytest.FixtureRequest) -> tuple[str, ProfileModel]:
 def _stash_unit(name: str, stage: int, num_stages: int, b: int) -> tuple[int, int]:
     """Bytes the stash counts for one micro-batch on ``stage`` (executor-style: input held when received), and
     the stage output's bytes."""
-    cfg = model_config(name)
-    model = build_model(cfg, seed=0)
-    mods = build_stage_modules(model.pipeline_parts(), num_stages=num_stages, stages=[stage])
+    cfg, model = _model(name)
+    mods = build_stage_modules(model.parts, num_stages=num_stages, stages=[stage])
     mod = mods[stage]
     stash = ActivationStash([mod])
     key = (stage, 0)
@@ -45,8 +64,7 @@ def _stash_unit(name: str, stage: int, num_stages: int, b: int) -> tuple[int, in
     with stash.capture(key):
         out = mod(x)
         if stage == num_stages - 1:
-            from evenpipe.models import lm_loss
-            out = lm_loss(out, torch.randint(0, cfg.vocab, (b, cfg.seq_len)))
+            out = model.loss(out, torch.randint(0, cfg.vocab, (b, cfg.seq_len)))
     return stash.bytes_of(key), (out.numel() * out.element_size() if out.dim() else 0)
 
 
