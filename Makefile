@@ -25,7 +25,7 @@ typecheck: $(STAMP)
 	$(VPY) -m mypy src/evenpipe/schedule src/evenpipe/sim src/evenpipe/cost src/evenpipe/plan src/evenpipe/training
 
 test: $(STAMP) typecheck
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q --durations=15 tests
 
 # The pure benchmarks (seconds each); the runtime ones are listed in BENCHMARKS.md with their commands.
 bench: $(STAMP)
