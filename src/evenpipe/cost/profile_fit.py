@@ -29,7 +29,7 @@ from evenpipe.sim.engine import simulate
 from evenpipe.sim.trace import Trace
 
 __all__ = ["Fit", "fit_least_squares", "ProfileModel", "link_from_profile", "StepPrediction",
-           "predict_step", "even_layout", "EfficiencyPoint"]
+           "predict_step", "held_output_bytes", "even_layout", "EfficiencyPoint"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -294,7 +294,12 @@ def predict_step(model: ProfileModel, schedule: Schedule, *, microbatch_size: in
     """Simulate ``schedule`` with the profile's costs and add the optimizer and fixed per-step time."""
     costs = model.sim_costs(schedule, microbatch_size=microbatch_size, layout=layout, seq_len=seq_len)
     trace = simulate(schedule, costs)
-    outputs = tuple(max((costs.stages[s].output_bytes for s in schedule.stages_of(r)), default=0.0)
-                    for r in range(schedule.num_ranks))
     return StepPrediction(trace=trace, optimizer_s=model.optimizer_s(schedule, layout),
-                          overhead_s=model.profile.step_overhead_s, output_bytes=outputs)
+                          overhead_s=model.profile.step_overhead_s, output_bytes=held_output_bytes(schedule, costs))
+
+
+def held_output_bytes(schedule: Schedule, costs: SimCosts) -> tuple[float, ...]:
+    """Per rank, the largest stage output it sends: what the runtime holds on top of the simulated activations
+    at the end of a forward, before the send is posted (see :attr:`StepPrediction.output_bytes`)."""
+    return tuple(max((costs.stages[s].output_bytes for s in schedule.stages_of(r)), default=0.0)
+                 for r in range(schedule.num_ranks))
