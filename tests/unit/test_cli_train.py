@@ -38,6 +38,11 @@ BAD = {
     "resume without a directory": (["--resume"], "need --checkpoint-dir"),
     "token file missing": (["--tokens", "/nonexistent/t.bin"], "cannot read token file"),
     "cosine below zero": (["--min-lr", "-1"], "--min-lr must be between 0"),
+    "tp not dividing the heads": (["--tp", "3"], "--tp 3 does not divide the model's 4 query heads"),
+    "tp not dividing the key/value heads": (["--model", "llama-tiny", "--tp", "4"], "2 key/value heads"),
+    "unknown sharding": (["--sharding", "zero3"], "unknown sharding mode 'zero3'"),
+    "FSDP with the zero-bubble split": (["--sharding", "full", "--schedule", "zb-h1", "--dp", "2"],
+                                        "cannot run --schedule zb-h1"),
 }
 
 
@@ -82,3 +87,12 @@ def test_tensorboard_without_the_package_is_one_line(monkeypatch: pytest.MonkeyP
     assert main(["train", "--tensorboard", "tb"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "tensorboard package" in err and not no_launch, err
+
+
+def test_tp_and_sharding_reach_the_launcher_in_the_world_size(no_launch: list[object]) -> None:
+    argv = ["train", "--stages", "2", "--dp", "2", "--tp", "2", "--sharding", "optimizer", "--microbatches", "2"]
+    assert main(argv) == 0
+    (config, nproc), = no_launch
+    from evenpipe.training.config import Sharding
+    assert nproc == 8 and config.world_size == 8
+    assert config.runtime.tp == 2 and config.runtime.sharding is Sharding.OPTIMIZER

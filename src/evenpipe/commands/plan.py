@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import os
 import time
 from typing import TypeVar
 
@@ -13,6 +14,7 @@ from evenpipe.commands.model_args import add_model_arguments, model_from_args, p
 from evenpipe.cost import Attention, Hardware, ModelSpec, Recompute, hardware_preset
 from evenpipe.cost.parallel import describe_layout
 from evenpipe.errors import ConfigError, choice_error
+from evenpipe.plan.launch import LaunchCommand, launch_command
 from evenpipe.plan.explain import BPipeExplanation, ComponentDelta, Eater, Lever, Verdict, explain_bpipe
 from evenpipe.plan.search import PLANNED_SCHEDULES, Candidate, PlanResult, Searcher, SearchSpace
 from evenpipe.schedule import ScheduleFamily
@@ -108,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_json(model, hw, args, result, explanation, elapsed), indent=2))
     else:
         print("\n".join(_table(model, hw, args, space, result, elapsed)))
+        if result.candidates:
+            print("\n".join(_launch_lines(_launch(result.candidates[0], model, hw, args))))
         if explanation is not None:
             print()
             print("\n".join(_explanation_lines(model, hw, args, space, explanation)))
@@ -120,12 +124,40 @@ def _json(model: ModelSpec, hw: Hardware, args: argparse.Namespace, result: Plan
     s = result.stats
     out: dict[str, object] = {
         "model": model.name, "gpu": hw.name, "gpus": args.gpus, "global_batch": args.global_batch,
-        "candidates": [c.to_dict() for c in result.candidates],
+        "candidates": [{**c.to_dict(), "launch": _launch(c, model, hw, args).to_dict()} for c in result.candidates],
         "search": {**s.to_dict(), "seconds": elapsed},
     }
     if explanation is not None:
         out["explain_bpipe"] = explanation.to_dict()
     return out
+
+
+def _launch(c: Candidate, model: ModelSpec, hw: Hardware, args: argparse.Namespace) -> LaunchCommand:
+    """The command that runs candidate ``c`` (see :mod:`evenpipe.plan.launch`)."""
+    if args.hf_config is not None:
+        model_args: tuple[str, ...] = ("--hf-config", os.path.abspath(args.hf_config))
+    else:
+        model_args = ("--model", args.model or model.name)
+    cmd = launch_command(c.config, model=model, model_args=model_args, gpus_per_node=hw.gpus_per_node)
+    if args.model is None and args.hf_config is None:
+        cmd = dataclasses.replace(cmd, notes=(*cmd.notes, "evenpipe train builds named presets: --arch models "
+                                                           "have no train equivalent yet"))
+    elif args.hf_config is not None and not _train_accepts("--hf-config"):
+        cmd = dataclasses.replace(cmd, notes=(*cmd.notes, "this evenpipe train has no --hf-config yet"))
+    return cmd
+
+
+def _train_accepts(option: str) -> bool:
+    from evenpipe.commands import train
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    return option in parser._option_string_actions
+
+
+def _launch_lines(cmd: LaunchCommand) -> list[str]:
+    where = "on each node" if cmd.num_nodes > 1 else "on one node"
+    return [f"run the best ({cmd.num_nodes} node(s) x {cmd.procs_per_node} processes, {where}):",
+            f"  {cmd.text()}"] + [f"  note: {n}" for n in cmd.notes]
 
 
 def _describe(c: Candidate) -> str:

@@ -2,7 +2,7 @@
 torch.distributed.
 
 Every option is checked here, before any process starts (bad values exit 2 with one line). Without torchrun's
-environment the command starts ``stages x dp`` local processes itself through ``torch.distributed.run``; under
+environment the command starts ``stages x dp x tp`` local processes itself through ``torch.distributed.run``; under
 torchrun (RANK and WORLD_SIZE set) this process is one worker.
 """
 
@@ -36,7 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=4, help="pipeline ranks P (1 runs un-pipelined)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step M")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = stages x dp)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = stages x dp x tp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (divides the heads)")
+    p.add_argument("--sharding", default="none",
+                   help="sharded data parallelism: none, optimizer (distributed optimizer) or full (FSDP2)")
     p.add_argument("--chunks", type=int, default=None,
                    help="stages per rank V (interleaved, looped-bfs; default 1); the V-shaped families use 2")
     p.add_argument("--microbatch-size", type=int, default=2, help="sequences per micro-batch b")
@@ -115,7 +118,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     if args.tensorboard:
         from evenpipe.training.metrics import require_tensorboard
         require_tensorboard()
-    runtime = RuntimeOptions(steps=args.steps, dp=args.dp, backend=backend, timeout_s=args.timeout)
+    runtime = RuntimeOptions(steps=args.steps, dp=args.dp, tp=args.tp, sharding=args.sharding, backend=backend,
+                             timeout_s=args.timeout)
     config = TrainConfig(
         model=ModelOptions(preset=args.model or "gpt-tiny", hf_config=_abs(args.hf_config), seq_len=args.seq_len,
                            init_seed=args.seed, dtype=args.dtype),
@@ -140,8 +144,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
                                    dtype=config.model.dtype.value,
                                    device="cuda" if backend is Backend.NCCL else "cpu")
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != config.world_size:
-        raise ConfigError(f"world size {os.environ['WORLD_SIZE']} != stages x dp = {args.stages} x {args.dp} = "
-                          f"{config.world_size}")
+        raise ConfigError(f"world size {os.environ['WORLD_SIZE']} != stages x dp x tp = {args.stages} x {args.dp} "
+                          f"x {args.tp} = {config.world_size}")
     return config
 
 

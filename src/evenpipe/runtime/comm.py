@@ -1,10 +1,11 @@
 """Process groups and point-to-point transfers for the pipeline executor.
 
-Vocabulary: the *world* holds ``pp x dp`` processes (maybe more when tests run several cases inside one world).
-Global rank ``base + d * pp + r`` is pipeline rank ``r`` of data-parallel replica ``d``. Each replica gets a
-pipeline group (activations and gradients), a separate BPipe group (evicted activations, so they never reorder
-with pipeline messages), an embedding group of its first and last rank (tied weights) and every pipeline rank a
-data-parallel group across replicas (gradient all-reduce).
+Vocabulary: the *world* holds ``dp x pp x tp`` processes (maybe more when tests run several cases inside one
+world); :mod:`evenpipe.runtime.mesh` lays them out as a device mesh and creates the groups: per pipeline (same
+data- and tensor-parallel coordinates) a pipeline group (activations and gradients) and a separate BPipe group
+(evicted activations, so they never reorder with pipeline messages) and an embedding group of its first and last
+rank (tied weights), per stage a tensor-parallel group, and per pipeline and tensor-parallel rank a data-parallel
+group across replicas (gradient reduction).
 
 All waits go through :func:`wait_all`, which turns a timeout or a dead peer into a :class:`PeerFailure` naming
 the transfer that failed, so a rank whose peer raised fails with a clear message instead of hanging forever.
@@ -47,7 +48,7 @@ class PeerFailure(RuntimeError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelGroups:
-    """This process's place in a ``pp x dp`` layout and the process groups it talks through."""
+    """This process's place in a ``dp x pp x tp`` layout and the process groups it talks through."""
 
     pp: int
     """Pipeline ranks per replica."""
@@ -67,6 +68,16 @@ class ParallelGroups:
     """Second process group of the replica: BPipe evict/accept/return/load."""
     dp_group: Any = field(repr=False)
     """Process group across replicas for this pipeline rank (gradient all-reduce); ``None`` when dp == 1."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage."""
+    tp_rank: int = 0
+    """This process's tensor-parallel rank."""
+    tp_ranks: tuple[int, ...] = ()
+    """Global ranks of this stage's tensor-parallel ranks, indexed by tensor-parallel rank."""
+    tp_group: Any = field(default=None, repr=False)
+    """Process group of the tensor-parallel ranks (DTensor collectives); ``None`` when tp == 1."""
+    mesh: Any = field(default=None, repr=False)
+    """The ``torch.distributed.device_mesh.DeviceMesh`` ``[dp, pp, tp]`` this rank belongs to."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """How long any wait on these groups may take before it fails."""
     embedding_group: Any = field(default=None, repr=False)
@@ -91,37 +102,15 @@ def init_from_env(backend: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-_GROUP_CACHE: dict[tuple[int, int, int, float], dict[int, ParallelGroups]] = {}
-
-
-def build_groups(pp: int, dp: int, *, base: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelGroups | None:
-    """Create (or reuse) the groups of a ``pp x dp`` layout on global ranks ``base .. base + pp*dp - 1``.
+def build_groups(pp: int, dp: int, *, tp: int = 1, base: int = 0,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelGroups | None:
+    """The groups of a ``dp x pp x tp`` layout from global rank ``base`` (see :mod:`evenpipe.runtime.mesh`).
 
     Collective over the whole world: every process must call it with the same arguments, including those
     outside the layout, which get ``None``. Groups are cached, so tests can run many cases in one world.
     """
-    world, me = dist.get_world_size(), dist.get_rank()
-    if pp < 1 or dp < 1 or base + pp * dp > world:
-        raise ValueError(f"layout pp={pp} x dp={dp} from rank {base} does not fit a world of {world}")
-    key = (pp, dp, base, timeout_s)
-    if key not in _GROUP_CACHE:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        replicas = [tuple(base + d * pp + r for r in range(pp)) for d in range(dp)]
-        made: dict[int, ParallelGroups] = {}
-        pp_groups = {ranks: (dist.new_group(list(ranks), timeout=timeout),
-                             dist.new_group(list(ranks), timeout=timeout)) for ranks in replicas}
-        embedding = {ranks: dist.new_group([ranks[0], ranks[-1]], timeout=timeout) if pp > 1 else None
-                     for ranks in replicas}
-        columns = [tuple(replicas[d][r] for d in range(dp)) for r in range(pp)]
-        dp_groups = {cols: dist.new_group(list(cols), timeout=timeout) if dp > 1 else None for cols in columns}
-        for d, ranks in enumerate(replicas):
-            for r, g in enumerate(ranks):
-                made[g] = ParallelGroups(pp=pp, dp=dp, pp_rank=r, dp_rank=d, pp_ranks=ranks, dp_ranks=columns[r],
-                                         pp_group=pp_groups[ranks][0], bpipe_group=pp_groups[ranks][1],
-                                         dp_group=dp_groups[columns[r]], timeout_s=timeout_s,
-                                         embedding_group=embedding[ranks] if r in (0, pp - 1) else None)
-        _GROUP_CACHE[key] = made
-    return _GROUP_CACHE[key].get(me)
+    from evenpipe.runtime.mesh import build_parallel_groups
+    return build_parallel_groups(pp, dp, tp, base=base, timeout_s=timeout_s)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

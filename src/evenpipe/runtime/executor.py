@@ -146,12 +146,14 @@ class PipelineExecutor:
     ``stages`` maps each stage id this rank holds (``schedule.stages_of(pp_rank)``) to its module; the first
     stage takes the micro-batch ``inputs``, the last stage's output goes to ``loss_fn`` with the targets.
     ``stash`` is an :class:`evenpipe.runtime.stash.ActivationStash` (accounting and BPipe); without one, memory
-    is not measured and BPipe actions are refused.
+    is not measured and BPipe actions are refused. ``grad_sync``, when given, replaces the data-parallel
+    gradient all-reduce at the end of a step (see :mod:`evenpipe.runtime.sharding`).
     """
 
     def __init__(self, *, schedule: Schedule, stages: Mapping[int, nn.Module], groups: ParallelGroups,
                  loss_fn: LossFn, free_outputs: bool = True, stash: Any = None,
-                 device: torch.device | str = "cpu", trace: bool = False) -> None:
+                 device: torch.device | str = "cpu", trace: bool = False,
+                 grad_sync: Callable[[], None] | None = None) -> None:
         if schedule.num_ranks != groups.pp:
             raise ConfigError(f"schedule has {schedule.num_ranks} ranks but the pipeline has {groups.pp}")
         mine = schedule.stages_of(groups.pp_rank)
@@ -168,6 +170,8 @@ class PipelineExecutor:
             self.stash.add_modules(self.stages.values())
         self.device = torch.device(device)
         self.trace = trace
+        self.grad_sync = grad_sync
+        """Run after the schedule instead of the data-parallel all-reduce (FSDP reduce-scatters its own)."""
         self.actions: tuple[Action, ...] = schedule.actions[groups.pp_rank]
         self.phases = _dispatch()
         self.recompute_stages = {a.stage for a in self.actions if a.kind is _K.RECOMPUTE}
@@ -211,7 +215,10 @@ class PipelineExecutor:
         except Exception as e:
             log.error("pipeline rank %d failed at %s: %s", self.groups.pp_rank, run.current, e)
             raise
-        self._all_reduce_grads()
+        if self.grad_sync is not None:
+            self.grad_sync()
+        else:
+            self._all_reduce_grads()
         self._sum_tied_grads()
         loss = self._share_loss(run.loss_sum)
         dt = time.perf_counter() - t0
@@ -261,7 +268,10 @@ class PipelineExecutor:
         if g.dp == 1:
             return
         params = [p for ps in self._params.values() for p in ps]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [_local(p.grad) for p in params]  # a tensor-parallel shard reduces with its own coordinate
         if not grads:
             return
         flat = torch.cat([t.reshape(-1).float() for t in grads])  # reduced in fp32 whatever the model's dtype
@@ -272,9 +282,9 @@ class PipelineExecutor:
             raise PeerFailure(f"rank {dist.get_rank()}: gradient all-reduce across replicas failed: {e}") from e
         flat /= g.dp
         offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone()
+        for grad in grads:
+            n = grad.numel()
+            grad.copy_(flat[offset:offset + n].view_as(grad))
             offset += n
 
     def _sum_tied_grads(self) -> None:
@@ -288,7 +298,10 @@ class PipelineExecutor:
         if (first_rank, last_rank) != (0, g.pp - 1) or g.embedding_group is None:
             raise ConfigError(f"tied weights need the first stage on pipeline rank 0 and the last on rank "
                               f"{g.pp - 1}; this schedule puts them on {first_rank} and {last_rank}")
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tied]
+        for p in tied:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [_local(p.grad) for p in tied]  # a shard (tensor parallel, FSDP) sums with its own coordinate
         flat = torch.cat([t.reshape(-1).float() for t in grads])
         other = g.global_rank(last_rank if g.pp_rank == first_rank else first_rank)
         try:
@@ -297,9 +310,9 @@ class PipelineExecutor:
         except RuntimeError as e:
             raise PeerFailure(f"rank {dist.get_rank()}: tied-weight gradient all-reduce failed: {e}") from e
         offset = 0
-        for p in tied:
-            p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype).clone()
-            offset += p.numel()
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     def _share_loss(self, loss_sum: float) -> float:
         g = self.groups
@@ -315,6 +328,12 @@ class PipelineExecutor:
         except RuntimeError as e:
             raise PeerFailure(f"rank {dist.get_rank()}: sharing the loss failed: {e}") from e
         return float(t.item())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view of its storage); a plain tensor unchanged."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
 
 
 def _encode_shape(x: torch.Tensor) -> list[int]:

@@ -16,7 +16,8 @@ Design (why ``torch.autograd.graph.saved_tensors_hooks``)
   buffers of the modules given to the stash (this also catches views such as the ``weight.t()`` a linear layer
   saves), and any ``nn.Parameter`` is recognised by type. ``is_leaf and requires_grad`` would not do: a
   received stage input is such a leaf and *is* an activation. Non-activation tensors pass through the hooks
-  untouched; tensor subclasses and non-strided layouts also pass through (they are not counted).
+  untouched; a DTensor (tensor parallelism, FSDP) is counted and moved by its local shard and rebuilt from
+  its spec on unpack; other tensor subclasses and non-strided layouts pass through (they are not counted).
 - **Dedupe by untyped storage**: a saved tensor is recorded as (its storage, dtype, storage offset, size,
   stride); storages are keyed by the identity of their ``StorageImpl`` (``untyped_storage()._cdata``, stable
   for the storage's life, unlike ``data_ptr`` which changes on resize). A tensor saved twice, or a view of
@@ -152,7 +153,22 @@ class _Packed:
 
 
 def _ident(t: torch.Tensor) -> int:
-    return int(t.untyped_storage()._cdata)
+    return int(_local(t).untyped_storage()._cdata)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (tensor parallelism, FSDP): the storage that really holds its bytes."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+class _PackedDTensor:
+    """A saved DTensor: its local tensor goes through the stash like any activation; the spec rebuilds it."""
+
+    __slots__ = ("local", "spec", "requires_grad")
+
+    def __init__(self, local: Any, spec: Any, requires_grad: bool) -> None:
+        self.local, self.spec, self.requires_grad = local, spec, requires_grad
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -267,8 +283,12 @@ class ActivationStash:
         excluded = self._excluded()
 
         def pack(t: torch.Tensor) -> Any:
-            if not self._is_candidate(t):
-                return t
+            spec = getattr(t, "_spec", None)
+            if spec is not None and type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+                inner = pack(_local(t))  # a DTensor: count and move its local shard
+                return _PackedDTensor(inner, spec, t.requires_grad) if isinstance(inner, _Packed) else t
+            if not self._is_candidate(t) or isinstance(t._base, nn.Parameter):  # a view of a weight (FSDP's
+                return t  # gathered parameters appear only inside the forward, after ``excluded`` was taken)
             ident = _ident(t)
             if ident in excluded:
                 return t
@@ -282,6 +302,9 @@ class ActivationStash:
             yield
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _PackedDTensor):
+            from torch.distributed.tensor import DTensor
+            return DTensor(self._unpack(packed.local), packed.spec, requires_grad=packed.requires_grad)
         if not isinstance(packed, _Packed):
             return packed
         state = packed.state

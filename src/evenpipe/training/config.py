@@ -23,6 +23,7 @@ from evenpipe.schedule import ScheduleFamily
 
 __all__ = [
     "Backend",
+    "Sharding",
     "DataSource",
     "LrSchedule",
     "ModelOptions",
@@ -43,6 +44,17 @@ class Backend(enum.Enum):
     """CPU (and CPU tensors on GPU hosts)."""
     NCCL = "nccl"
     """NVIDIA GPUs."""
+
+
+class Sharding(enum.Enum):
+    """How data-parallel replicas share the model state (see :mod:`evenpipe.runtime.sharding`)."""
+
+    NONE = "none"
+    """Every replica holds all parameters, gradients and optimizer state; gradients are all-reduced."""
+    OPTIMIZER = "optimizer"
+    """Distributed optimizer: optimizer state sharded over replicas (ZeRO-1)."""
+    FULL = "full"
+    """FSDP2 per stage module: parameters, gradients and optimizer state sharded."""
 
 
 def _at_least(name: str, value: Any, low: float) -> None:
@@ -296,7 +308,11 @@ class RuntimeOptions:
     steps: int = 20
     """Optimizer steps."""
     dp: int = 1
-    """Data-parallel replicas (world = stages x dp)."""
+    """Data-parallel replicas (world = stages x dp x tp)."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage (DTensor; see :mod:`evenpipe.runtime.tensor_parallel`)."""
+    sharding: Sharding = Sharding.NONE
+    """Sharded data parallelism: none, optimizer (distributed optimizer) or full (FSDP2)."""
     backend: Backend = Backend.GLOO
     """torch.distributed backend."""
     timeout_s: float | None = None
@@ -305,8 +321,10 @@ class RuntimeOptions:
 
     def __post_init__(self) -> None:
         _coerce(self, "backend", parse_choice(Backend, self.backend, "backend"))
+        _coerce(self, "sharding", parse_choice(Sharding, self.sharding, "sharding mode"))
         _at_least("steps", self.steps, 1)
         _at_least("dp", self.dp, 1)
+        _at_least("tp", self.tp, 1)
         if self.timeout_s is not None:
             _finite_positive("timeout", self.timeout_s)
 
@@ -390,6 +408,15 @@ class TrainConfig:
                               "fp32 master copies, which checkpoints do not save yet)")
         from evenpipe.runtime.stages import partition_layers
         partition_layers(cfg.num_layers, sched.num_stages, layout=sched.layout)
+        _check_tp(cfg, self.runtime.tp)
+        if self.runtime.sharding is Sharding.FULL and sched.family.traits.split_backward:
+            raise ConfigError(f"--sharding full cannot run --schedule {sched.family.value}: its weight-gradient "
+                              "passes run outside FSDP's backward hooks; use --sharding optimizer or a schedule "
+                              "without a split backward")
+        if self.checkpoint.directory is not None and (self.runtime.tp > 1 or self.runtime.sharding is not
+                                                      Sharding.NONE):
+            raise ConfigError("--checkpoint-dir needs --tp 1 and --sharding none for now (checkpoints store whole "
+                              "parameters under canonical names; sharded ones are not saved yet)")
         self.token_batches(cfg.vocab)  # the data source's own checks (file readable, vocabulary large enough)
 
     def token_batches(self, vocab: int) -> Any:
@@ -401,8 +428,8 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes of the job: pipeline ranks x replicas."""
-        return self.schedule.num_ranks * self.runtime.dp
+        """Processes of the job: pipeline ranks x replicas x tensor-parallel ranks."""
+        return self.schedule.num_ranks * self.runtime.dp * self.runtime.tp
 
     @property
     def seq_len(self) -> int:
@@ -427,6 +454,15 @@ class TrainConfig:
     @classmethod
     def from_json(cls, text: str) -> TrainConfig:
         return cls.from_dict(json.loads(text))
+
+
+def _check_tp(cfg: Any, tp: int) -> None:
+    """Tensor parallelism splits heads, key/value heads and the MLP width: each must be divisible by tp."""
+    for what, n in (("query heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads),
+                    ("MLP width", cfg.ffn_hidden)):
+        if tp > 1 and n % tp:
+            raise ConfigError(f"--tp {tp} does not divide the model's {n} {what}; tensor parallelism splits "
+                              f"them across ranks (heads {cfg.num_heads}, key/value heads {cfg.num_kv_heads})")
 
 
 def _plain(record: Any) -> dict[str, Any]:

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from evenpipe.runtime.comm import ParallelGroups, build_groups, init_from_env
+from evenpipe.runtime.mesh import MeshDim
 from evenpipe.training.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
-from evenpipe.training.config import Backend, TrainConfig
+from evenpipe.training.config import Backend, RuntimeOptions, Sharding, TrainConfig
 from evenpipe.training.fault import Watchdog, timeout_after_step
 from evenpipe.training.metrics import MetricsSink, StepMetrics, format_progress
 from evenpipe.training.optim import build_lr_scheduler, build_optimizer, clip_grad_global_norm
@@ -47,7 +48,8 @@ class _Job:
     stages: dict[int, torch.nn.Module]
     params: RankParameters
     optimizer: Any
-    """AdamW (float32) or a master-weight AdamW (bfloat16)."""
+    """AdamW (float32) or a master-weight AdamW (bfloat16); state sharded over replicas with --sharding
+    optimizer."""
     scheduler: Any
     data: Any
     measured: bool
@@ -95,25 +97,63 @@ def _stash() -> Any:
 
 def _build(config: TrainConfig) -> _Job:
     from evenpipe.runtime.executor import PipelineExecutor
-    from evenpipe.runtime.precision import MasterWeightOptimizer, TrainDtype
 
     rt, sched = config.runtime, config.schedule
     init_from_env(rt.backend.value, timeout_s=rt.group_timeout_s)
-    groups = build_groups(sched.num_ranks, rt.dp, timeout_s=rt.group_timeout_s)
+    groups = build_groups(sched.num_ranks, rt.dp, tp=rt.tp, timeout_s=rt.group_timeout_s)
     assert groups is not None
     device = _device(rt.backend)
     schedule = sched.build()
     built = config.model.build(device)
+    grad_sync = None
+
+    def prepare(mine: dict[int, torch.nn.Module]) -> None:
+        nonlocal grad_sync
+        grad_sync = _parallelize(mine, groups, rt)
     stages, params = build_rank_stages(built.module, built.parts, schedule, groups.pp_rank,
-                                       layout=list(sched.layout) if sched.layout else None)
+                                       layout=list(sched.layout) if sched.layout else None, prepare=prepare)
     stash = _stash()
     ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=built.loss,
-                          free_outputs=sched.free_outputs, stash=stash, device=device)
-    opt: Any = (build_optimizer(params, config.optimizer) if config.model.dtype is TrainDtype.FLOAT32
-                else MasterWeightOptimizer(torch.optim.AdamW, list(params.named.values()), lr=config.optimizer.lr))
+                          free_outputs=sched.free_outputs, stash=stash, device=device, grad_sync=grad_sync)
+    opt = _optimizer(params, groups, config)
     return _Job(config=config, groups=groups, device=device, schedule=schedule, executor=ex, stages=stages,
                 params=params, optimizer=opt, scheduler=None, data=config.token_batches(built.spec.vocab),
                 measured=stash is not None, model=built.describe())
+
+
+def _parallelize(stages: dict[int, Any], groups: ParallelGroups, rt: RuntimeOptions) -> Any:
+    """Tensor parallelism, then FSDP (in place); the gradient sync that replaces the all-reduce, or None."""
+    if rt.tp > 1:
+        from evenpipe.runtime.tensor_parallel import parallelize_stage
+        for stage in stages.values():
+            parallelize_stage(stage, groups.mesh[MeshDim.TP.value])
+    if rt.sharding is Sharding.FULL and rt.dp > 1:
+        from evenpipe.runtime.sharding import fully_shard_stages
+        return fully_shard_stages(stages.values(), groups.mesh[MeshDim.DP.value])
+    return None
+
+
+def _optimizer(params: RankParameters, groups: ParallelGroups, config: TrainConfig) -> Any:
+    """AdamW (a master-weight AdamW for bfloat16), its state sharded over replicas under ``--sharding
+    optimizer``."""
+    from evenpipe.runtime.precision import MasterWeightOptimizer, TrainDtype
+
+    def make(ps: RankParameters) -> Any:
+        if config.model.dtype is TrainDtype.FLOAT32:
+            return build_optimizer(ps, config.optimizer)
+        return MasterWeightOptimizer(torch.optim.AdamW, list(ps.named.values()), lr=config.optimizer.lr)
+    if config.runtime.sharding is Sharding.OPTIMIZER and groups.dp > 1:
+        from evenpipe.runtime.sharding import ShardedOptimizer
+        return ShardedOptimizer(params, make_optimizer=make, dp_group=groups.dp_group, dp_ranks=groups.dp_ranks,
+                                dp_rank=groups.dp_rank)
+    return make(params)
+
+
+def _innermost(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside the wrappers (state sharding, master weights) whose learning rate is set."""
+    while hasattr(optimizer, "inner"):
+        optimizer = optimizer.inner
+    return optimizer
 
 
 def _memory_bytes(device: torch.device) -> int:
@@ -145,7 +185,7 @@ def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSumm
     watch.rank = dist.get_rank()
     state = _resume(job, watch)
     steps = config.runtime.steps
-    job.scheduler = build_lr_scheduler(getattr(job.optimizer, "inner", job.optimizer), config.optimizer,
+    job.scheduler = build_lr_scheduler(_innermost(job.optimizer), config.optimizer,
                                        total_steps=steps, start_step=state.step)
     out = config.output
     sink = MetricsSink(jsonl_path=out.metrics, tensorboard_dir=out.tensorboard,
@@ -250,7 +290,8 @@ def _report(job: _Job, p: _Progress) -> RankReport:
 def _gather_summary(job: _Job, report: RankReport, progress: _Progress, *, first_step: int) -> TrainSummary:
     """Gather every rank's report on rank 0, write the outputs there, and share the summary with all ranks."""
     me = dist.get_rank()
-    records = progress.records if job.groups.dp_rank == 0 else None
+    traced = job.groups.dp_rank == 0 and job.groups.tp_rank == 0  # one recorder per pipeline rank
+    records = progress.records if traced else None
     gathered: list[Any] = [None] * dist.get_world_size() if me == 0 else []
     dist.gather_object((report, records), gathered if me == 0 else None, dst=0)
     shared: list[Any] = [None]

@@ -52,20 +52,43 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, opts: OptimizerOptions,
 
 def global_grad_norm(params: RankParameters, groups: ParallelGroups) -> float:
     """L2 norm of the whole model's gradient: squares of the owned gradients, summed in float64 over the
-    pipeline ranks of this replica (replicas hold the same averaged gradients, so they are not summed)."""
+    pipeline ranks of this replica (replicas hold the same averaged gradients, so they are not summed).
+
+    A sharded gradient (a DTensor: tensor parallelism, FSDP) contributes its local shard; its shards are summed
+    over the tensor-parallel group and, under FSDP, the data-parallel group. A gradient that those ranks hold
+    identical copies of is divided by the number of copies first, so every element counts once."""
     owned = [p.grad for p in params.owned_parameters if p.grad is not None]
-    device = owned[0].device if owned else next(iter(params.named.values())).device
+    device = _local(owned[0]).device if owned else _local(next(iter(params.named.values()))).device
+    over_dp = groups.dp > 1 and any("dp" in _sharded_dims(g) for g in owned)
+    sizes = {"tp": groups.tp, "dp": groups.dp if over_dp else 1}
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g in owned:
-        total += torch.linalg.vector_norm(g.detach(), dtype=torch.float64) ** 2
-    if groups.pp > 1:
-        total = total.reshape(1)
-        try:
-            with observed("the gradient-norm all-reduce"):
-                dist.all_reduce(total, group=groups.pp_group)
-        except RuntimeError as e:
-            raise PeerFailure(f"rank {dist.get_rank()}: gradient-norm all-reduce failed: {e}") from e
+        sharded = _sharded_dims(g)
+        copies = math.prod(n for dim, n in sizes.items() if dim not in sharded)
+        total += torch.linalg.vector_norm(_local(g).detach(), dtype=torch.float64) ** 2 / copies
+    total = total.reshape(1)
+    for group, size in ((groups.pp_group, groups.pp), (groups.tp_group, groups.tp),
+                        (groups.dp_group, sizes["dp"])):
+        if size > 1:
+            try:
+                with observed("the gradient-norm all-reduce"):
+                    dist.all_reduce(total, group=group)
+            except RuntimeError as e:
+                raise PeerFailure(f"rank {dist.get_rank()}: gradient-norm all-reduce failed: {e}") from e
     return math.sqrt(float(total.sum()))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor unchanged."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _sharded_dims(t: torch.Tensor) -> set[str]:
+    """Names of the device-mesh dimensions a DTensor is sharded over (none for a plain tensor)."""
+    mesh, placements = getattr(t, "device_mesh", None), getattr(t, "placements", ())
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return {name for name, pl in zip(names, placements) if pl.is_shard()}
 
 
 def clip_grad_global_norm(params: RankParameters, groups: ParallelGroups, max_norm: float | None) -> float:

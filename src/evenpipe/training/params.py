@@ -11,7 +11,7 @@ replicas, so every parameter counts exactly once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from torch import nn
 
@@ -50,11 +50,17 @@ def rank_parameters(model: nn.Module, all_stages: Mapping[int, nn.Module], mine:
 
 
 def build_rank_stages(module: nn.Module, parts: Any, schedule: Any, pp_rank: int, *,
-                      layout: Sequence[int] | None = None) -> tuple[dict[int, nn.Module], RankParameters]:
+                      layout: Sequence[int] | None = None,
+                      prepare: Callable[[dict[int, nn.Module]], None] | None = None) -> \
+        tuple[dict[int, nn.Module], RankParameters]:
     """The stage modules pipeline rank ``pp_rank`` runs under ``schedule``, cut from ``parts`` (the pipeline parts
-    of the whole model ``module``, sharing its parameters), and its :class:`RankParameters`."""
+    of the whole model ``module``, sharing its parameters), and its :class:`RankParameters`. ``prepare`` runs on
+    those stages before their parameters are named (tensor parallelism and FSDP replace parameters in place)."""
     from evenpipe.runtime.stages import build_stage_modules
     every = build_stage_modules(parts, num_stages=schedule.num_stages, stages=range(schedule.num_stages),
                                 layout=layout)
     mine = set(schedule.stages_of(pp_rank))
-    return {s: every[s] for s in sorted(mine)}, rank_parameters(module, every, mine)
+    stages = {s: every[s] for s in sorted(mine)}
+    if prepare is not None:
+        prepare(stages)
+    return stages, rank_parameters(module, every, mine)

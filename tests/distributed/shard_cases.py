@@ -1,0 +1,93 @@
+"""Sharded data-parallel cases (issue 13): three AdamW steps of a pipeline with the distributed optimizer or
+FSDP2 full sharding (optionally with tensor parallelism) give the losses and parameters of un-sharded,
+un-pipelined AdamW on the same global batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cases import Case, global_batch
+from evenpipe.models import lm_loss
+from evenpipe.runtime.executor import PipelineExecutor
+from evenpipe.runtime.sharding import ShardedOptimizer, fully_shard_stages
+from evenpipe.runtime.stash import ActivationStash
+from evenpipe.runtime.tensor_parallel import full_tensor, reference_layout
+from tp_cases import local_params, run_in_layout, tp_pipeline
+
+LR = 1e-3
+EPS = 1e-6
+"""AdamW's epsilon. Adam divides each gradient by its running RMS, so an element whose true gradient is ~0 (a
+key bias: softmax is shift-invariant) turns last-bit reduction-order noise into a full ``lr`` step with the
+default 1e-8; with 1e-6 such elements move by ``lr * noise / eps``, far below the tolerance, while every element
+with a real gradient (>= 1e-5 here) still takes an Adam step."""
+ADAM_TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardCase:
+    case: Case
+    """Schedule, pipeline ranks, replicas (dp >= 2), model."""
+    sharding: str
+    """``optimizer`` or ``full``."""
+    tp: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.case} TP={self.tp} sharding={self.sharding}"
+
+
+def run_shard_case(sc: ShardCase) -> list[str]:
+    return run_in_layout(sc, sc.case, sc.tp, lambda groups: _run(sc, groups))
+
+
+def _run(sc: ShardCase, groups) -> list[str]:
+    case = sc.case
+    schedule, cfg, model, ref, stages = tp_pipeline(case, groups)
+    grad_sync = fully_shard_stages(stages.values(), groups.mesh["dp"]) if sc.sharding == "full" else None
+    params = local_params(model, stages)
+    if sc.sharding == "optimizer":
+        opt = ShardedOptimizer(params.values(), make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, eps=EPS),
+                               dp_group=groups.dp_group, dp_ranks=groups.dp_ranks, dp_rank=groups.dp_rank, lr=LR)
+    else:
+        opt = torch.optim.AdamW(list(params.values()), lr=LR, eps=EPS)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))  # a tied weight under both names
+    ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=lm_loss,
+                          stash=ActivationStash(), grad_sync=grad_sync)
+    where = f"{sc} rank {groups.pp_rank}/{groups.dp_rank}/{groups.tp_rank}"
+    failures: list[str] = []
+
+    def check(what: str, got: torch.Tensor, want: torch.Tensor, **tol) -> None:
+        try:
+            torch.testing.assert_close(got, want, **tol)
+        except AssertionError as e:
+            failures.append(f"{where} {what}: {' '.join(str(e).splitlines()[:4])}")
+
+    for step in range(3):
+        tokens, targets = global_batch(case, cfg.vocab, step)
+        result = ex.step(tokens, targets)
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = lm_loss(ref(tokens), targets)
+        ref_loss.backward()
+        check(f"step {step} loss", torch.tensor(result.loss, dtype=torch.float64), ref_loss.detach().double(),
+              **ADAM_TOL)
+        opt.step()
+        ref_opt.step()
+    if sc.sharding == "optimizer" and groups.dp > 1 and opt.owned == list(params.values()):
+        failures.append(f"{where}: the distributed optimizer owns every parameter (state not sharded)")
+    for name, p in params.items():
+        check(f"parameter {name} after 3 AdamW steps", reference_layout(model, name, full_tensor(p.detach())),
+              ref_params[name].detach(), **ADAM_TOL)
+    return failures[:5]
+
+
+def run_shard_cases(cases: list[ShardCase]) -> list[str]:
+    out: list[str] = []
+    for c in cases:
+        out.extend(run_shard_case(c))
+    return out
+
+
+__all__ = ["ShardCase", "run_shard_case", "run_shard_cases"]
