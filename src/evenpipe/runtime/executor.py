@@ -45,6 +45,7 @@ from torch.autograd import Variable
 
 from evenpipe.errors import ConfigError
 from evenpipe.runtime.comm import ParallelGroups, PendingBatch, PeerFailure, Transfer, observed, post_batch
+from evenpipe.runtime.tensor_parallel import local_shard
 from evenpipe.runtime.split_backward import WeightState, backward_input, backward_weight
 from evenpipe.runtime.trace import RankRecorder, SendRecord
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
@@ -271,7 +272,7 @@ class PipelineExecutor:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [_local(p.grad) for p in params]  # a tensor-parallel shard reduces with its own coordinate
+        grads = [local_shard(p.grad) for p in params]  # a tensor-parallel shard reduces with its own coordinate
         if not grads:
             return
         flat = torch.cat([t.reshape(-1).float() for t in grads])  # reduced in fp32 whatever the model's dtype
@@ -301,7 +302,7 @@ class PipelineExecutor:
         for p in tied:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [_local(p.grad) for p in tied]  # a shard (tensor parallel, FSDP) sums with its own coordinate
+        grads = [local_shard(p.grad) for p in tied]  # a shard (tensor parallel, FSDP) sums with its own coordinate
         flat = torch.cat([t.reshape(-1).float() for t in grads])
         other = g.global_rank(last_rank if g.pp_rank == first_rank else first_rank)
         try:
@@ -328,12 +329,6 @@ class PipelineExecutor:
         except RuntimeError as e:
             raise PeerFailure(f"rank {dist.get_rank()}: sharing the loss failed: {e}") from e
         return float(t.item())
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a view of its storage); a plain tensor unchanged."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
 
 
 def _encode_shape(x: torch.Tensor) -> list[int]:

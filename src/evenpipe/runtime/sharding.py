@@ -27,13 +27,9 @@ from torch import nn
 
 from evenpipe.errors import ConfigError
 from evenpipe.runtime.comm import PeerFailure, observed
+from evenpipe.runtime.tensor_parallel import local_shard
 
 __all__ = ["ShardedOptimizer", "deal_parameters", "fully_shard_stages", "FsdpGradientSync"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
 
 
 def deal_parameters(sizes: Sequence[int], num_owners: int) -> list[int]:
@@ -60,11 +56,13 @@ class ShardedOptimizer:
         names = sorted(params.named)  # the same order on every replica
         self.params = [params.named[n] for n in names]
         self.dp_group, self.dp_ranks = dp_group, tuple(dp_ranks)
-        self.owners = deal_parameters([_local(p).numel() for p in self.params], len(self.dp_ranks))
+        self.owners = deal_parameters([local_shard(p).numel() for p in self.params], len(self.dp_ranks))
         owned = {n for n, o in zip(names, self.owners) if o == dp_rank}
         if not owned:
             raise ConfigError(f"--sharding optimizer: {len(self.dp_ranks)} replicas but this pipeline rank holds "
                               f"only {len(names)} parameters; use fewer replicas or --sharding none")
+        self.owned = [params.named[n] for n in names if n in owned]
+        """The parameters whose optimizer state this replica keeps (and which it updates)."""
         self.inner = make_optimizer(type(params)(named={n: params.named[n] for n in names if n in owned},
                                                  owned=params.owned & owned))
         self.param_groups = self.inner.param_groups
@@ -80,7 +78,7 @@ class ShardedOptimizer:
         if len(self.dp_ranks) == 1:
             return
         for owner, src in enumerate(self.dp_ranks):  # one broadcast per owner: its updated parameters
-            mine = [_local(p) for p, o in zip(self.params, self.owners) if o == owner]
+            mine = [local_shard(p) for p, o in zip(self.params, self.owners) if o == owner]
             if not mine:
                 continue
             flat = torch.cat([t.reshape(-1) for t in mine])

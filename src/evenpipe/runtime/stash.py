@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from evenpipe.errors import EvenpipeError
+from evenpipe.runtime.tensor_parallel import local_shard
 
 __all__ = [
     "ActivationStash",
@@ -153,13 +154,7 @@ class _Packed:
 
 
 def _ident(t: torch.Tensor) -> int:
-    return int(_local(t).untyped_storage()._cdata)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (tensor parallelism, FSDP): the storage that really holds its bytes."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
+    return int(local_shard(t).untyped_storage()._cdata)
 
 
 class _PackedDTensor:
@@ -285,7 +280,7 @@ class ActivationStash:
         def pack(t: torch.Tensor) -> Any:
             spec = getattr(t, "_spec", None)
             if spec is not None and type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
-                inner = pack(_local(t))  # a DTensor: count and move its local shard
+                inner = pack(local_shard(t))  # a DTensor: count and move its local shard
                 return _PackedDTensor(inner, spec, t.requires_grad) if isinstance(inner, _Packed) else t
             if not self._is_candidate(t) or isinstance(t._base, nn.Parameter):  # a view of a weight (FSDP's
                 return t  # gathered parameters appear only inside the forward, after ``excluded`` was taken)

@@ -30,7 +30,7 @@ from torch import nn
 
 from evenpipe.errors import ConfigError
 
-__all__ = ["parallelize_stage", "full_tensor", "reference_layout"]
+__all__ = ["parallelize_stage", "full_tensor", "local_shard", "reference_layout"]
 
 _QKV_ORDER = "_evenpipe_tp_row_order"
 """Attribute of a reordered q/k/v linear: the row permutation applied before sharding."""
@@ -104,6 +104,13 @@ def parallelize_stage(stage: nn.Module, tp_mesh: Any) -> nn.Module:
         raise ConfigError(f"--tp {tp}: tensor parallelism splits the reference GPT/LLaMA blocks only; this "
                           f"model's {type(blocks[0]).__name__} blocks have no tensor-parallel plan yet (use --tp 1)")
     return stage
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (tensor parallelism, FSDP): a view of the storage that really holds its
+    bytes; a plain tensor unchanged."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

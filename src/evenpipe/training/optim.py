@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from evenpipe.runtime.comm import ParallelGroups, PeerFailure, observed
+from evenpipe.runtime.tensor_parallel import local_shard
 from evenpipe.training.config import OptimizerOptions
 from evenpipe.training.params import RankParameters
 
@@ -58,14 +59,14 @@ def global_grad_norm(params: RankParameters, groups: ParallelGroups) -> float:
     over the tensor-parallel group and, under FSDP, the data-parallel group. A gradient that those ranks hold
     identical copies of is divided by the number of copies first, so every element counts once."""
     owned = [p.grad for p in params.owned_parameters if p.grad is not None]
-    device = _local(owned[0]).device if owned else _local(next(iter(params.named.values()))).device
+    device = local_shard(owned[0]).device if owned else local_shard(next(iter(params.named.values()))).device
     over_dp = groups.dp > 1 and any("dp" in _sharded_dims(g) for g in owned)
     sizes = {"tp": groups.tp, "dp": groups.dp if over_dp else 1}
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g in owned:
         sharded = _sharded_dims(g)
         copies = math.prod(n for dim, n in sizes.items() if dim not in sharded)
-        total += torch.linalg.vector_norm(_local(g).detach(), dtype=torch.float64) ** 2 / copies
+        total += torch.linalg.vector_norm(local_shard(g).detach(), dtype=torch.float64) ** 2 / copies
     total = total.reshape(1)
     for group, size in ((groups.pp_group, groups.pp), (groups.tp_group, groups.tp),
                         (groups.dp_group, sizes["dp"])):
@@ -76,12 +77,6 @@ def global_grad_norm(params: RankParameters, groups: ParallelGroups) -> float:
             except RuntimeError as e:
                 raise PeerFailure(f"rank {dist.get_rank()}: gradient-norm all-reduce failed: {e}") from e
     return math.sqrt(float(total.sum()))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor; a plain tensor unchanged."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
 
 
 def _sharded_dims(t: torch.Tensor) -> set[str]:

@@ -60,7 +60,7 @@ def build_rank_stages(module: nn.Module, parts: Any, schedule: Any, pp_rank: int
     every = build_stage_modules(parts, num_stages=schedule.num_stages, stages=range(schedule.num_stages),
                                 layout=layout)
     mine = set(schedule.stages_of(pp_rank))
-    stages = {s: every[s] for s in sorted(mine)}
+    stages: dict[int, nn.Module] = {s: every[s] for s in sorted(mine)}
     if prepare is not None:
         prepare(stages)
     return stages, rank_parameters(module, every, mine)
