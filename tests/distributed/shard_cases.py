@@ -12,11 +12,10 @@ import torch
 from cases import Case, global_batch
 from evenpipe.models import lm_loss
 from evenpipe.runtime.executor import PipelineExecutor
-from evenpipe.runtime.sharding import ShardedOptimizer, fully_shard_stages
+from evenpipe.runtime.sharding import ShardedOptimizer
 from evenpipe.runtime.stash import ActivationStash
 from evenpipe.runtime.tensor_parallel import full_tensor, reference_layout
-from evenpipe.training.params import RankParameters
-from tp_cases import local_params, run_in_layout, tp_pipeline
+from tp_cases import norm_failure, run_in_layout, tp_pipeline
 
 LR = 1e-3
 EPS = 1e-6
@@ -45,11 +44,11 @@ def run_shard_case(sc: ShardCase) -> list[str]:
 
 def _run(sc: ShardCase, groups) -> list[str]:
     case = sc.case
-    schedule, cfg, model, ref, stages = tp_pipeline(case, groups)
-    grad_sync = fully_shard_stages(stages.values(), groups.mesh["dp"]) if sc.sharding == "full" else None
-    params = local_params(model, stages)
+    schedule, cfg, model, ref, stages, rank_params, grad_sync = tp_pipeline(case, groups,
+                                                                             fully_shard=sc.sharding == "full")
+    params = rank_params.named
     if sc.sharding == "optimizer":
-        opt = ShardedOptimizer(RankParameters(named=params, owned=frozenset(params)),
+        opt = ShardedOptimizer(rank_params,
                                make_optimizer=lambda ps: torch.optim.AdamW(list(ps.named.values()), lr=LR, eps=EPS),
                                dp_group=groups.dp_group, dp_ranks=groups.dp_ranks, dp_rank=groups.dp_rank)
     else:
@@ -75,6 +74,8 @@ def _run(sc: ShardCase, groups) -> list[str]:
         ref_loss.backward()
         check(f"step {step} loss", torch.tensor(result.loss, dtype=torch.float64), ref_loss.detach().double(),
               **ADAM_TOL)
+        if step == 0:
+            failures += norm_failure(where, rank_params, groups, ref)
         opt.step()
         ref_opt.step()
     if sc.sharding == "optimizer" and groups.dp > 1 and len(opt.owned) == len(params):

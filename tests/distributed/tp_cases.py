@@ -14,12 +14,15 @@ from dataclasses import dataclass
 import torch
 
 from cases import TIGHT, Case, global_batch, schedule_for
+from harness import ran
 from evenpipe.models import build_model, lm_loss, model_config
 from evenpipe.runtime.comm import build_groups
 from evenpipe.runtime.executor import PipelineExecutor
-from evenpipe.runtime.stages import build_stage_modules
+from evenpipe.runtime.sharding import fully_shard_stages
 from evenpipe.runtime.stash import ActivationStash
 from evenpipe.runtime.tensor_parallel import full_tensor, parallelize_stage, reference_layout
+from evenpipe.training.optim import global_grad_norm
+from evenpipe.training.params import build_rank_stages
 
 CASE_TIMEOUT_S = 60.0
 
@@ -41,36 +44,43 @@ def tp_config(name: str, num_stages: int):
 
 
 def run_in_layout(label: object, case: Case, tp: int, body) -> list[str]:
-    """``body(groups)`` on the ranks of the case's ``dp x pp x tp`` layout (others sit it out: ``[]``); an
-    exception stops this process, as the other ranks of the case are now out of step."""
+    """``body(groups)`` on the ranks of the case's ``dp x pp x tp`` layout (others sit it out: ``[]``), with this
+    rank's proof that it ran; an exception stops this process, as the other ranks of the case are now out of
+    step."""
     import torch.distributed as dist
     groups = build_groups(case.pp, case.dp, tp=tp, timeout_s=CASE_TIMEOUT_S)
     if groups is None:
         return []
     try:
-        return body(groups)
+        return body(groups) + [ran(f"{label} rank {groups.pp_rank}/{groups.dp_rank}/{groups.tp_rank}")]
     except Exception as e:
         raise RuntimeError(f"{label} rank {dist.get_rank()}: {type(e).__name__}: {e}\n"
                            f"{traceback.format_exc(limit=6)}") from e
 
 
-def tp_pipeline(case: Case, groups):
-    """``(schedule, cfg, model, ref, stages)``: this rank's tensor-parallel stages of a fresh model and an
-    identical un-sharded reference."""
+def tp_pipeline(case: Case, groups, *, fully_shard: bool = False):
+    """``(schedule, cfg, model, ref, stages, params, grad_sync)``: this rank's tensor-parallel (and, with
+    ``fully_shard``, FSDP) stages of a fresh model, its :class:`RankParameters`, an identical un-sharded reference
+    and the executor's gradient sync (None without FSDP)."""
     schedule = schedule_for(case)
     cfg = tp_config(case.model, schedule.num_stages)
     model, ref = build_model(cfg, seed=7), build_model(cfg, seed=7)
-    stages = build_stage_modules(model.pipeline_parts(), num_stages=schedule.num_stages,
-                                 stages=schedule.stages_of(groups.pp_rank))
-    for stage in stages.values():
-        parallelize_stage(stage, groups.mesh["tp"])
-    return schedule, cfg, model, ref, stages
+    grad_sync = []
+
+    def prepare(mine) -> None:
+        for stage in mine.values():
+            parallelize_stage(stage, groups.mesh["tp"])
+        if fully_shard:
+            grad_sync.append(fully_shard_stages(mine.values(), groups.mesh["dp"]))
+    stages, params = build_rank_stages(model, model.pipeline_parts(), schedule, groups.pp_rank, prepare=prepare)
+    return schedule, cfg, model, ref, stages, params, (grad_sync or [None])[0]
 
 
-def local_params(model, stages) -> dict:
-    """This rank's parameters of ``model`` by name (call after every in-place wrapping)."""
-    mine = {id(p) for s in stages.values() for p in s.parameters()}
-    return {n: p for n, p in model.named_parameters() if id(p) in mine}
+def norm_failure(where: str, params, groups, ref) -> list[str]:
+    """The whole model's gradient norm from this rank's (sharded) gradients vs. the reference's."""
+    want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))
+    got = global_grad_norm(params, groups)
+    return [] if abs(got - want) <= 1e-6 * want else [f"{where}: gradient norm {got!r} != un-sharded {want!r}"]
 
 
 def run_tp_case(tc: TpCase) -> list[str]:
@@ -80,8 +90,8 @@ def run_tp_case(tc: TpCase) -> list[str]:
 
 def _run(tc: TpCase, groups) -> list[str]:
     case = tc.case
-    schedule, cfg, model, ref, stages = tp_pipeline(case, groups)
-    params = local_params(model, stages)
+    schedule, cfg, model, ref, stages, rank_params, _ = tp_pipeline(case, groups)
+    params = rank_params.named
     ref_params = dict(ref.named_parameters(remove_duplicate=False))  # a tied weight under both names
     stash = ActivationStash()
     ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=lm_loss, stash=stash)
@@ -108,6 +118,8 @@ def _run(tc: TpCase, groups) -> list[str]:
                 continue
             check(f"step {step} grad {name}", reference_layout(model, name, full_tensor(p.grad)),
                   ref_params[name].grad)
+        if step == 0:
+            failures += norm_failure(where, rank_params, groups, ref)
         if not stash.is_empty():
             failures.append(f"{where}: stash not empty after step {step}")
         opt.step()
@@ -125,4 +137,4 @@ def run_tp_cases(cases: list[TpCase]) -> list[str]:
     return out
 
 
-__all__ = ["TpCase", "tp_config", "run_tp_case", "run_tp_cases", "run_in_layout", "tp_pipeline", "local_params"]
+__all__ = ["TpCase", "tp_config", "run_tp_case", "run_tp_cases", "run_in_layout", "tp_pipeline", "norm_failure"]

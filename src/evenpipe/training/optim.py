@@ -80,10 +80,11 @@ def global_grad_norm(params: RankParameters, groups: ParallelGroups) -> float:
 
 
 def _sharded_dims(t: torch.Tensor) -> set[str]:
-    """Names of the device-mesh dimensions a DTensor is sharded over (none for a plain tensor)."""
+    """Names of the device-mesh dimensions a DTensor is sharded over (none for a plain tensor); FSDP's
+    ``_StridedShard`` counts too (anything not replicated: gradients are never partial here)."""
     mesh, placements = getattr(t, "device_mesh", None), getattr(t, "placements", ())
     names = getattr(mesh, "mesh_dim_names", None) or ()
-    return {name for name, pl in zip(names, placements) if pl.is_shard()}
+    return {name for name, pl in zip(names, placements) if not pl.is_replicate()}
 
 
 def clip_grad_global_norm(params: RankParameters, groups: ParallelGroups, max_norm: float | None) -> float:

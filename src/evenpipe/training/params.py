@@ -32,21 +32,32 @@ class RankParameters:
         return [p for name, p in self.named.items() if name in self.owned]
 
 
-def rank_parameters(model: nn.Module, all_stages: Mapping[int, nn.Module], mine: set[int] | frozenset[int]) -> \
-        RankParameters:
+def rank_parameters(model: nn.Module, all_stages: Mapping[int, nn.Module], mine: set[int] | frozenset[int], *,
+                    prepare: Callable[[dict[int, nn.Module]], None] | None = None) -> RankParameters:
     """Canonical names of the parameters of stages ``mine``; ``all_stages`` holds every stage of the model (cheap
-    wrappers sharing the model's modules), so the owner of a shared parameter is known on every rank."""
+    wrappers sharing the model's modules), so the owner of a shared parameter is known on every rank.
+
+    ``prepare``, when given, runs on the stages ``mine`` after their parameters are named and may replace them
+    (tensor parallelism and FSDP do, and FSDP gives each end of a tied weight its own object): the names and
+    owners found before it are attached to the parameters found at the same place in the stages after it."""
     canonical = {id(p): name for name, p in model.named_parameters()}
     owner: dict[int, int] = {}
     for s in sorted(all_stages):
         for p in all_stages[s].parameters():
             owner.setdefault(id(p), s)
+    places = {(s, where): (canonical[id(p)], owner[id(p)]) for s in sorted(mine)
+              for where, p in all_stages[s].named_parameters(remove_duplicate=False)}
+    if prepare is not None:
+        prepare({s: all_stages[s] for s in sorted(mine)})
     named: dict[str, nn.Parameter] = {}
+    owned: set[str] = set()
     for s in sorted(mine):
-        for p in all_stages[s].parameters():
-            named.setdefault(canonical[id(p)], p)
-    owned = frozenset(name for name, p in named.items() if owner[id(p)] in mine)
-    return RankParameters(named=named, owned=owned)
+        for where, p in all_stages[s].named_parameters(remove_duplicate=False):
+            name, first = places[(s, where)]
+            named.setdefault(name, p)
+            if first in mine:
+                owned.add(name)
+    return RankParameters(named=named, owned=frozenset(owned))
 
 
 def build_rank_stages(module: nn.Module, parts: Any, schedule: Any, pp_rank: int, *,
@@ -55,12 +66,9 @@ def build_rank_stages(module: nn.Module, parts: Any, schedule: Any, pp_rank: int
         tuple[dict[int, nn.Module], RankParameters]:
     """The stage modules pipeline rank ``pp_rank`` runs under ``schedule``, cut from ``parts`` (the pipeline parts
     of the whole model ``module``, sharing its parameters), and its :class:`RankParameters`. ``prepare`` runs on
-    those stages before their parameters are named (tensor parallelism and FSDP replace parameters in place)."""
+    those stages (see :func:`rank_parameters`)."""
     from evenpipe.runtime.stages import build_stage_modules
     every = build_stage_modules(parts, num_stages=schedule.num_stages, stages=range(schedule.num_stages),
                                 layout=layout)
     mine = set(schedule.stages_of(pp_rank))
-    stages: dict[int, nn.Module] = {s: every[s] for s in sorted(mine)}
-    if prepare is not None:
-        prepare(stages)
-    return stages, rank_parameters(module, every, mine)
+    return {s: every[s] for s in sorted(mine)}, rank_parameters(module, every, mine, prepare=prepare)
