@@ -49,7 +49,7 @@ from evenpipe.schedule.semantics import SEMANTICS, TABLES, kind_table
 from evenpipe.sim.costs import SimCosts
 from evenpipe.sim.trace import ActionRecord, MemoryTimeline, TransferRecord, Trace
 
-__all__ = ["simulate"]
+__all__ = ["simulate", "simulate_events", "make_trace"]
 
 _K = ActionKind
 _HOST = -1
@@ -132,12 +132,21 @@ class _Xfer:
 def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
     """Simulate one step of ``schedule`` and return its :class:`~evenpipe.sim.trace.Trace`.
 
+    Runs the dataflow evaluation (:mod:`evenpipe.sim.fast`) and, where it cannot vouch for an identical answer,
+    this module's event engine (:func:`simulate_events`), which is the reference.
     Raises :class:`ScheduleValidationError` for unmatched transfers or a schedule that deadlocks, and
     :class:`ConfigError` when ``costs`` does not describe every stage.
     """
-    if len(costs.stages) != schedule.num_stages:
-        raise ConfigError(f"costs describe {len(costs.stages)} stages but schedule {schedule.name!r} has "
-                          f"{schedule.num_stages}; pass one StageCosts per stage")
+    _check_costs(schedule, costs)
+    from evenpipe.sim.fast import simulate_fast  # imports this module
+
+    trace = simulate_fast(schedule, costs)
+    return trace if trace is not None else simulate_events(schedule, costs)
+
+
+def simulate_events(schedule: Schedule, costs: SimCosts) -> Trace:
+    """The reference: simulate with the event engine described above (same contract as :func:`simulate`)."""
+    _check_costs(schedule, costs)
     collecting = gc.isenabled()
     gc.disable()  # the run allocates ~10^6 small acyclic objects; cyclic GC passes would cost ~25%
     try:
@@ -145,6 +154,12 @@ def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
     finally:
         if collecting:
             gc.enable()
+
+
+def _check_costs(schedule: Schedule, costs: SimCosts) -> None:
+    if len(costs.stages) != schedule.num_stages:
+        raise ConfigError(f"costs describe {len(costs.stages)} stages but schedule {schedule.name!r} has "
+                          f"{schedule.num_stages}; pass one StageCosts per stage")
 
 
 def _stuck_grid(schedule: Schedule, pcs: list[int], width: int = 4) -> str:
@@ -659,32 +674,37 @@ class _Engine:
 
     # -- result -------------------------------------------------------------------------------------------
     def _result(self) -> Trace:
-        sched = self.schedule
         new = tuple.__new__
         transfers = [
             new(TransferRecord, (x.src if x.src != _HOST else x.dst, x.dst if x.dst != _HOST else x.src, x.kind,
                                  x.stage, x.microbatch, x.num_bytes, x.start, x.end, x.exposed))
             for x in self.xfers]
-        transfers.sort(key=_by_end)
-        step = max([max(e, default=0.0) for e in self.ends] + [x.end for x in self.xfers], default=0.0)
-        unit = tuple(sum(self.costs.stages[s].activation_bytes for s in sched.stages_of(r))
-                     for r in range(sched.num_ranks))
-        memory = tuple(self._timeline(r, unit[r]) for r in range(sched.num_ranks))
-        # tuple.__new__ over zip builds the named tuples in C (a third faster than calling the class)
-        actions = tuple(tuple(map(tuple.__new__, repeat(ActionRecord),
-                                  zip(repeat(r), range(len(acts)), acts, self.starts[r], self.ends[r])))
-                        for r, acts in enumerate(sched.actions))
-        return Trace(schedule=sched, actions=actions, transfers=tuple(transfers), memory=memory, unit_bytes=unit,
-                     step_time=step, source="sim")
+        return make_trace(self.schedule, self.costs, self.starts, self.ends, transfers, self.mem)
 
-    def _timeline(self, r: int, unit: float) -> MemoryTimeline:
-        events = self.mem[r]
-        events.sort(key=_by_time)  # stable: same-time changes keep the causal order they were recorded in
-        levels = list(accumulate(delta for _, delta in events))
-        tol = _MEM_EPS * max(unit, 1.0) * (1 + len(events))
-        lowest = min(levels, default=0.0)
-        assert lowest >= -tol, f"rank {r} activation memory went negative ({lowest})"
-        if lowest < 0:
-            levels = [max(0.0, b) for b in levels]
-        last_per_time = dict(zip((t for t, _ in events), levels))  # one point per time: the level after it
-        return MemoryTimeline(rank=r, points=((0.0, 0.0),) + tuple(last_per_time.items()))
+
+def make_trace(sched: Schedule, costs: SimCosts, starts: list[list[float]], ends: list[list[float]],
+               transfers: list[TransferRecord], mem: list[list[tuple[float, float]]]) -> Trace:
+    """The trace of a finished run: per-action times, transfers (in creation order, sorted here by arrival) and
+    each rank's memory changes (time, bytes delta) in the order they were decided."""
+    transfers.sort(key=_by_end)
+    step = max([max(e, default=0.0) for e in ends] + [t.end for t in transfers], default=0.0)
+    unit = tuple(sum(costs.stages[s].activation_bytes for s in sched.stages_of(r)) for r in range(sched.num_ranks))
+    memory = tuple(_timeline(r, mem[r], unit[r]) for r in range(sched.num_ranks))
+    # tuple.__new__ over zip builds the named tuples in C (a third faster than calling the class)
+    actions = tuple(tuple(map(tuple.__new__, repeat(ActionRecord),
+                              zip(repeat(r), range(len(acts)), acts, starts[r], ends[r])))
+                    for r, acts in enumerate(sched.actions))
+    return Trace(schedule=sched, actions=actions, transfers=tuple(transfers), memory=memory, unit_bytes=unit,
+                 step_time=step, source="sim")
+
+
+def _timeline(r: int, events: list[tuple[float, float]], unit: float) -> MemoryTimeline:
+    events.sort(key=_by_time)  # stable: same-time changes keep the causal order they were recorded in
+    levels = list(accumulate(delta for _, delta in events))
+    tol = _MEM_EPS * max(unit, 1.0) * (1 + len(events))
+    lowest = min(levels, default=0.0)
+    assert lowest >= -tol, f"rank {r} activation memory went negative ({lowest})"
+    if lowest < 0:
+        levels = [max(0.0, b) for b in levels]
+    last_per_time = dict(zip((t for t, _ in events), levels))  # one point per time: the level after it
+    return MemoryTimeline(rank=r, points=((0.0, 0.0),) + tuple(last_per_time.items()))
