@@ -23,6 +23,7 @@ on the costs) is cached for the last few schedules simulated, so sweeps over cos
 from __future__ import annotations
 
 import gc
+import operator
 from collections import Counter
 from dataclasses import dataclass
 from typing import Hashable
@@ -42,6 +43,8 @@ _KINDS = tuple(ActionKind)
 (_KF, _KB, _KI, _KR, _KSEND_F, _KRECV_F, _KRECV_B, _KEVICT, _KACCEPT, _KRETURN, _KLOAD, _KOFFLOAD,
  _KRELOAD) = (_ref._KF, _ref._KB, _ref._KI, _ref._KR, _ref._KSEND_F, _ref._KRECV_F, _ref._KRECV_B, _ref._KEVICT,
               _ref._KACCEPT, _ref._KRETURN, _ref._KLOAD, _ref._KOFFLOAD, _ref._KRELOAD)
+_KIND_CODE = {k: k.code for k in ActionKind}
+_KIND_OF, _STAGE_OF, _MB_OF, _PEER_OF = (operator.attrgetter(name) for name in ("kind", "stage", "microbatch", "peer"))
 _EXACT_LIMIT = 2 ** 53
 _CACHE_SIZE = 8
 
@@ -57,20 +60,11 @@ class Shape:
 
     codes: list[list[int]]
     """Per rank and action, the event code."""
-    stages: list[list[int]]
-    microbatches: list[list[int]]
-    xfer_at: list[list[int]]
-    """Per rank and action, the transfer id of a send/receive (-1 for computes)."""
-    deps: list[list[tuple[int, ...]]]
-    """Per rank and action, the signals a compute waits for."""
-    used: list[list[tuple[int, ...]]]
-    """Per rank and action, the transfers a compute consumes (charged with exposed time)."""
-    gates: list[list[tuple[int, ...]]]
-    """Per rank and action, the EVICT transfers a ``F``/``R`` waits to land."""
-    outs: list[list[tuple[int, ...]]]
-    """Per rank and action, the completion signals a compute announces (somebody waits on them)."""
-    delayed: list[list[tuple[tuple[int, int], ...]]]
-    """Per rank and action, (delayed signal, delay slot) a compute announces at its end plus the slot's delay."""
+    ops: list[list[tuple]]  # type: ignore[type-arg]
+    """Per rank and action: ``(code, transfer id)`` for a send or receive; for a compute ``(code, duration index
+    (code x stages + stage), stage, (stage, micro-batch), forward-bytes index (stage, + stages if recomputed),
+    signals it waits for, transfers it consumes, extra or None)``, with extra ``(EVICT transfers it waits to
+    land, signals it announces, (delayed signal, delay slot) pairs it announces)``."""
     delay_specs: list[tuple[int, int, int]]
     """Per delay slot, (src rank, dst rank, stage whose ``output_bytes`` move)."""
     recomputed: frozenset[tuple[int, int]]
@@ -90,15 +84,30 @@ class Shape:
     """(link id, 0 = stage output / 1 = saved activations moved, stage, recomputed)."""
     link_keys: list[tuple[int, int]]
     x_link: list[int]
-    link_order: list[list[int]]
-    """Per link id, its transfers in the order the link serves them when busy."""
-    x_linkpos: list[int]
+    link_order: list[list[int]] | None
+    """Per link id, its transfers in the order the link serves them when busy (built when first needed)."""
+    x_linkpos: list[int] | None
     gated: dict[int, list[int]]
     """Transfer id -> transfers that may not start before it lands."""
     data_waiters: dict[int, list[int]]
     """Signal -> transfers whose data it makes ready."""
     mixed: frozenset[int]
     """Ranks whose memory changes also come from transfers."""
+
+    def serving_order(self) -> tuple[list[list[int]], list[int]]:
+        """Per link its transfers in the sending side's program order, and each transfer's place there."""
+        if self.link_order is None or self.x_linkpos is None:
+            order: list[list[int]] = [[] for _ in self.link_keys]
+            for tid, lid in enumerate(self.x_link):
+                order[lid].append(tid)
+            pos = [0] * len(self.x_link)
+            send, recv = self.x_send, self.x_recv
+            for tids in order:
+                tids.sort(key=lambda t: send[t] or recv[t])  # type: ignore[arg-type,return-value]
+                for k, tid in enumerate(tids):
+                    pos[tid] = k
+            self.link_order, self.x_linkpos = order, pos
+        return self.link_order, self.x_linkpos
 
 
 _cache: list[tuple[Schedule, Shape]] = []
@@ -118,320 +127,267 @@ def compile_shape(schedule: Schedule) -> Shape:
 
 
 class _Compiler:
-    """Port of the engine's preparation with integer signals; any irregularity raises ``_Fallback``."""
+    """The engine's preparation with integer signals, in two passes; any irregularity raises ``_Fallback``."""
 
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
-        self.x_src: list[int] = []
-        self.x_dst: list[int] = []
-        self.x_kind: list[ActionKind] = []
-        self.x_stage: list[int] = []
-        self.x_mb: list[int] = []
-        self.x_send: list[tuple[int, int] | None] = []
-        self.x_recv: list[tuple[int, int] | None] = []
+        actions = schedule.actions
+        # fields pulled out rank by rank with C-level maps: the passes below then touch no Action object
+        self.kcodes = [list(map(_KIND_CODE.__getitem__, map(_KIND_OF, acts))) for acts in actions]
+        self.codes = [list(map(_CODE.__getitem__, kc)) for kc in self.kcodes]
+        self.stages = [list(map(_STAGE_OF, acts)) for acts in actions]
+        self.mbs = [list(map(_MB_OF, acts)) for acts in actions]
+        self.xfer_at = [[-1] * len(acts) for acts in actions]
         self.x_pending: list[int] = []
-        self.x_bytes: list[tuple[int, int]] = []  # (0, stage) output / (1, stage) moved
-        self.x_linkkey: list[tuple[int, int]] = []
         self.gated: dict[int, list[int]] = {}
-        self.waiters: dict[Hashable, list[int]] = {}  # signal -> transfers (data deps)
-        self.needed: set[Hashable] = set()
-        self.delay_slots: dict[tuple[str, int, int], int] = {}
-        self.delay_specs: list[tuple[int, int, int]] = []
+        self.data_waiters: dict[int, list[int]] = {}
         self.mixed: set[int] = set()
-        self.off_signal: dict[tuple[int, int, int], int] = {}  # (rank, stage, mb) -> its OFFLOAD transfer
 
-    def new_xfer(self, src: int, dst: int, kind: ActionKind, stage: int, mb: int, moved: int, bytes_stage: int,
-                 send_pos: tuple[int, int] | None, recv_pos: tuple[int, int] | None, link: tuple[int, int]) -> int:
-        tid = len(self.x_src)
-        self.x_src.append(src)
-        self.x_dst.append(dst)
-        self.x_kind.append(kind)
-        self.x_stage.append(stage)
-        self.x_mb.append(mb)
-        self.x_send.append(send_pos)
-        self.x_recv.append(recv_pos)
-        self.x_pending.append((send_pos is not None) + (recv_pos is not None))
-        self.x_bytes.append((moved, bytes_stage))
-        self.x_linkkey.append(link)
-        if send_pos is not None:
-            self.xfer_at[send_pos[0]][send_pos[1]] = tid
-        if recv_pos is not None:
-            self.xfer_at[recv_pos[0]][recv_pos[1]] = tid
-        if _FREES[kind.code]:
-            self.mixed.add(src)
-        if _ALLOCS[kind.code]:
-            self.mixed.add(dst)
-        return tid
+    def run(self) -> Shape:
+        peers, hosts, recv_index = self._match()
+        num_peers = len(peers)
+        num_x = num_peers + len(hosts)
+        for k, (r, i) in enumerate(hosts):
+            self.xfer_at[r][i] = num_peers + k
+        self.x_pending = [2] * num_peers + [1] * len(hosts)
+        self.next_signal = num_x
+        self.host_x: list[tuple[int, int, ActionKind, int, int]] = []
+        self.delay_specs: list[tuple[int, int, int]] = []
+        self.implicit: dict[int, tuple[int, int]] = {}  # producer key -> (delayed signal, slot)
+        recomputed = frozenset((a.stage, a.microbatch) for acts, codes in zip(self.schedule.actions, self.codes)
+                               if _R in codes for a, c in zip(acts, codes) if c == _R)
+        self.recomputed = recomputed
+        produced: list[dict[int, int]] = []
+        ops_all = []
+        for r in range(self.schedule.num_ranks):
+            ops, done = self._rank(r, recv_index[r])
+            ops_all.append(ops)
+            produced.append(done)
+        s2r = self.schedule.stage_to_rank
+        for key, (sig, slot) in self.implicit.items():  # cross-rank consumers without a receive: rare
+            q = s2r[key >> 33]
+            i = produced[q].get(key)
+            if i is None:
+                raise _Fallback
+            op = ops_all[q][i]
+            gate, announce, delayed = op[7] or ((), (), ())
+            ops_all[q][i] = op[:7] + ((gate, announce, delayed + ((sig, slot),)),)
+        kinds = _KINDS
+        x_rows = [(src, dst, kinds[kc], st, mb, sp, rp, (src, dst), moved, bst)
+                  for src, dst, kc, st, mb, moved, bst, sp, rp in peers]
+        x_rows += [(src, dst, kind, st, mb, (src, i) if dst == _HOST else None, None if dst == _HOST else (dst, i),
+                    (src, dst), 1, st) for (src, dst, kind, st, mb), (_, i) in zip(self.host_x, hosts)]
+        if len(self.host_x) != len(hosts):
+            raise _Fallback
+        cols = list(zip(*x_rows)) if x_rows else [()] * 10
+        link_ids: dict[tuple[int, int], int] = {}
+        x_link = [link_ids.setdefault(key, len(link_ids)) for key in cols[7]]
+        spec_ids: dict[tuple[int, int, int, bool], int] = {}
+        x_spec = [spec_ids.setdefault((lid, moved, bst, moved == 1 and (bst, mb) in recomputed), len(spec_ids))
+                  for lid, moved, bst, mb in zip(x_link, cols[8], cols[9], cols[4])]
+        return Shape(codes=self.codes, ops=ops_all, delay_specs=self.delay_specs, recomputed=recomputed,
+                     num_signals=self.next_signal, x_src=list(cols[0]), x_dst=list(cols[1]), x_kind=list(cols[2]),
+                     x_stage=list(cols[3]), x_mb=list(cols[4]), x_send=list(cols[5]), x_recv=list(cols[6]),
+                     x_pending=self.x_pending, x_spec=x_spec, specs=list(spec_ids), link_keys=list(link_ids),
+                     x_link=x_link, link_order=None, x_linkpos=None, gated=self.gated,
+                     data_waiters=self.data_waiters, mixed=frozenset(self.mixed))
 
-    def data_dep(self, tid: int, signal: Hashable) -> None:
+    def _match(self) -> tuple[list[tuple], list[tuple[int, int]], list[dict[tuple[int, int, int], int]]]:  # type: ignore[type-arg]
+        """Pair every send with its receive, numbering the messages in the engine's order (when the later side
+        is met, ranks in order); host moves are numbered after them, in rank and program order."""
+        actions, codes_all, kcodes, xfer_at = self.schedule.actions, self.codes, self.kcodes, self.xfer_at
+        match, shift, host_side = _MATCH, _RECV_SHIFT, _HOST_SIDE
+        send_keys: list[tuple[int, int, int, int, int]] = []
+        recv_keys: list[tuple[int, int, int, int, int]] = []
+        send_at: list[int] = []  # positions as rank * 2^32 + index: ints compare fast
+        recv_at: list[int] = []
+        hosts: list[tuple[int, int]] = []
+        recv_index: list[dict[tuple[int, int, int], int]] = []
+        for r, acts in enumerate(actions):
+            codes, kc_r, st_r, mb_r = codes_all[r], kcodes[r], self.stages[r], self.mbs[r]
+            moves = [i for i, c in enumerate(codes) if c >= _SEND]
+            peer_of = dict(zip(moves, map(_PEER_OF, map(acts.__getitem__, moves))))
+            hosts += [(r, i) for i in moves if host_side[kc_r[i]]]
+            sends = [i for i in moves if codes[i] < _RECV and not host_side[kc_r[i]]]
+            recvs = [i for i in moves if codes[i] >= _RECV and not host_side[kc_r[i]]]
+            base = r << 32
+            send_keys += [(r, peer_of[i], match[kc_r[i]], st_r[i] + shift[kc_r[i]], mb_r[i]) for i in sends]
+            send_at += [base + i for i in sends]
+            index_keys = [(kc_r[i], st_r[i], mb_r[i]) for i in recvs]
+            recv_keys += [(peer_of[i], r) + k for i, k in zip(recvs, index_keys)]
+            recv_at += [base + i for i in recvs]
+            recv_index.append(dict(zip(index_keys, recvs)))
+        recv_of = dict(zip(recv_keys, range(len(recv_keys))))
+        partner = list(map(recv_of.get, send_keys))
+        if len(recv_of) != len(recv_keys) or len(send_keys) != len(recv_keys) or None in partner \
+                or len(set(partner)) != len(partner):
+            raise _Fallback  # unmatched or repeated messages: the engine names them
+        # the engine numbers a message when it meets its later side, ranks in order
+        later = list(map(max, send_at, map(recv_at.__getitem__, partner)))  # type: ignore[arg-type]
+        low = (1 << 32) - 1
+        peers: list[tuple] = []  # type: ignore[type-arg]
+        for tid, k in enumerate(sorted(range(len(send_keys)), key=later.__getitem__)):
+            src, dst, _, recv_stage, mb = send_keys[k]
+            sp, rp = send_at[k], recv_at[partner[k]]  # type: ignore[index]
+            si, ri = sp & low, rp & low
+            xfer_at[src][si] = tid
+            xfer_at[dst][ri] = tid
+            send_stage = self.stages[src][si]
+            if codes_all[src][si] == _SEND:
+                peers.append((src, dst, kcodes[src][si], send_stage, mb, 0, min(send_stage, recv_stage), (src, si),
+                              (dst, ri)))
+            else:
+                peers.append((src, dst, kcodes[src][si], send_stage, mb, 1, recv_stage, (src, si), (dst, ri)))
+        return peers, hosts, recv_index
+
+    def _signal(self) -> int:
+        sig = self.next_signal
+        self.next_signal += 1
+        return sig
+
+    def _data_dep(self, tid: int, sig: int) -> None:
         self.x_pending[tid] += 1
-        self.waiters.setdefault(signal, []).append(tid)
+        self.data_waiters.setdefault(sig, []).append(tid)
 
-    def gate(self, tid: int, landings: list[int]) -> None:
+    def _gate(self, tid: int, landings: list[int]) -> None:
         for landing in landings:
             self.x_pending[tid] += 1
             self.gated.setdefault(landing, []).append(tid)
 
-    def run(self) -> Shape:
+    def _rank(self, r: int, recv_index: dict[tuple[int, int, int], int]) -> tuple[list[tuple], dict[int, int]]:  # type: ignore[type-arg]
+        """Rank ``r``'s ops, and the completion keys its computes produce (key -> action index)."""
         sched = self.schedule
-        code = _CODE
-        actions = sched.actions
-        self.codes = [[code[a.kind.code] for a in acts] for acts in actions]  # type: ignore[misc]
-        self.stages = [[a.stage for a in acts] for acts in actions]
-        self.mbs = [[a.microbatch for a in acts] for acts in actions]
-        self.recomputed = frozenset((a.stage, a.microbatch) for acts, codes in zip(actions, self.codes)
-                                    if _R in codes for a, c in zip(acts, codes) if c == _R)
-        self.xfer_at = [[-1] * len(acts) for acts in actions]
-        self._match()
-        self.gates: list[list[tuple[int, ...]]] = [[()] * len(acts) for acts in actions]
-        raw = [self._rank(r) for r in range(sched.num_ranks)]
-        return self._finish(raw)
-
-    def _match(self) -> None:
-        sched = self.schedule
-        unmatched: dict[tuple[int, int, int, int, int], tuple[int, int]] = {}
-        pop, match, shift, host_side = unmatched.pop, _MATCH, _RECV_SHIFT, _HOST_SIDE
-        self.recv_index: list[dict[tuple[int, int, int], int]] = []
-        for r, acts in enumerate(sched.actions):
-            idx: dict[tuple[int, int, int], int] = {}
-            codes = self.codes[r]
-            for i, c in enumerate(codes):
-                if c < _SEND:
-                    continue
-                a = acts[i]
-                kc = a.kind.code
-                peer = a.peer
-                if peer is None or host_side[kc]:
-                    continue
-                if c < _RECV:
-                    key = (r, peer, match[kc], a.stage + shift[kc], a.microbatch)
-                    side = (r, i)
-                else:
-                    key = (peer, r, kc, a.stage, a.microbatch)
-                    idx[key[2:]] = i
-                    side = (-1 - r, i)
-                other = pop(key, None)
-                if other is None:
-                    unmatched[key] = side
-                    continue
-                if (other[0] < 0) == (side[0] < 0):
-                    raise _Fallback
-                send_pos, recv_pos = (side, other) if side[0] >= 0 else (other, side)
-                recv_pos = (-1 - recv_pos[0], recv_pos[1])
-                send = sched.actions[send_pos[0]][send_pos[1]]
-                if self.codes[send_pos[0]][send_pos[1]] == _SEND:
-                    moved, bstage = 0, min(send.stage, key[3])
-                else:
-                    moved, bstage = 1, key[3]
-                self.new_xfer(key[0], key[1], send.kind, send.stage, key[4], moved, bstage, send_pos, recv_pos,
-                              key[:2])
-            self.recv_index.append(idx)
-        if unmatched:
-            raise _Fallback
-
-    def _rank(self, r: int) -> list[tuple[tuple[Hashable, ...], ...] | None]:
-        """Per action, a compute's dependencies as (signal, delayed) pairs (``None`` for transfers)."""
-        sched = self.schedule
-        last = sched.num_stages - 1
-        recv_index = self.recv_index[r]
-        done: set[tuple[str, int, int]] = set()
+        s2r = sched.stage_to_rank
+        num_stages = sched.num_stages
+        last = num_stages - 1
+        recomputed = self.recomputed
+        done: dict[int, int] = {}  # completion key -> index of the compute producing it, produced so far
+        wanted: dict[int, int] = {}  # completion key -> signal, for consumers met before their producer
         away: set[tuple[int, int]] = set()
         back: dict[tuple[int, int], int] = {}
         accepted: dict[tuple[int, int], int] = {}
-        offloaded: set[tuple[int, int]] = set()
-        xfer_at, gates = self.xfer_at[r], self.gates[r]
+        offloaded: dict[tuple[int, int], int] = {}
+        xat = self.xfer_at[r]
         evicting: list[int] = []
         returning: list[int] = []
-        out: list[tuple[tuple[Hashable, ...], ...] | None] = []
-        codes = self.codes[r]
-        for i, a in enumerate(sched.actions[r]):
-            c = codes[i]
+        ops: list[tuple] = []  # type: ignore[type-arg]
+        actions = sched.actions[r]
+        for i, c, kc, s, m in zip(range(len(xat)), self.codes[r], self.kcodes[r], self.stages[r], self.mbs[r]):
             if c == _RECV:
-                out.append(None)
+                ops.append((c, xat[i]))
                 continue
-            s, m = a.stage, a.microbatch
             if c == _SEND:
-                signal = ("F", s, m) if a.kind.code == _KSEND_F else ("G", s, m)
-                if signal not in done:
-                    self.data_dep(xfer_at[i], signal)
-                    self.needed.add(signal)
-                out.append(None)
+                key = (s << 33) | (m << 1) | (kc != _KSEND_F)
+                if key not in done:
+                    sig = wanted.get(key)
+                    if sig is None:
+                        sig = wanted[key] = self._signal()
+                    self._data_dep(xat[i], sig)
+                ops.append((c, xat[i]))
                 continue
-            kc = a.kind.code
             if c < _SEND:
-                deps: list[tuple[Hashable, ...]] = []
-                if kc == _KF and s > 0:
-                    deps.extend(self._input_dep(r, s, m, s - 1, _KRECV_F, "F", recv_index, done))
-                elif (kc == _KB or kc == _KI) and s < last:
-                    deps.extend(self._input_dep(r, s, m, s + 1, _KRECV_B, "G", recv_index, done))
-                if kc != _KF:
-                    if (s, m) in back:
-                        deps.append((xfer_at[back.pop((s, m))],))
-                    elif (s, m) in away:
-                        raise _Fallback
-                if kc == _KF:
-                    done.add(("F", s, m))
-                elif kc == _KB or kc == _KI:
-                    done.add(("G", s, m))
-                if evicting and (kc == _KF or kc == _KR):
-                    gates[i] = tuple(evicting)
-                    evicting.clear()
-                out.append(tuple(deps))
-                continue
-            out.append(None)
-            if kc == _KEVICT or kc == _KOFFLOAD:
-                away.add((s, m))
-                if kc == _KEVICT:
-                    evicting.append(xfer_at[i])
-                else:
-                    offloaded.add((s, m))
-                    self.new_xfer(r, _HOST, a.kind, s, m, 1, s, (r, i), None, (r, _HOST))
-                    self.off_signal[(r, s, m)] = xfer_at[i]
-            elif kc == _KLOAD or kc == _KRELOAD:
-                away.discard((s, m))
-                back[(s, m)] = i
-                if kc == _KRELOAD:
-                    if (s, m) not in offloaded:
-                        raise _Fallback
-                    tid = self.new_xfer(_HOST, r, a.kind, s, m, 1, s, None, (r, i), (_HOST, r))
-                    self.data_dep(tid, self.off_signal[(r, s, m)])
-                else:
-                    self.gate(xfer_at[i], evicting)
-            elif kc == _KACCEPT:
-                accepted[(s, m)] = i
-                self.gate(xfer_at[i], returning)
-                returning[:] = [xfer_at[i]]
-            elif kc == _KRETURN:
-                if (s, m) not in accepted:
+                if s2r[s] != r:
                     raise _Fallback
-                self.data_dep(xfer_at[i], xfer_at[accepted.pop((s, m))])
-                returning.append(xfer_at[i])
-            if (kc == _KEVICT or kc == _KOFFLOAD) and ("F", s, m) not in done:
-                self.data_dep(xfer_at[i], ("F", s, m))
-                self.needed.add(("F", s, m))
-        return out
+                deps: list[int] = []
+                used: list[int] = []
+                if kc == _KF and s > 0:
+                    self._input(r, s, m, s - 1, _KRECV_F, 0, recv_index, done, wanted, deps, used)
+                elif (kc == _KB or kc == _KI) and s < last:
+                    self._input(r, s, m, s + 1, _KRECV_B, 1, recv_index, done, wanted, deps, used)
+                mk = (s, m)
+                if kc != _KF:
+                    if mk in back:
+                        tid = xat[back.pop(mk)]
+                        deps.append(tid)
+                        used.append(tid)
+                    elif mk in away:
+                        raise _Fallback
+                announce: tuple[int, ...] = ()
+                if kc == _KF or kc == _KB or kc == _KI:
+                    key = (s << 33) | (m << 1) | (kc != _KF)
+                    if key in done:
+                        raise _Fallback  # produced twice
+                    done[key] = i
+                    if key in wanted:
+                        announce = (wanted.pop(key),)
+                gate: tuple[int, ...] = ()
+                if evicting and (kc == _KF or kc == _KR):
+                    gate = tuple(evicting)
+                    evicting.clear()
+                ops.append((c, c * num_stages + s, s, mk, s + num_stages if mk in recomputed else s, tuple(deps),
+                            tuple(used), (gate, announce, ()) if gate or announce else None))
+                continue
+            tid = xat[i]
+            ops.append((c, tid))
+            mk = (s, m)
+            if kc == _KEVICT or kc == _KOFFLOAD:
+                away.add(mk)
+                if kc == _KEVICT:
+                    evicting.append(tid)
+                else:
+                    offloaded[mk] = tid
+                    self.host_x.append((r, _HOST, actions[i].kind, s, m))
+                    self.mixed.add(r)
+                key = (s << 33) | (m << 1)
+                if key not in done:
+                    sig = wanted.get(key)
+                    if sig is None:
+                        sig = wanted[key] = self._signal()
+                    self._data_dep(tid, sig)
+            elif kc == _KLOAD or kc == _KRELOAD:
+                away.discard(mk)
+                back[mk] = i
+                if kc == _KRELOAD:
+                    if mk not in offloaded:
+                        raise _Fallback
+                    self.host_x.append((_HOST, r, actions[i].kind, s, m))
+                    self.mixed.add(r)
+                    self._data_dep(tid, offloaded[mk])
+                else:
+                    self._gate(tid, evicting)
+                    self.mixed.add(r)
+            elif kc == _KACCEPT:
+                accepted[mk] = i
+                self._gate(tid, returning)
+                returning[:] = [tid]
+                self.mixed.add(r)
+            elif kc == _KRETURN:
+                if mk not in accepted:
+                    raise _Fallback
+                self._data_dep(tid, xat[accepted.pop(mk)])
+                returning.append(tid)
+                self.mixed.add(r)
+            if kc == _KEVICT:
+                self.mixed.add(r)
+        if wanted:
+            raise _Fallback  # a completion waited for that this rank never produces: the engine reports it
+        return ops, done
 
-    def _input_dep(self, r: int, s: int, m: int, src_stage: int, recv_code: int, signal: str,
-                   recv_index: dict[tuple[int, int, int], int], done: set[tuple[str, int, int]]
-                   ) -> list[tuple[Hashable, ...]]:
+    def _input(self, r: int, s: int, m: int, src_stage: int, recv_code: int, gradient: int,
+               recv_index: dict[tuple[int, int, int], int], done: dict[int, int], wanted: dict[int, int],
+               deps: list[int], used: list[int]) -> None:
+        """What compute (s, m) on rank r waits for from stage ``src_stage`` (its input or output gradient)."""
+        key = (src_stage << 33) | (m << 1) | gradient
         q = self.schedule.stage_to_rank[src_stage]
         if q != r:
             j = recv_index.get((recv_code, s, m))
             if j is not None:
-                return [(self.xfer_at[r][j],)]
-            key = (signal, src_stage, m)
-            slot = self.delay_slots.get(key)
-            if slot is None:
-                slot = self.delay_slots[key] = len(self.delay_specs)
+                tid = self.xfer_at[r][j]
+                deps.append(tid)
+                used.append(tid)
+                return
+            entry = self.implicit.get(key)  # no receive in the schedule: an implicit, unserialised transfer
+            if entry is None:
+                entry = self.implicit[key] = (self._signal(), len(self.delay_specs))
                 self.delay_specs.append((q, r, min(s, src_stage)))
-            return [(key, slot)]
-        if (signal, src_stage, m) in done:
-            return []
-        self.needed.add((signal, src_stage, m))
-        return [((signal, src_stage, m),)]
-
-    def _finish(self, raw: list[list[tuple[tuple[Hashable, ...], ...] | None]]) -> Shape:
-        sched = self.schedule
-        num_x = len(self.x_src)
-        ids: dict[Hashable, int] = {}
-        nxt = num_x
-        for key in sorted(self.needed, key=repr):
-            ids[key] = nxt
-            nxt += 1
-        delayed_ids: dict[int, int] = {}
-        for slot in range(len(self.delay_specs)):
-            delayed_ids[slot] = nxt
-            nxt += 1
-        # the compute that announces each signal
-        producer: dict[tuple[str, int, int], tuple[int, int]] = {}
-        deps_all, used_all, outs_all, delayed_all = [], [], [], []
-        slot_of = {key: slot for key, slot in self.delay_slots.items()}
-        for r, row in enumerate(raw):
-            deps_r: list[tuple[int, ...]] = []
-            used_r: list[tuple[int, ...]] = []
-            codes = self.codes[r]
-            for i, entry in enumerate(row):
-                if entry is None or not entry:
-                    deps_r.append(())
-                    used_r.append(())
-                    continue
-                sigs = []
-                used = []
-                for dep in entry:
-                    if len(dep) == 2:
-                        sigs.append(delayed_ids[dep[1]])  # type: ignore[index]
-                    elif isinstance(dep[0], int):
-                        sigs.append(dep[0])
-                        used.append(dep[0])
-                    else:
-                        sigs.append(ids[dep[0]])
-                deps_r.append(tuple(sigs))
-                used_r.append(tuple(used))
-            deps_all.append(deps_r)
-            used_all.append(used_r)
-            outs_r: list[tuple[int, ...]] = [()] * len(codes)
-            delayed_r: list[tuple[tuple[int, int], ...]] = [()] * len(codes)
-            stages, mbs = self.stages[r], self.mbs[r]
-            for i, c in enumerate(codes):
-                if c == _F or c == _B or c == _I:
-                    key = ("F" if c == _F else "G", stages[i], mbs[i])
-                    sig = ids.get(key)
-                    if sig is not None:
-                        outs_r[i] = (sig,)
-                    slot = slot_of.get(key)
-                    if slot is not None:
-                        delayed_r[i] = ((delayed_ids[slot], slot),)
-                    producer[key] = (r, i)
-            outs_all.append(outs_r)
-            delayed_all.append(delayed_r)
-        for key in self.needed:  # a signal nobody produces: the engine reports the deadlock
-            if key not in producer:
-                raise _Fallback
-        for key in self.delay_slots:
-            if key not in producer:
-                raise _Fallback
-        data_waiters: dict[int, list[int]] = {}
-        for key, tids in self.waiters.items():
-            data_waiters[key if isinstance(key, int) else ids[key]] = tids
-        # links and byte specs
-        link_ids: dict[tuple[int, int], int] = {}
-        link_order: list[list[int]] = []
-        x_link = []
-        for key in self.x_linkkey:
-            lid = link_ids.get(key)
-            if lid is None:
-                lid = link_ids[key] = len(link_order)
-                link_order.append([])
-            x_link.append(lid)
-
-        def order_key(tid: int) -> tuple[int, int]:
-            pos = self.x_send[tid] or self.x_recv[tid]
-            assert pos is not None
-            return pos
-        for tid in range(num_x):
-            link_order[x_link[tid]].append(tid)
-        x_linkpos = [0] * num_x
-        for tids in link_order:
-            tids.sort(key=order_key)
-            for k, tid in enumerate(tids):
-                x_linkpos[tid] = k
-        spec_ids: dict[tuple[int, int, int, bool], int] = {}
-        x_spec = []
-        for tid in range(num_x):
-            moved, bstage = self.x_bytes[tid]
-            spec = (x_link[tid], moved, bstage, moved == 1 and (bstage, self.x_mb[tid]) in self.recomputed)
-            sid = spec_ids.get(spec)
-            if sid is None:
-                sid = spec_ids[spec] = len(spec_ids)
-            x_spec.append(sid)
-        return Shape(codes=self.codes, stages=self.stages, microbatches=self.mbs, xfer_at=self.xfer_at,
-                     deps=deps_all, used=used_all, gates=self.gates, outs=outs_all, delayed=delayed_all,
-                     delay_specs=self.delay_specs, recomputed=self.recomputed, num_signals=nxt,
-                     x_src=self.x_src, x_dst=self.x_dst, x_kind=self.x_kind, x_stage=self.x_stage, x_mb=self.x_mb,
-                     x_send=self.x_send, x_recv=self.x_recv, x_pending=self.x_pending, x_spec=x_spec,
-                     specs=list(spec_ids), link_keys=list(link_ids), x_link=x_link, link_order=link_order,
-                     x_linkpos=x_linkpos, gated=self.gated, data_waiters=data_waiters,
-                     mixed=frozenset(self.mixed))
+            deps.append(entry[0])
+            return
+        if key in done:
+            return
+        sig = wanted.get(key)
+        if sig is None:
+            sig = wanted[key] = self._signal()
+        deps.append(sig)
 
 
 def simulate_fast(schedule: Schedule, costs: SimCosts) -> Trace | None:
@@ -483,7 +439,6 @@ class _Run:
     def run(self) -> Trace:
         sched, sh, costs = self.schedule, self.shape, self.costs
         stages = costs.stages
-        num_stages = len(stages)
         n = sched.num_ranks
         x_bytes, x_dur, instant, delays = self._transfer_tables()
         table = ([st.forward for st in stages] + [st.backward for st in stages]
@@ -491,8 +446,8 @@ class _Run:
                  + [st.recompute_time for st in stages])
         act = [st.activation_bytes for st in stages]
         ckpt = [st.checkpoint_bytes for st in stages]
+        fab = act + ckpt  # what a forward saves: activations, or the checkpoint when recomputed
         wgb = [st.weight_grad_bytes for st in stages]
-        recomputed = sh.recomputed
         num_x = len(x_dur)
         avail: list[float | None] = [None] * sh.num_signals
         waiters: dict[int, list[int]] = {sig: [-1 - t for t in tids] for sig, tids in sh.data_waiters.items()}
@@ -502,25 +457,43 @@ class _Run:
         x_start = [-1.0] * num_x
         x_end = [-1.0] * num_x
         x_exposed = [0.0] * num_x
-        x_link, x_linkpos, link_order = sh.x_link, sh.x_linkpos, sh.link_order
-        link_next = [0] * len(link_order)
-        link_end = [0.0] * len(link_order)
+        x_link = sh.x_link
+        link_order, x_linkpos = sh.serving_order() if not all(instant) else ([], [])
+        link_next = [0] * len(instant)
+        link_end = [0.0] * len(instant)
         x_src, x_dst, x_stage, x_mb, x_send, x_recv = sh.x_src, sh.x_dst, sh.x_stage, sh.x_mb, sh.x_send, sh.x_recv
         x_frees = [_FREES[k.code] for k in sh.x_kind]
         x_allocs = [_ALLOCS[k.code] for k in sh.x_kind]
         gated = sh.gated
+        # instant messages nobody else waits to land and that move no saved activations complete inline
+        plain = [instant[lid] and not fr and not al for lid, fr, al in zip(x_link, x_frees, x_allocs)]
+        for tid in gated:
+            plain[tid] = False
         pcs = [0] * n
         t_free = [0.0] * n
         starts = [[0.0] * len(c) for c in sh.codes]
         ends = [[0.0] * len(c) for c in sh.codes]
         held: list[dict[tuple[int, int], float]] = [{} for _ in range(n)]
         mem: list[list[tuple[float, float]]] = [[] for _ in range(n)]
-        durs = [[table[c * num_stages + s] if c < _SEND else 0.0 for c, s in zip(codes, ss)]
-                for codes, ss in zip(sh.codes, sh.stages)]
         todo = list(range(n - 1, -1, -1))
         ready_x: list[int] = []
+        woken: list[tuple[int, float]] = []  # (signal, time) just set, whose waiters still need waking
 
         while True:
+            while woken:
+                sig, e = woken.pop()
+                for w in waiters.pop(sig, ()):
+                    if w >= 0:
+                        todo.append(w)
+                    else:
+                        w = -1 - w
+                        if x_rdata[w] < e:
+                            x_rdata[w] = e
+                        if x_ready[w] < e:
+                            x_ready[w] = e
+                        x_pending[w] -= 1
+                        if not x_pending[w]:
+                            ready_x.append(w)
             while ready_x:  # transfers whose conditions are all met
                 tid = ready_x.pop()
                 if x_start[tid] >= 0.0:
@@ -536,7 +509,7 @@ class _Run:
                     t = x_ready[tid]
                     if pos > 0:
                         if not t > x_ready[order[pos - 1]]:
-                            raise _Fallback  # not served in FIFO order: the engine decides
+                            raise _Fallback  # maybe not served in FIFO order: the engine decides
                         if link_end[lid] > t:
                             t = link_end[lid]
                     x_start[tid] = t
@@ -546,9 +519,9 @@ class _Run:
                         held[d][key] = held[d].get(key, 0.0) + x_bytes[tid]
                         mem[d].append((t, x_bytes[tid]))
                     if x_frees[tid] and x_bytes[tid]:
-                        s_, key = x_src[tid], (x_stage[tid], x_mb[tid])
-                        held[s_][key] = held[s_].get(key, 0.0) - x_bytes[tid]
-                        mem[s_].append((e, -x_bytes[tid]))
+                        d, key = x_src[tid], (x_stage[tid], x_mb[tid])
+                        held[d][key] = held[d].get(key, 0.0) - x_bytes[tid]
+                        mem[d].append((e, -x_bytes[tid]))
                     p = x_recv[tid]
                     if p is not None:
                         ends[p[0]][p[1]] = e
@@ -562,20 +535,8 @@ class _Run:
                         if not x_pending[g]:
                             ready_x.append(g)
                     avail[tid] = e
-                    waiting = waiters.pop(tid, None)
-                    if waiting is not None:
-                        for w in waiting:
-                            if w >= 0:
-                                todo.append(w)
-                            else:
-                                w = -1 - w
-                                if x_rdata[w] < e:
-                                    x_rdata[w] = e
-                                if x_ready[w] < e:
-                                    x_ready[w] = e
-                                x_pending[w] -= 1
-                                if not x_pending[w]:
-                                    ready_x.append(w)
+                    if tid in waiters:
+                        woken.append((tid, e))
                     if pos < 0:
                         break
                     link_end[lid] = e
@@ -586,64 +547,73 @@ class _Run:
                     tid = order[pos]
                     if x_pending[tid]:
                         break
+            if woken:
+                continue
             if not todo:
                 break
             r = todo.pop()
-            codes, xat, deps, used, gates = sh.codes[r], sh.xfer_at[r], sh.deps[r], sh.used[r], sh.gates[r]
-            outs, delayed, dur, ss, mbs = sh.outs[r], sh.delayed[r], durs[r], sh.stages[r], sh.microbatches[r]
+            ops = sh.ops[r]
             st_r, en_r, held_r, mem_r = starts[r], ends[r], held[r], mem[r]
-            i, count, now = pcs[r], len(codes), t_free[r]
+            i, count, now = pcs[r], len(ops), t_free[r]
             while i < count:
-                c = codes[i]
+                op = ops[i]
+                c = op[0]
                 if c >= _SEND:
-                    tid = xat[i]
+                    tid = op[1]
                     st_r[i] = en_r[i] = now
                     if c < _RECV and x_rdata[tid] < now:
                         x_rdata[tid] = now
                     if x_ready[tid] < now:
                         x_ready[tid] = now
-                    x_pending[tid] -= 1
-                    if not x_pending[tid]:
-                        ready_x.append(tid)
+                    left = x_pending[tid] - 1
+                    x_pending[tid] = left
+                    if not left:
+                        if plain[tid]:
+                            e = x_start[tid] = x_end[tid] = avail[tid] = x_ready[tid]
+                            p = x_recv[tid]
+                            ends[p[0]][p[1]] = e
+                            p = x_send[tid]
+                            ends[p[0]][p[1]] = e
+                            if tid in waiters:
+                                woken.append((tid, e))
+                        else:
+                            ready_x.append(tid)
                     i += 1
                     continue
+                _, dk, s, key, mk, deps, used, extra = op
                 start = now
-                blocked = -1
-                for sig in deps[i]:
+                for sig in deps:
                     t = avail[sig]
                     if t is None:
-                        blocked = sig
                         break
                     if t > start:
                         start = t
-                gate = gates[i]
-                if gate and blocked < 0:
-                    for sig in gate:
+                else:
+                    sig = -1
+                if sig < 0 and extra is not None:
+                    for sig in extra[0]:
                         t = avail[sig]
                         if t is None:
-                            blocked = sig
                             break
                         if t > start:
                             start = t
-                if blocked >= 0:
-                    waiting = waiters.get(blocked)
+                    else:
+                        sig = -1
+                if sig >= 0:  # blocked: wait for the signal
+                    waiting = waiters.get(sig)
                     if waiting is None:
-                        waiters[blocked] = [r]
+                        waiters[sig] = [r]
                     else:
                         waiting.append(r)
                     break
-                for tid in used[i]:
+                for tid in used:
                     rd = x_rdata[tid]
                     exposed = x_end[tid] - (now if now > rd else rd)
                     if exposed > x_exposed[tid]:
                         x_exposed[tid] = exposed
-                if gate:
-                    self._expose_gate(deps[i], gate, avail, x_end, x_exposed, now, start)
-                s = ss[i]
-                end = start + dur[i]
-                key = (s, mbs[i])
+                end = start + table[dk]
                 if c == _F:
-                    nb = ckpt[s] if recomputed and key in recomputed else act[s]
+                    nb = fab[mk]
                     if nb:
                         held_r[key] = held_r.get(key, 0.0) + nb
                         mem_r.append((start, nb))
@@ -664,27 +634,18 @@ class _Run:
                         mem_r.append((start, nb))
                 st_r[i] = start
                 en_r[i] = end
+                if extra is not None:
+                    gate, announce, delayed = extra
+                    if gate:
+                        self._expose_gate(deps, gate, avail, x_end, x_exposed, now, start)
+                    for sig in announce:
+                        avail[sig] = end
+                        woken.append((sig, end))
+                    for sig, slot in delayed:
+                        t = avail[sig] = end + delays[slot]
+                        woken.append((sig, t))
                 now = end
                 i += 1
-                announce = outs[i - 1]
-                if announce or delayed[i - 1]:
-                    for sig, t in [(sig, end) for sig in announce] + [(sig, end + delays[slot])
-                                                                     for sig, slot in delayed[i - 1]]:
-                        avail[sig] = t
-                        waiting = waiters.pop(sig, None)
-                        if waiting is not None:
-                            for w in waiting:
-                                if w >= 0:
-                                    todo.append(w)
-                                else:
-                                    w = -1 - w
-                                    if x_rdata[w] < t:
-                                        x_rdata[w] = t
-                                    if x_ready[w] < t:
-                                        x_ready[w] = t
-                                    x_pending[w] -= 1
-                                    if not x_pending[w]:
-                                        ready_x.append(w)
             pcs[r] = i
             t_free[r] = now
 
