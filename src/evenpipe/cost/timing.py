@@ -190,7 +190,9 @@ def stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
     act = activation_bytes(model, cfg)
     head_fwd, head_bwd = _head_times(model, hw, cfg, eff)
     recompute_on = cfg.recompute is Recompute.FULL
+    output_bytes = 2.0 * model.seq_len * cfg.microbatch_size * model.hidden / cfg.tp
     stages = []
+    made: dict[tuple[float | None, ...], StageCosts] = {}  # equal stages share one object (built and checked once)
     for s in range(num_stages):
         layers = layers_of[s]
         extra_f = head_fwd if s == num_stages - 1 else 0.0
@@ -198,24 +200,29 @@ def stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
         extra_bytes = (act.embedding if s == 0 else 0.0) + (act.head if s == num_stages - 1 else 0.0)
         fwd = layers * lt.forward + extra_f
         saved = layers * act.layer_saved + extra_bytes
-        stages.append(StageCosts(
-            forward=fwd,
-            backward_input=layers * lt.backward_input + extra_b,
-            backward_weight=layers * lt.backward_weight_compute,
-            recompute=layers * lt.forward if recompute_on else None,
-            activation_bytes=(saved + act.layer_full) if recompute_on else saved,
-            checkpoint_bytes=saved if recompute_on else 0.0,
-            weight_grad_bytes=layers * act.layer_weight_grad,
-            output_bytes=2.0 * model.seq_len * cfg.microbatch_size * model.hidden / cfg.tp,
-        ))
+        fields = (fwd, layers * lt.backward_input + extra_b, layers * lt.backward_weight_compute,
+                  layers * lt.forward if recompute_on else None, (saved + act.layer_full) if recompute_on else saved,
+                  saved if recompute_on else 0.0, layers * act.layer_weight_grad)
+        stage = made.get(fields)
+        if stage is None:
+            stage = made[fields] = StageCosts(
+                forward=fields[0], backward_input=fields[1], backward_weight=fields[2], recompute=fields[3],
+                activation_bytes=fields[4], checkpoint_bytes=fields[5], weight_grad_bytes=fields[6],
+                output_bytes=output_bytes)
+        stages.append(stage)
     links: dict[tuple[int, int], Link] = {}
     p = cfg.pp
     pairs = {(r, (r + 1) % p) for r in range(p)}
     if cfg.schedule is ScheduleFamily.BPIPE:
         pairs |= {(r, q) for r in range(p) if (q := _bpipe_partner(r, p)) is not None}
+    by_node: dict[bool, Link] = {}  # a pair's link depends only on whether it shares a node
     for a, b in pairs:
         if a != b:
-            links[(a, b)] = links[(b, a)] = pipeline_link(a, b, cfg, hw, eff)
+            near = same_node(a, b, cfg, hw)
+            link = by_node.get(near)
+            if link is None:
+                link = by_node[near] = pipeline_link(a, b, cfg, hw, eff)
+            links[(a, b)] = links[(b, a)] = link
     default = pipeline_link(0, p - 1, cfg, hw, eff) if p > 1 else Link()
     return SimCosts.from_stages(stages, default_link=default, links=links)
 

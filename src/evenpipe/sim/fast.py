@@ -26,7 +26,6 @@ import gc
 import operator
 from collections import Counter
 from dataclasses import dataclass
-from typing import Hashable
 
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.sim import engine as _ref
@@ -37,7 +36,8 @@ __all__ = ["simulate_fast", "compile_shape"]
 
 _F, _B, _I, _W, _R, _SEND, _SEND_FREES, _RECV, _RECV_ALLOC = range(9)
 _HOST = _ref._HOST
-_CODE, _MATCH, _RECV_SHIFT, _HOST_SIDE = _ref._CODE, _ref._MATCH, _ref._RECV_SHIFT, _ref._HOST_SIDE
+_MATCH, _RECV_SHIFT, _HOST_SIDE = _ref._MATCH, _ref._RECV_SHIFT, _ref._HOST_SIDE
+_CODE: tuple[int, ...] = tuple(-1 if c is None else c for c in _ref._CODE)  # every kind is handled
 _FREES, _ALLOCS = _ref._FREES, _ref._ALLOCS
 _KINDS = tuple(ActionKind)
 (_KF, _KB, _KI, _KR, _KSEND_F, _KRECV_F, _KRECV_B, _KEVICT, _KACCEPT, _KRETURN, _KLOAD, _KOFFLOAD,
@@ -166,12 +166,12 @@ class _Compiler:
         s2r = self.schedule.stage_to_rank
         for key, (sig, slot) in self.implicit.items():  # cross-rank consumers without a receive: rare
             q = s2r[key >> 33]
-            i = produced[q].get(key)
-            if i is None:
+            at = produced[q].get(key)
+            if at is None:
                 raise _Fallback
-            op = ops_all[q][i]
+            op = ops_all[q][at]
             gate, announce, delayed = op[7] or ((), (), ())
-            ops_all[q][i] = op[:7] + ((gate, announce, delayed + ((sig, slot),)),)
+            ops_all[q][at] = op[:7] + ((gate, announce, delayed + ((sig, slot),)),)
         kinds = _KINDS
         x_rows = [(src, dst, kinds[kc], st, mb, sp, rp, (src, dst), moved, bst)
                   for src, dst, kc, st, mb, moved, bst, sp, rp in peers]

@@ -1,7 +1,7 @@
 """Golden comparison: the dataflow evaluation (``evenpipe.sim.fast``) returns the event engine's trace exactly.
 
 The event engine (``simulate_events``) is the reference. On random schedules of every family (with recomputation,
-BPipe and host offload) under random costs and links, ``simulate`` must return a trace equal to the reference
+BPipe, host offload, and compute-only ones whose messages are implicit) under random costs and links, ``simulate`` must return a trace equal to the reference
 field by field (float equality), and the dataflow path must really be taken wherever it promises to be: on
 instant links with integer byte counts it never falls back.
 """
@@ -36,6 +36,8 @@ def _schedule(rng: random.Random) -> object:
                 compute = compute_order(fam, num_ranks=p, num_microbatches=m)
                 return derive_communication(add_offload(compute, ranks={0}))
             transforms = fam.traits.transforms
+            if rng.random() < 0.15:  # compute only: messages become implicit, unserialised transfers
+                return build_schedule(fam, num_ranks=p, num_microbatches=m, num_chunks=v).compute_only()
             return build_schedule(fam, num_ranks=p, num_microbatches=m, num_chunks=v,
                                   recompute=rng.random() < 0.3,
                                   bpipe=fam is ScheduleFamily.BPIPE or (rng.random() < 0.3 and any(
