@@ -46,7 +46,7 @@ _KINDS = tuple(ActionKind)
 _KIND_CODE = {k: k.code for k in ActionKind}
 _KIND_OF, _STAGE_OF, _MB_OF, _PEER_OF = (operator.attrgetter(name) for name in ("kind", "stage", "microbatch", "peer"))
 _EXACT_LIMIT = 2 ** 53
-_CACHE_SIZE = 8
+_CACHE_SIZE = 4  # a shape of 4*10^5 actions holds tens of MB
 
 
 class _Fallback(Exception):
