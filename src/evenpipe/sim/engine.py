@@ -30,7 +30,9 @@ and its hosted units never exceed its hosted program-order peak, so it never hol
 the BPipe transform keeps within the budget.
 
 The engine uses a heap of timed events (plus a queue of events due now) and per-rank cursors:
-O(actions x log events), no scans.
+O(actions x log events), no scans. It is the reference: :func:`simulate` first tries the same rules evaluated as a
+dataflow (:mod:`evenpipe.sim.fast`, exact where it answers, checked against this engine by golden tests) and runs
+this engine where that path cannot vouch for an identical trace.
 """
 
 from __future__ import annotations
