@@ -10,8 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from cases import Case, global_batch
-from evenpipe.models import lm_loss
-from evenpipe.runtime.executor import PipelineExecutor
 from evenpipe.runtime.sharding import ShardedOptimizer
 from evenpipe.runtime.stash import ActivationStash
 from evenpipe.runtime.tensor_parallel import full_tensor, reference_layout
@@ -44,19 +42,16 @@ def run_shard_case(sc: ShardCase) -> list[str]:
 
 def _run(sc: ShardCase, groups) -> list[str]:
     case = sc.case
-    schedule, cfg, model, ref, stages, rank_params, grad_sync = tp_pipeline(case, groups,
-                                                                             fully_shard=sc.sharding == "full")
-    params = rank_params.named
+    pipe = tp_pipeline(case, groups, fully_shard=sc.sharding == "full")
+    params, ref_params = pipe.params.named, pipe.ref_params()
     if sc.sharding == "optimizer":
-        opt = ShardedOptimizer(rank_params,
+        opt = ShardedOptimizer(pipe.params,
                                make_optimizer=lambda ps: torch.optim.AdamW(list(ps.named.values()), lr=LR, eps=EPS),
                                dp_group=groups.dp_group, dp_ranks=groups.dp_ranks, dp_rank=groups.dp_rank)
     else:
         opt = torch.optim.AdamW(list(params.values()), lr=LR, eps=EPS)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    ref_params = dict(ref.named_parameters(remove_duplicate=False))  # a tied weight under both names
-    ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=lm_loss,
-                          stash=ActivationStash(), grad_sync=grad_sync)
+    ref_opt = torch.optim.AdamW(pipe.ref.module.parameters(), lr=LR, eps=EPS)
+    ex = pipe.executor(groups, ActivationStash())
     where = f"{sc} rank {groups.pp_rank}/{groups.dp_rank}/{groups.tp_rank}"
     failures: list[str] = []
 
@@ -67,21 +62,21 @@ def _run(sc: ShardCase, groups) -> list[str]:
             failures.append(f"{where} {what}: {' '.join(str(e).splitlines()[:4])}")
 
     for step in range(3):
-        tokens, targets = global_batch(case, cfg.vocab, step)
+        tokens, targets = global_batch(case, pipe.vocab, step)
         result = ex.step(tokens, targets)
         ref_opt.zero_grad(set_to_none=True)
-        ref_loss = lm_loss(ref(tokens), targets)
+        ref_loss = pipe.ref_loss(tokens, targets)
         ref_loss.backward()
         check(f"step {step} loss", torch.tensor(result.loss, dtype=torch.float64), ref_loss.detach().double(),
               **ADAM_TOL)
         if step == 0:
-            failures += norm_failure(where, rank_params, groups, ref)
+            failures += norm_failure(where, pipe, groups)
         opt.step()
         ref_opt.step()
     if sc.sharding == "optimizer" and groups.dp > 1 and len(opt.owned) == len(params):
         failures.append(f"{where}: the distributed optimizer owns every parameter (state not sharded)")
     for name, p in params.items():
-        check(f"parameter {name} after 3 AdamW steps", reference_layout(model, name, full_tensor(p.detach())),
+        check(f"parameter {name} after 3 AdamW steps", reference_layout(pipe.model.module, name, full_tensor(p.detach())),
               ref_params[name].detach(), **ADAM_TOL)
     return failures[:5]
 

@@ -1,38 +1,61 @@
 """Tensor parallelism and sharded data parallelism composed with the schedules (issue 13).
 
 - tp 2 x pp 2 (4 processes) and tp 2 x pp 2 x dp 2 (8 processes) against the un-pipelined, un-sharded model:
-  loss and every parameter's full gradient on every rank, for a tiny GPT and a tiny LLaMA (grouped-query
-  attention), every schedule at tp 2 x pp 2.
-- sharding (distributed optimizer, FSDP2) at pp 2 x dp 2 and tp 2 x pp 2 x dp 2: three AdamW steps give the
-  losses and parameters of un-sharded AdamW on the un-pipelined model.
+  loss, every parameter's full gradient and the whole model's gradient norm on every rank, for a tiny GPT, a
+  tiny LLaMA (grouped-query attention) and a tiny Hugging Face Llama: 1f1b, interleaved and bpipe on all three
+  and both layouts; at tp 2 x pp 2 also every other schedule family (the newer V-shaped and memory-capped ones
+  on the GPT) and BPipe as a transform of interleaved.
+- sharding (distributed optimizer, FSDP2) at pp 2 x dp 2 and tp 2 x pp 2 x dp 2 (the Hugging Face Llama too):
+  three AdamW steps give the losses and parameters of un-sharded AdamW on the un-pipelined model.
 
-Two worlds, each started once per module and running all its cases; each test looks up its own failures.
+- BPipe at tp 2 x pp 4 (in the 8-process world, :mod:`tp_balance`): every tensor-parallel rank of an evictor
+  evicts its own shard, measured per-rank peaks within 15% of their mean, and pipeline rank 0 at most
+  ceil((p+1)/2)/p + 0.1 of its 1F1B peak on every tensor-parallel rank.
+
+Two worlds (4 and 8 processes), each started once per module and running all its cases; each test looks up its
+own failures.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Any
 
 import pytest
 
 from cases import Case
 from harness import failures_only, missing_runs, run_world
 from shard_cases import ShardCase, run_shard_cases
+from tp_balance import P, balance_reports, is_data, measure_balance
 from tp_cases import TpCase, run_tp_cases
 
 pytestmark = pytest.mark.distributed
 
 MODELS = ("gpt-tiny", "llama-tiny")
 FAMILIES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("looped-bfs", 2), ("bpipe", 1))
+NEWER_FAMILIES = (("zb-h2", 1), ("zb-v", 2), ("v-half", 2), ("v-min", 2), ("dualpipev", 2))
+"""The V-shaped and memory-capped families, on the tiny GPT only (the blocks they run are the same)."""
+HF_FAMILIES = (("1f1b", 1), ("interleaved", 2), ("bpipe", 1))
+HF_LLAMA = "hf:tiny-llama"
+HF_MODELS = (HF_LLAMA,) if importlib.util.find_spec("transformers") else ()
+"""The Hugging Face Llama runs where the optional ``transformers`` is installed (``make setup`` installs it)."""
 
-TP_PP_CASES = [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model=m)) for f, v in FAMILIES
-               for m in MODELS]
+TP_PP_CASES = ([TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model=m)) for f, v in FAMILIES
+                for m in MODELS]
+               + [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v)) for f, v in NEWER_FAMILIES]
+               + [TpCase(case=Case(family="interleaved", pp=2, microbatches=4, chunks=2, bpipe=True))]
+               + [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model=m))
+                  for f, v in HF_FAMILIES for m in HF_MODELS])
 TP_PP_DP_CASES = [TpCase(case=Case(family=f, pp=2, microbatches=2, dp=2, chunks=v, model=m))
-                  for f, v in (("1f1b", 1), ("interleaved", 2), ("bpipe", 1)) for m in MODELS]
+                  for f, v in HF_FAMILIES for m in (*MODELS, *HF_MODELS)]
 
 _SHARD_4 = (("1f1b", 1, 2, "gpt-tiny", "optimizer"), ("1f1b", 1, 2, "gpt-tiny", "full"),
             ("interleaved", 2, 2, "llama-tiny", "full"), ("bpipe", 1, 3, "gpt-tiny", "full"),
             ("bpipe", 1, 3, "llama-tiny", "optimizer"), ("zb-h1", 1, 3, "gpt-tiny", "optimizer"))
 _SHARD_8 = (("1f1b", 1, 2, "llama-tiny", "full"), ("interleaved", 2, 2, "gpt-tiny", "optimizer"),
-            ("bpipe", 1, 2, "gpt-tiny", "full"))
+            ("bpipe", 1, 2, "gpt-tiny", "full"),
+            *(c for m in HF_MODELS for c in (("1f1b", 1, 2, m, "full"), ("interleaved", 2, 2, m, "optimizer"))))
 SHARD_CASES_4 = [ShardCase(case=Case(family=f, pp=2, microbatches=m, dp=2, chunks=v, model=model), sharding=mode)
                  for f, v, m, model, mode in _SHARD_4]
 SHARD_CASES_8 = [ShardCase(case=Case(family=f, pp=2, microbatches=m, dp=2, chunks=v, model=model), sharding=mode,
@@ -43,7 +66,7 @@ def _four(rank: int, world: int) -> list[str]:
 
 
 def _eight(rank: int, world: int) -> list[str]:
-    return run_tp_cases(TP_PP_DP_CASES) + run_shard_cases(SHARD_CASES_8)
+    return run_tp_cases(TP_PP_DP_CASES) + run_shard_cases(SHARD_CASES_8) + measure_balance(rank, world)
 
 
 def _flatten(results: dict[int, list[str]]) -> list[str]:
@@ -57,7 +80,7 @@ def four_failures() -> list[str]:
 
 @pytest.fixture(scope="module")
 def eight_failures() -> list[str]:
-    return _flatten(run_world(8, _eight, timeout_s=480, pg_timeout_s=90))
+    return _flatten(run_world(8, _eight, timeout_s=600, pg_timeout_s=90))
 
 
 def _mine(failures: list[str], case: TpCase | ShardCase) -> list[str]:
@@ -82,3 +105,48 @@ def test_sharding_matches_unsharded_adamw(four_failures: list[str], eight_failur
                                           case: ShardCase) -> None:
     failures = eight_failures if case.tp > 1 else four_failures
     assert not _mine(failures, case), "\n".join(_mine(failures, case))
+
+
+# --- BPipe at tp 2 x pp 4 (measured in the 8-process world; see tp_balance.py) ---------------------------------
+BALANCE_TOLERANCE = 0.15
+RANK0_SLACK = 0.10
+
+
+@pytest.fixture(scope="module")
+def reports(eight_failures: list[str]) -> list[dict[str, Any]]:
+    data = balance_reports(eight_failures)
+    if not data:
+        fatal = [f for f in eight_failures if not is_data(f) and (" raised " in f or "reported nothing" in f)]
+        pytest.fail("the tp2 x pp4 BPipe measurement failed:\n" + "\n".join(fatal or ["no report"]))
+    return data
+
+
+def _table(reports: list[dict[str, Any]]) -> str:
+    return "\n".join(f"  pp {r['pp']} tp {r['tp']}: 1f1b peak {r['1f1b']['peak']:8d}  bpipe peak "
+                     f"{r['bpipe']['peak']:8d} (hosted {r['bpipe']['hosted']}, evicted {r['bpipe']['evicted']})"
+                     for r in reports)
+
+
+def test_every_tp_rank_evicts_its_own_shard(reports: list[dict[str, Any]]) -> None:
+    left = [(r["pp"], r["tp"]) for r in reports if not (r["1f1b"]["empty"] and r["bpipe"]["empty"])]
+    assert not left, f"stash not empty after a step on (pp, tp) {left}\n{_table(reports)}"
+    idle = [(r["pp"], r["tp"]) for r in reports if r["pp"] < P // 2 and r["bpipe"]["evicted"] <= 0]
+    assert not idle, f"evictors that moved nothing: {idle}\n{_table(reports)}"
+
+
+def test_bpipe_balances_ranks_with_tp(reports: list[dict[str, Any]]) -> None:
+    print("\n" + _table(reports))  # shown with pytest -s
+    peaks = [r["bpipe"]["peak"] for r in reports]
+    mean = sum(peaks) / len(peaks)
+    bad = [f"pp {r['pp']} tp {r['tp']}: {p} B is {p / mean - 1:+.1%} from the mean {mean:.0f} B"
+           for r, p in zip(reports, peaks) if abs(p - mean) > BALANCE_TOLERANCE * mean]
+    assert not bad, "BPipe peaks more than 15% from the mean:\n" + "\n".join(bad) + "\n" + _table(reports)
+    plain = [r["1f1b"]["peak"] for r in reports]  # control: the same measure shows 1F1B's imbalance
+    assert max(plain) > (1 + BALANCE_TOLERANCE) * sum(plain) / len(plain), f"1F1B looks balanced\n{_table(reports)}"
+
+
+def test_rank0_peak_shrinks_on_every_tp_rank(reports: list[dict[str, Any]]) -> None:
+    bound = math.ceil((P + 1) / 2) / P + RANK0_SLACK
+    bad = [f"tp {r['tp']}: rank 0 BPipe peak {r['bpipe']['peak']} B > {bound:.3f} x 1F1B peak {r['1f1b']['peak']} B"
+           for r in reports if r["pp"] == 0 and r["bpipe"]["peak"] > bound * r["1f1b"]["peak"]]
+    assert not bad, "\n".join(bad) + "\n" + _table(reports)

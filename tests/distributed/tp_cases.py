@@ -13,16 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
-from cases import TIGHT, Case, global_batch, schedule_for
+from cases import TIGHT, Case, case_model, global_batch, reference_loss, schedule_for
 from harness import ran
-from evenpipe.models import build_model, lm_loss, model_config
+from evenpipe.models import model_config
+from evenpipe.models.adapter import PipelineModel, reference_model
 from evenpipe.runtime.comm import build_groups
 from evenpipe.runtime.executor import PipelineExecutor
 from evenpipe.runtime.sharding import fully_shard_stages
 from evenpipe.runtime.stash import ActivationStash
 from evenpipe.runtime.tensor_parallel import full_tensor, parallelize_stage, reference_layout
 from evenpipe.training.optim import global_grad_norm
-from evenpipe.training.params import build_rank_stages
+from evenpipe.schedule.ir import Schedule
+from evenpipe.training.params import RankParameters, build_rank_stages
 
 CASE_TIMEOUT_S = 60.0
 
@@ -58,13 +60,46 @@ def run_in_layout(label: object, case: Case, tp: int, body) -> list[str]:
                            f"{traceback.format_exc(limit=6)}") from e
 
 
-def tp_pipeline(case: Case, groups, *, fully_shard: bool = False):
-    """``(schedule, cfg, model, ref, stages, params, grad_sync)``: this rank's tensor-parallel (and, with
-    ``fully_shard``, FSDP) stages of a fresh model, its :class:`RankParameters`, an identical un-sharded reference
-    and the executor's gradient sync (None without FSDP)."""
+@dataclass(slots=True, kw_only=True)
+class TpPipeline:
+    """This rank's tensor-parallel (maybe FSDP) pipeline of a fresh model and an identical un-sharded reference."""
+
+    schedule: Schedule
+    model: PipelineModel
+    ref: PipelineModel
+    stages: dict
+    params: RankParameters
+    grad_sync: object
+    """The executor's gradient sync (None without FSDP)."""
+
+    @property
+    def vocab(self) -> int:
+        return self.model.spec.vocab
+
+    def ref_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return reference_loss(self.ref, tokens, targets)
+
+    def ref_params(self) -> dict:
+        """The reference's parameters by name (a tied weight under both names)."""
+        return dict(self.ref.module.named_parameters(remove_duplicate=False))
+
+    def executor(self, groups, stash) -> PipelineExecutor:
+        return PipelineExecutor(schedule=self.schedule, stages=self.stages, groups=groups, loss_fn=self.model.loss,
+                                stash=stash, grad_sync=self.grad_sync)
+
+
+def _model(name: str, num_stages: int) -> PipelineModel:
+    """A Hugging Face fixture (``hf:NAME``), or a reference model with heads that split two ways."""
+    if name.startswith("hf:"):
+        return case_model(name, num_stages, seed=7)
+    return reference_model(tp_config(name, num_stages), seed=7)
+
+
+def tp_pipeline(case: Case, groups, *, fully_shard: bool = False) -> TpPipeline:
+    """This rank's stages of the case's model, tensor parallel over the mesh's ``tp`` dimension and, with
+    ``fully_shard``, FSDP over ``dp``."""
     schedule = schedule_for(case)
-    cfg = tp_config(case.model, schedule.num_stages)
-    model, ref = build_model(cfg, seed=7), build_model(cfg, seed=7)
+    model, ref = _model(case.model, schedule.num_stages), _model(case.model, schedule.num_stages)
     grad_sync = []
 
     def prepare(mine) -> None:
@@ -72,14 +107,15 @@ def tp_pipeline(case: Case, groups, *, fully_shard: bool = False):
             parallelize_stage(stage, groups.mesh["tp"])
         if fully_shard:
             grad_sync.append(fully_shard_stages(mine.values(), groups.mesh["dp"]))
-    stages, params = build_rank_stages(model, model.pipeline_parts(), schedule, groups.pp_rank, prepare=prepare)
-    return schedule, cfg, model, ref, stages, params, (grad_sync or [None])[0]
+    stages, params = build_rank_stages(model.module, model.parts, schedule, groups.pp_rank, prepare=prepare)
+    return TpPipeline(schedule=schedule, model=model, ref=ref, stages=stages, params=params,
+                      grad_sync=(grad_sync or [None])[0])
 
 
-def norm_failure(where: str, params, groups, ref) -> list[str]:
+def norm_failure(where: str, pipe: TpPipeline, groups) -> list[str]:
     """The whole model's gradient norm from this rank's (sharded) gradients vs. the reference's."""
-    want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))
-    got = global_grad_norm(params, groups)
+    want = float(torch.nn.utils.clip_grad_norm_(pipe.ref.module.parameters(), float("inf")))
+    got = global_grad_norm(pipe.params, groups)
     return [] if abs(got - want) <= 1e-6 * want else [f"{where}: gradient norm {got!r} != un-sharded {want!r}"]
 
 
@@ -90,14 +126,18 @@ def run_tp_case(tc: TpCase) -> list[str]:
 
 def _run(tc: TpCase, groups) -> list[str]:
     case = tc.case
-    schedule, cfg, model, ref, stages, rank_params, _ = tp_pipeline(case, groups)
-    params = rank_params.named
-    ref_params = dict(ref.named_parameters(remove_duplicate=False))  # a tied weight under both names
+    pipe = tp_pipeline(case, groups)
+    params, ref_params, module = pipe.params.named, pipe.ref_params(), pipe.model.module
     stash = ActivationStash()
-    ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=lm_loss, stash=stash)
-    opt, ref_opt = torch.optim.SGD(list(params.values()), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    ex = pipe.executor(groups, stash)
+    opt = torch.optim.SGD(list(params.values()), lr=0.5)
+    ref_opt = torch.optim.SGD(pipe.ref.module.parameters(), lr=0.5)
     where = f"{tc} rank {groups.pp_rank}/{groups.dp_rank}/{groups.tp_rank}"
     failures: list[str] = []
+    from torch.distributed.tensor import DTensor
+    split = [n for n, p in params.items() if isinstance(p, DTensor)]
+    if tc.tp > 1 and not split:
+        failures.append(f"{where}: no parameter is split over tensor parallelism")
 
     def check(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
         try:
@@ -106,27 +146,27 @@ def _run(tc: TpCase, groups) -> list[str]:
             failures.append(f"{where} {what}: {str(e).splitlines()[0]}")
 
     for step in range(case.steps):
-        tokens, targets = global_batch(case, cfg.vocab, step)
+        tokens, targets = global_batch(case, pipe.vocab, step)
         result = ex.step(tokens, targets)
         ref_opt.zero_grad(set_to_none=True)
-        ref_loss = lm_loss(ref(tokens), targets)
+        ref_loss = pipe.ref_loss(tokens, targets)
         ref_loss.backward()
         check(f"step {step} loss", torch.tensor(result.loss, dtype=torch.float64), ref_loss.detach().double())
         for name, p in params.items():
             if p.grad is None:
                 failures.append(f"{where} step {step} grad {name}: no gradient")
                 continue
-            check(f"step {step} grad {name}", reference_layout(model, name, full_tensor(p.grad)),
+            check(f"step {step} grad {name}", reference_layout(module, name, full_tensor(p.grad)),
                   ref_params[name].grad)
         if step == 0:
-            failures += norm_failure(where, rank_params, groups, ref)
+            failures += norm_failure(where, pipe, groups)
         if not stash.is_empty():
             failures.append(f"{where}: stash not empty after step {step}")
         opt.step()
         ref_opt.step()
     for name, p in params.items():
         check(f"parameter {name} after {case.steps} steps",
-              reference_layout(model, name, full_tensor(p.detach())), ref_params[name].detach())
+              reference_layout(module, name, full_tensor(p.detach())), ref_params[name].detach())
     return failures[:5]
 
 
@@ -137,4 +177,4 @@ def run_tp_cases(cases: list[TpCase]) -> list[str]:
     return out
 
 
-__all__ = ["TpCase", "tp_config", "run_tp_case", "run_tp_cases", "run_in_layout", "tp_pipeline", "norm_failure"]
+__all__ = ["TpCase", "tp_config", "run_tp_case", "run_tp_cases", "run_in_layout", "tp_pipeline", "TpPipeline", "norm_failure"]

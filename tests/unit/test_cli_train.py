@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
 from evenpipe.cli import main
 
 pytest.importorskip("torch")
+
+_HF_GPT2 = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "tiny-gpt2" / "config.json"
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +45,8 @@ BAD = {
     "tp not dividing the heads": (["--tp", "3"], "--tp 3 does not divide the model's 4 query heads"),
     "tp not dividing the key/value heads": (["--model", "llama-tiny", "--tp", "4"], "2 key/value heads"),
     "unknown sharding": (["--sharding", "zero3"], "unknown sharding mode 'zero3'"),
+    "tp on a Hugging Face GPT-2": (["--hf-config", str(_HF_GPT2), "--tp", "2"],
+                                   "cannot split Hugging Face model_type 'gpt2'"),
     "FSDP with the zero-bubble split": (["--sharding", "full", "--schedule", "zb-h1", "--dp", "2"],
                                         "cannot run --schedule zb-h1"),
 }

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 from evenpipe.errors import ConfigError, choice_error, parse_choice
 
-__all__ = ["Arch", "ModelSpec", "MODEL_PRESETS", "model_preset", "from_hf_config", "read_hf_config",
+__all__ = ["Arch", "ModelSpec", "MODEL_PRESETS", "model_preset", "from_hf_config", "hf_model_type", "read_hf_config",
            "swiglu_ffn_hidden", "HF_MODEL_TYPES", "replace_spec"]
 
 
@@ -298,6 +298,12 @@ def _model_type(raw: Mapping[str, Any], p: pathlib.Path) -> str:
     if given not in HF_MODEL_TYPES:
         raise choice_error(f"Hugging Face model_type in {p}:", given, list(HF_MODEL_TYPES))
     return str(given)
+
+
+def hf_model_type(path: "str | pathlib.Path") -> str:
+    """The (checked) ``model_type`` of a Hugging Face ``config.json`` or a directory holding one."""
+    p, raw = read_hf_config(path)
+    return _model_type(raw, p)
 
 
 def from_hf_config(path: "str | pathlib.Path", *, seq_len: int | None = None) -> ModelSpec:

@@ -1,4 +1,6 @@
-"""Tensor parallelism of the reference models' blocks through DTensor (Shoeybi et al. 2019's Megatron split).
+"""Tensor parallelism through DTensor (Shoeybi et al. 2019's Megatron split) of the reference models' blocks and
+of Hugging Face Llama-family layers (llama, mistral, qwen2: separate ``q/k/v/o_proj`` and ``gate/up/down_proj``
+linears, whose forward reshapes to ``(-1, head_dim)`` and so runs on the local heads unchanged).
 
 Per block, with ``tp`` ranks on the mesh's ``tp`` dimension:
 
@@ -6,6 +8,8 @@ Per block, with ``tp`` ranks on the mesh's ``tp`` dimension:
   ``H / tp`` query heads and ``K / tp`` key/value heads; the output projection is split by rows
   (``RowwiseParallel``) and its partial sums are all-reduced. ``H`` and ``K`` must be divisible by ``tp``.
 - MLP: the up projections (GPT ``fc``; LLaMA ``gate`` and ``up``) by columns, the down projection by rows.
+- Hugging Face: ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj`` and ``up_proj`` by columns, ``o_proj`` and
+  ``down_proj`` by rows (separate projections need no reordering).
 - norms, embeddings and the head stay replicated: every tensor-parallel rank holds them whole and computes the
   same values and the same gradients (their inputs and output gradients are replicated), so they need no
   reduction.
@@ -56,6 +60,16 @@ def _reorder_rows(linear: nn.Linear, order: torch.Tensor) -> None:
     setattr(linear, _QKV_ORDER, order)
 
 
+_HF_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""Linear layers of a Hugging Face Llama-family attention (llama, mistral, qwen2)."""
+_HF_MLP = ("gate_proj", "up_proj", "down_proj")
+"""Linear layers of a Hugging Face Llama-family gated MLP."""
+
+
+def _has_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+
+
 def _plans(module: nn.Module) -> dict[str, Any] | None:
     """The colwise/rowwise plan of a module this file knows, or None."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -69,7 +83,22 @@ def _plans(module: nn.Module) -> dict[str, Any] | None:
         return {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
     if isinstance(module, _SwiGLU):
         return {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    if _has_linears(module, _HF_ATTENTION):  # its forward reshapes to (-1 heads, head_dim): local heads work
+        return {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
+                "o_proj": RowwiseParallel()}
+    if _has_linears(module, _HF_MLP):
+        return {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
     return None
+
+
+def _check_heads(module: nn.Module, tp: int) -> None:
+    """Query and key/value heads of an attention module must split evenly over ``tp`` ranks."""
+    config = getattr(module, "config", None)
+    heads = getattr(module, "num_heads", getattr(config, "num_attention_heads", None))
+    kv_heads = getattr(module, "num_kv_heads", getattr(config, "num_key_value_heads", heads))
+    if heads is not None and (heads % tp or kv_heads % tp):
+        raise ConfigError(f"--tp {tp} does not divide the attention's {heads} query heads and {kv_heads} "
+                          "key/value heads")
 
 
 def parallelize_stage(stage: nn.Module, tp_mesh: Any) -> nn.Module:
@@ -89,10 +118,9 @@ def parallelize_stage(stage: nn.Module, tp_mesh: Any) -> nn.Module:
         if plan is None:
             continue
         split += 1
+        if isinstance(module, CausalSelfAttention) or _has_linears(module, _HF_ATTENTION):
+            _check_heads(module, tp)
         if isinstance(module, CausalSelfAttention):
-            if module.num_heads % tp or module.num_kv_heads % tp:
-                raise ConfigError(f"--tp {tp} does not divide the attention's {module.num_heads} query heads "
-                                  f"and {module.num_kv_heads} key/value heads")
             _reorder_rows(module.qkv, _qkv_row_order(module.num_heads, module.num_kv_heads, module.head_dim, tp))
             parallelize_module(module, tp_mesh, plan)
             module.num_heads //= tp  # the forward now sees this rank's heads only
@@ -101,8 +129,10 @@ def parallelize_stage(stage: nn.Module, tp_mesh: Any) -> nn.Module:
             parallelize_module(module, tp_mesh, plan)
     blocks = getattr(stage, "blocks", ())
     if not split and len(blocks):
-        raise ConfigError(f"--tp {tp}: tensor parallelism splits the reference GPT/LLaMA blocks only; this "
-                          f"model's {type(blocks[0]).__name__} blocks have no tensor-parallel plan yet (use --tp 1)")
+        layer = getattr(blocks[0], "layer", blocks[0])  # a Hugging Face layer inside its block wrapper
+        raise ConfigError(f"--tp {tp}: tensor parallelism splits the reference GPT/LLaMA blocks and Hugging Face "
+                          f"Llama-family layers (q/k/v/o and gate/up/down projections); this model's "
+                          f"{type(layer).__name__} has no tensor-parallel plan (use --tp 1)")
     return stage
 
 

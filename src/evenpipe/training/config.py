@@ -408,7 +408,7 @@ class TrainConfig:
                               "fp32 master copies, which checkpoints do not save yet)")
         from evenpipe.runtime.stages import partition_layers
         partition_layers(cfg.num_layers, sched.num_stages, layout=sched.layout)
-        _check_tp(cfg, self.runtime.tp)
+        _check_tp(cfg, self.runtime.tp, self.model.hf_config)
         if self.runtime.sharding is Sharding.FULL and sched.family.traits.split_backward:
             raise ConfigError(f"--sharding full cannot run --schedule {sched.family.value}: its weight-gradient "
                               "passes run outside FSDP's backward hooks; use --sharding optimizer or a schedule "
@@ -456,8 +456,19 @@ class TrainConfig:
         return cls.from_dict(json.loads(text))
 
 
-def _check_tp(cfg: Any, tp: int) -> None:
-    """Tensor parallelism splits heads, key/value heads and the MLP width: each must be divisible by tp."""
+_TP_HF_TYPES = ("llama", "mistral", "qwen2")
+"""Hugging Face ``model_type`` values with a tensor-parallel plan (separate q/k/v/o and gate/up/down linears)."""
+
+
+def _check_tp(cfg: Any, tp: int, hf_config: str | None) -> None:
+    """Tensor parallelism splits heads, key/value heads and the MLP width: each must be divisible by tp; a
+    Hugging Face model needs a Llama-family architecture."""
+    if tp > 1 and hf_config is not None:
+        from evenpipe.cost.specs import hf_model_type
+        kind = hf_model_type(hf_config)
+        if kind not in _TP_HF_TYPES:
+            raise ConfigError(f"--tp {tp} cannot split Hugging Face model_type {kind!r} ({hf_config}): tensor "
+                              f"parallelism has a plan for {', '.join(_TP_HF_TYPES)} only (use --tp 1)")
     for what, n in (("query heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads),
                     ("MLP width", cfg.ffn_hidden)):
         if tp > 1 and n % tp:
