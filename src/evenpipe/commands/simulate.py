@@ -135,6 +135,7 @@ def summary_json(trace: Trace) -> dict[str, Any]:
     return {
         "schedule": s.name, "stages": s.num_ranks, "microbatches": s.num_microbatches, "chunks": s.num_chunks,
         "num_stages": s.num_stages, "step_time": trace.step_time, "bubble_fraction": trace.bubble_fraction,
+        "repeated_bubble_fraction": trace.repeated_bubble_fraction,
         "peak_activations": list(trace.peak_activations),
         "peak_activation_bytes": list(trace.peak_activation_bytes),
         "actions": trace.num_actions, "transfers": len(trace.transfers),

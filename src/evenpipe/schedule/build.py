@@ -13,6 +13,7 @@ from evenpipe.schedule.comm import derive_communication
 from evenpipe.schedule.family import Ordering, ScheduleFamily, Transform
 from evenpipe.schedule.generate import gpipe, interleaved, looped_bfs, one_f_one_b, zb_h1
 from evenpipe.schedule.generate.capped import capped_zero_bubble
+from evenpipe.schedule.generate.building_block import building_block_v
 from evenpipe.schedule.generate.dualpipe_v import dualpipe_v
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.schedule.validate import validate
@@ -31,7 +32,7 @@ def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbat
     Megatron's schedule exactly). ``bpipe_budget`` is the
     activation units a rank may hold under BPipe (default ``ceil((P+1)/2)``). ``recompute`` inserts ``R`` right
     before every backward (``B`` or ``I``). ``plan_durations`` are the relative integer durations of ``F``, ``I``
-    and ``W`` that the memory-capped families (zb-h2, zb-v, v-half, v-min) plan their order with (default 1, 1, 1;
+    and ``W`` that zb-h2, zb-v, v-half and v-min plan their order with (default 1, 1, 1;
     :func:`plan_durations_for` turns measured or modelled times into them). ``bpipe`` applies the BPipe
     transform to any family that allows it (``bpipe`` itself is 1F1B with it); ``bpipe_budget`` is then in
     activation units of one stage (a chunk when interleaved), default the lowest balanced peak the pairing
@@ -113,6 +114,11 @@ def compute_order(family: ScheduleFamily, *, num_ranks: int, num_microbatches: i
         raise ConfigError(f"{family.value} {why}")
     if family.traits.ordering is Ordering.MEMORY_CAPPED:
         return _capped(family, P, M, V, plan_durations or (1, 1, 1))
+    if family.traits.ordering is Ordering.BUILDING_BLOCK:
+        durations = plan_durations or (1, 1, 1)
+        return building_block_v(family.value, num_ranks=P, num_microbatches=M,
+                                stage_to_rank=traits.stage_to_rank(P, V),
+                                durations=durations, meta={"chunks": 2, "plan_durations": list(durations)})
     return _GENERATORS[family](P, M, V)
 
 
@@ -136,7 +142,7 @@ _GENERATORS: dict[ScheduleFamily, Callable[[int, int, int], Schedule]] = {
     ScheduleFamily.BPIPE: lambda P, M, V: one_f_one_b(num_ranks=P, num_microbatches=M),  # transformed later
 }
 """Compute order of each family from (ranks, micro-batches, chunks): the named presets."""
-assert set(_GENERATORS) | {f for f in ScheduleFamily if f.traits.ordering is Ordering.MEMORY_CAPPED} == \
+assert set(_GENERATORS) | {f for f in ScheduleFamily if f.traits.plans_with_durations} == \
     set(ScheduleFamily), "every family needs a generator"
 
 

@@ -7,7 +7,6 @@ reads the family's :class:`FamilyTraits` (``family.traits``) or the schedule's `
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,7 +35,8 @@ class ScheduleFamily(enum.Enum):
     V_HALF = "v-half"
     """V-Half (Qi et al., 2024, "Pipeline Parallelism with Controllable Memory"): about half of 1F1B's memory."""
     V_MIN = "v-min"
-    """V-Min (same paper): about a third of 1F1B's activation memory, for more bubble."""
+    """V-Min (same paper): about a third of 1F1B's activation memory for large P (the paper's (P+4)//3
+    micro-batches), with no more bubble than 1F1B."""
     DUALPIPE_V = "dualpipev"
     """DualPipeV (DeepSeek-V3's DualPipe cut in half): V placement, paired forward/backward steady state."""
     BPIPE = "bpipe"
@@ -103,6 +103,7 @@ class Ordering(enum.Enum):
     BREADTH_FIRST = "each chunk forwards every micro-batch before the next"
     ZERO_BUBBLE_H1 = "1F1B's order with W deferred into the bubbles"
     MEMORY_CAPPED = "unit-time greedy: I, then F within a per-rank activation cap, then W"
+    BUILDING_BLOCK = "one micro-batch's shortest-lived V block, repeated (Qi et al. 2024b)"
     DUALPIPE = "DualPipeV's eight phases around a paired forward/backward steady state"
 
 
@@ -135,6 +136,11 @@ class FamilyTraits:
     """Each rank's activation peak stops growing with M beyond 2P (so peaks may be counted on 2P micro-batches)."""
     activation_cap: Callable[[int], int] | None = None
     """For memory-capped families: the per-rank cap in chunk-activations as a function of P."""
+
+    @property
+    def plans_with_durations(self) -> bool:
+        """Whether the generator orders actions for given F, I, W durations (``plan_durations``)."""
+        return self.ordering in (Ordering.MEMORY_CAPPED, Ordering.BUILDING_BLOCK)
 
     def microbatch_error(self, num_ranks: int, num_microbatches: int, num_chunks: int) -> str | None:
         """Why ``num_microbatches`` is not allowed (``None`` when it is)."""
@@ -180,8 +186,8 @@ TRAITS: dict[ScheduleFamily, FamilyTraits] = {
                                         ordering=Ordering.MEMORY_CAPPED, split_backward=True,
                                         transforms=_RECOMPUTE_ONLY, activation_cap=lambda P: P + 1),
     ScheduleFamily.V_MIN: FamilyTraits(placement=Placement.V_SHAPE, chunks=ChunkRule.TWO,
-                                       ordering=Ordering.MEMORY_CAPPED, split_backward=True,
-                                       transforms=_RECOMPUTE_ONLY, activation_cap=lambda P: max(2, math.ceil(2 * P / 3))),
+                                       ordering=Ordering.BUILDING_BLOCK, split_backward=True,
+                                       transforms=_RECOMPUTE_ONLY),
     ScheduleFamily.DUALPIPE_V: FamilyTraits(placement=Placement.V_SHAPE, chunks=ChunkRule.TWO,
                                             ordering=Ordering.DUALPIPE, split_backward=True,
                                             transforms=_RECOMPUTE_ONLY, min_microbatches_per_stage=1),

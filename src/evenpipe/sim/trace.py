@@ -197,6 +197,21 @@ class Trace:
         return 1.0 - busy / (self.num_ranks * self.step_time)
 
     @property
+    def repeated_bubble_fraction(self) -> float:
+        """Idle share when steps repeat back to back with nothing synchronising the ranks in between (Qi et al.'s
+        post-validation in place of the optimizer's all-reduce): the period is then the longest span of any rank's
+        computes (first start to last end), ``1 - busy compute / (ranks x longest span)``. A schedule whose ranks
+        all work without a gap from their first compute to their last (ZB-H2's parallelogram) has none, although
+        each single step still has its ramps."""
+        spans = [max(rec.end for rec in recs) - min(rec.start for rec in recs)
+                 for recs in ([r for r in acts if _IS_COMPUTE[r.action.kind.code]] for acts in self.actions) if recs]
+        period = max(spans, default=0.0)
+        if period <= 0:
+            return 0.0
+        busy = sum(self.busy_time(r) for r in range(self.num_ranks))
+        return max(0.0, 1.0 - busy / (self.num_ranks * period))
+
+    @property
     def peak_activation_bytes(self) -> tuple[float, ...]:
         """Per rank, the peak activation bytes (own plus hosted)."""
         return tuple(m.peak_bytes for m in self.memory)

@@ -62,6 +62,8 @@ def test_every_generated_schedule_validates(config: tuple[ScheduleFamily, int, i
     cap = family.traits.activation_cap
     if cap is not None:  # memory-capped families never exceed their cap (in chunk-activations)
         assert max(held_units(s)) <= cap(P)
+    if family is ScheduleFamily.V_MIN:  # the paper's V-Min: (P + 4) // 3 micro-batches, two chunks each
+        assert max(held_units(s)) <= 2 * ((P + 4) // 3)
     if family is ScheduleFamily.DUALPIPE_V:  # DualPipe's PP + 1 stage-activations per device, PP = 2P stages
         assert held_units(s) == [2 * P + 1] * P
     if family is ScheduleFamily.BPIPE:
