@@ -88,6 +88,8 @@ def test_hf_config(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -
       "--schedules", "1f1b,warp"], "warp"),
     (["plan", "--model", "gpt-1.7b", "--gpu", "a100-80gb", "--gpus", "8", "--global-batch", "8",
       "--attention", "sparse"], "sparse"),
+    (["plan", "--model", "gpt-1.7b", "--gpu", "a100-80gb", "--gpus", "8", "--global-batch", "8",
+      "--schedules", "zb-v+bpipe"], "bpipe does not apply to schedule zb-v"),
     (["plan", "--arch", "gpt", "--layers", "4", "--gpu", "a100-80gb", "--gpus", "8", "--global-batch", "8"],
      "--hidden"),
     (["plan", "--gpu", "a100-80gb", "--gpus", "8", "--global-batch", "8"], "--model"),
@@ -163,3 +165,20 @@ def test_plan_layout_fixes_the_stage_count(capsys: pytest.CaptureFixture[str]) -
     code, out, err = _run(SMALL + ["--layout", "5,7,7,5", "--json"], capsys)
     assert code == 0, err
     assert all(c["layout"] == [5, 7, 7, 5] and c["pp"] * c["chunks"] == 4 for c in json.loads(out)["candidates"])
+
+
+def test_schedules_take_family_plus_bpipe(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--schedules interleaved+bpipe``: interleaved with BPipe's transform, searched and explained like the rest."""
+    argv = ["plan", "--model", "gpt-1.7b", "--gpu", "a100-40gb", "--gpus", "8", "--global-batch", "16",
+            "--max-microbatch-size", "2", "--top", "2", "--json"]
+    code, out, err = _run(argv + ["--schedules", "interleaved+bpipe"], capsys)
+    assert code == 0, err
+    cands = json.loads(out)["candidates"]
+    assert cands and all(c["schedule"] == "interleaved" and c["bpipe"] and c["pp"] >= 3 for c in cands)
+    code, out, err = _run(argv + ["--schedules", "interleaved,interleaved+bpipe", "--explain", "bpipe"], capsys)
+    assert code == 0, err
+    data = json.loads(out)["explain_bpipe"]
+    assert data["bpipe"]["schedule"] == "interleaved" and data["bpipe"]["bpipe"]
+    assert data["baseline"]["schedule"] == "interleaved" and not data["baseline"]["bpipe"]
+    code, out, err = _run(argv[:-1] + ["--schedules", "interleaved+bpipe"], capsys)
+    assert code == 0 and "interleaved+bpipe" in out, err

@@ -41,7 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="flash", metavar="KERNEL", help="eager or flash (default flash)")
     p.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"one of {', '.join(_SCHEDULES)} (default 1f1b)")
     p.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state over dp")
-    p.add_argument("--bpipe-budget", type=int, metavar="K", help="BPipe activation units per rank (default ⌈(p+1)/2⌉)")
+    p.add_argument("--bpipe", action="store_true", help="apply BPipe's evict/load transform to --schedule "
+                   "(1f1b, interleaved, gpipe, looped-bfs, zb-h1; --schedule bpipe is 1F1B with it)")
+    p.add_argument("--bpipe-budget", type=int, metavar="K", help="BPipe activation units per rank (default: the "
+                   "lowest balanced peak the pairing allows, ⌈(p+1)/2⌉ for 1F1B)")
     p.add_argument("--layout", metavar="LIST", help="layers per stage (per virtual chunk), e.g. 7,8,8,7 (default: "
                    "even, or one layer fewer on the end stages when the layers do not divide)")
     o = parser.add_argument_group("output")
@@ -68,7 +71,7 @@ def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
                           sequence_parallel=args.sequence_parallel, attention=Attention.parse(args.attention),
                           schedule=family,
                           distributed_optimizer=args.distributed_optimizer, bpipe_budget=args.bpipe_budget,
-                          layout=parse_layout(args.layout) if args.layout else None)
+                          bpipe=args.bpipe, layout=parse_layout(args.layout) if args.layout else None)
 
 
 def run(args: argparse.Namespace) -> int:

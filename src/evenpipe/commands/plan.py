@@ -16,7 +16,7 @@ from evenpipe.cost.parallel import describe_layout
 from evenpipe.errors import ConfigError, choice_error
 from evenpipe.plan.launch import LaunchCommand, launch_command
 from evenpipe.plan.explain import BPipeExplanation, ComponentDelta, Eater, Lever, Verdict, explain_bpipe
-from evenpipe.plan.search import PLANNED_SCHEDULES, Candidate, PlanResult, Searcher, SearchSpace
+from evenpipe.plan.search import PLANNED_BPIPE_SCHEDULES, PLANNED_SCHEDULES, Candidate, PlanResult, Searcher, SearchSpace
 from evenpipe.schedule import ScheduleFamily
 
 __all__ = ["add_arguments", "run"]
@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--explain", metavar="TOPIC", help="explain a choice; 'bpipe': does BPipe pay here?")
     parser.add_argument("--attention", default=Attention.FLASH.value, metavar="KERNEL",
                         help="attention kernel: eager or flash (default flash)")
-    parser.add_argument("--schedules", metavar="LIST", help="comma-separated schedule families to search "
-                        f"(default {','.join(s.value for s in PLANNED_SCHEDULES)})")
+    parser.add_argument("--schedules", metavar="LIST", help="comma-separated schedule families to search, "
+                        "FAMILY+bpipe for one with BPipe's transform (default "
+                        f"{','.join([s.value for s in PLANNED_SCHEDULES] + [f'{s.value}+bpipe' for s in PLANNED_BPIPE_SCHEDULES])})")
     parser.add_argument("--recompute", metavar="LIST", help="comma-separated recomputation policies to search "
                         "(default none,selective,full)")
     parser.add_argument("--max-microbatch-size", type=int, default=16, metavar="N",
@@ -73,12 +74,34 @@ def _replace(obj: SearchSpace, **changes: object) -> SearchSpace:
     return dataclasses.replace(obj, **changes)  # type: ignore[arg-type]
 
 
+def _parse_schedules(text: str | None) -> tuple[tuple[ScheduleFamily, ...], tuple[ScheduleFamily, ...] | None]:
+    """``--schedules``: the families to try plain, and those to try with BPipe's transform (``FAMILY+bpipe``;
+    ``1f1b+bpipe`` is schedule ``bpipe``); ``None``: the search space's default."""
+    if text is None:
+        return PLANNED_SCHEDULES, None
+    tokens = [t.strip() for t in text.split(",") if t.strip()]
+    suffix = "+bpipe"
+
+    def parse(names: list[str]) -> tuple[ScheduleFamily, ...]:
+        return _parse_enum_list(",".join(names), ScheduleFamily, "--schedules", "schedule", ()) if names else ()
+    transformed = parse([t[:-len(suffix)] for t in tokens if t.lower().endswith(suffix)])
+    plain = [t for t in tokens if not t.lower().endswith(suffix)]
+    if ScheduleFamily.ONE_F_ONE_B in transformed:  # 1f1b+bpipe is schedule bpipe
+        plain.append(ScheduleFamily.BPIPE.value)
+        transformed = tuple(f for f in transformed if f is not ScheduleFamily.ONE_F_ONE_B)
+    families = parse(plain)
+    if not families and not transformed:
+        raise ConfigError("--schedules needs at least one schedule")
+    return families, transformed
+
+
 def _space_from_args(args: argparse.Namespace) -> SearchSpace:
     attention = _parse_enum_list(args.attention, Attention, "--attention", "attention kernel", (Attention.FLASH,))
     if len(attention) != 1:
         raise ConfigError(f"--attention takes one kernel, got {args.attention!r}")
+    schedules, bpipe_schedules = _parse_schedules(args.schedules)
     return SearchSpace(
-        schedules=_parse_enum_list(args.schedules, ScheduleFamily, "--schedules", "schedule", PLANNED_SCHEDULES),
+        schedules=schedules, bpipe_schedules=bpipe_schedules,
         recomputes=_parse_enum_list(args.recompute, Recompute, "--recompute", "recompute mode",
                                     (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)),
         max_microbatch_size=args.max_microbatch_size, attention=attention[0],
@@ -163,7 +186,7 @@ def _launch_lines(cmd: LaunchCommand) -> list[str]:
 def _describe(c: Candidate) -> str:
     cfg = c.config
     chunks = f" v={cfg.chunks}" if cfg.chunks > 1 else ""
-    return (f"{cfg.schedule.value}{chunks} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} mbs={cfg.microbatch_size} "
+    return (f"{cfg.schedule_name}{chunks} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} mbs={cfg.microbatch_size} "
             f"(m={cfg.num_microbatches}) recompute={cfg.recompute.value}")
 
 
@@ -174,7 +197,7 @@ def _table(model: ModelSpec, hw: Hardware, args: argparse.Namespace, space: Sear
     rows = [head]
     for i, c in enumerate(result.candidates, 1):
         cfg = c.config
-        rows.append((str(i), cfg.schedule.value, str(cfg.chunks), str(cfg.tp), str(cfg.pp), str(cfg.dp),
+        rows.append((str(i), cfg.schedule_name, str(cfg.chunks), str(cfg.tp), str(cfg.pp), str(cfg.dp),
                      str(cfg.microbatch_size), str(cfg.num_microbatches), cfg.recompute.value,
                      f"{c.step_time_s:.3f}", f"{100 * c.mfu:.1f}%", f"{c.peak_memory_gib:.1f}",
                      f"{100 * c.estimate.bubble_fraction:.1f}%", "yes" if cfg.distributed_optimizer else "no",
@@ -237,13 +260,21 @@ def _lever_lines(e: BPipeExplanation) -> list[str]:
     else:
         lever = "none: its micro-batch, recomputation, tp and pp are no better than the best without BPipe"
     lines = [f"  lever: {lever}"]
+    plain = _plain_name(e)
     if e.twin_fits is False:
-        lines.append(f"         with plain 1F1B this configuration needs {e.twin_peak_memory_gib:.1f} GiB on its "
-                     f"first rank (> {e.usable_memory_gib:g} usable): BPipe is what makes it fit")
+        lines.append(f"         with plain {plain} this configuration needs {e.twin_peak_memory_gib:.1f} GiB on its "
+                     f"fullest rank (> {e.usable_memory_gib:g} usable): BPipe is what makes it fit")
     elif e.twin is not None:
-        lines.append(f"         it also fits with plain 1F1B ({e.twin_peak_memory_gib:.1f} GiB, step "
+        lines.append(f"         it also fits with plain {plain} ({e.twin_peak_memory_gib:.1f} GiB, step "
                      f"{e.twin.step_time_s:.3f} s): BPipe unlocks nothing here")
     return lines
+
+
+def _plain_name(e: BPipeExplanation) -> str:
+    """The BPipe configuration's schedule without eviction (1F1B for schedule ``bpipe``)."""
+    assert e.bpipe is not None
+    family = e.bpipe.config.schedule
+    return "1F1B" if family is ScheduleFamily.BPIPE else family.value
 
 
 def _fmt(deltas: tuple[ComponentDelta, ...]) -> str:
@@ -261,8 +292,8 @@ def _cost_lines(e: BPipeExplanation) -> list[str]:
             why.append(f"fewer micro-batches, {base.config.num_microbatches} -> {bp.config.num_microbatches}")
         if bp.config.pp > base.config.pp:
             why.append(f"more stages, pp {base.config.pp} -> {bp.config.pp}")
-        if base.config.chunks > 1:
-            why.append(f"no interleaving (BPipe runs on 1F1B; the baseline uses v={base.config.chunks})")
+        if base.config.chunks > bp.config.chunks:
+            why.append(f"less interleaving (v={base.config.chunks} -> v={bp.config.chunks})")
         notes.append(f"bubble {100 * base.estimate.bubble_fraction:.1f}% -> {100 * bp.estimate.bubble_fraction:.1f}%"
                      + (f" from {'; '.join(why)}" if why else ""))
     if Eater.TRANSFER in e.eaters:
@@ -284,7 +315,7 @@ def _why(e: BPipeExplanation) -> str:
     head = "BPipe is marginal" if e.verdict is Verdict.MARGINAL else "BPipe does not pay"
     if e.twin_fits:
         timed = [x.value for x in e.eaters if x is not Eater.ACCEPTOR_MEMORY]
-        return (f"{head}: activations already fit without it (its best configuration runs as plain 1F1B), so "
+        return (f"{head}: activations already fit without it (its best configuration runs as plain {_plain_name(e)}), so "
                 f"balancing buys nothing, while {' and '.join(timed) or 'its costs'} add {spent:.3f} s against "
                 f"the best configuration without BPipe.")
     if not e.levers:

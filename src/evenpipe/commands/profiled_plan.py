@@ -61,7 +61,8 @@ def run_estimate(args: argparse.Namespace) -> int:
                           f"{args.microbatch_size}")
     cfg = ProfiledConfig(schedule=family, num_ranks=args.pp, microbatch_size=args.microbatch_size,
                          num_microbatches=args.global_batch // args.microbatch_size,
-                         num_chunks=family.traits.chunks.chunks(args.chunks), bpipe_budget=args.bpipe_budget)
+                         num_chunks=family.traits.chunks.chunks(args.chunks), bpipe_budget=args.bpipe_budget,
+                         bpipe=bool(getattr(args, "bpipe", False)))
     est = estimate_profiled(model, cfg, memory_budget_bytes=_budget(args))
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_profiled(est))
     if getattr(args, "require_fit", False) and not est.fits:

@@ -24,7 +24,7 @@ from evenpipe.cost.memory import (StageMemory, build_cost_schedule, embedding_pa
                                   layer_params_per_rank, memory_per_stage, _head_params_per_rank)
 from evenpipe.cost.parallel import ParallelConfig, check_config, stage_layers
 from evenpipe.cost.specs import ModelSpec
-from evenpipe.cost.timing import (Efficiency, LayerTimes, dp_allreduce_time, layer_times, optimizer_step_time,
+from evenpipe.cost.timing import (Efficiency, LayerTimes, cost_plan_durations, dp_allreduce_time, layer_times, optimizer_step_time,
                                   stage_sim_costs)
 
 __all__ = ["Estimate", "TimeBreakdown", "estimate", "LIMITS"]
@@ -124,7 +124,7 @@ class Estimate:
                        "recompute": c.recompute.value, "sequence_parallel": c.sequence_parallel,
                        "attention": c.attention.value, "schedule": c.schedule.value,
                        "distributed_optimizer": c.distributed_optimizer, "bpipe_budget": c.bpipe_budget,
-                       "layout": list(self.layout)},
+                       "bpipe": c.uses_bpipe, "layout": list(self.layout)},
             "step_time_s": self.step_time_s, "mfu": self.mfu, "hfu": self.hfu,
             "tflops_per_gpu": self.tflops_per_gpu, "tokens_per_s": self.tokens_per_s,
             "bubble_fraction": self.bubble_fraction,
@@ -219,7 +219,7 @@ def estimate(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
     """Simulate ``cfg``'s schedule under the cost model and return the predicted step (see the module doc)."""
     check_config(model, hw, cfg)
     eff = efficiency or Efficiency()
-    schedule = build_cost_schedule(cfg)
+    schedule = build_cost_schedule(cfg, cost_plan_durations(model, hw, cfg, eff))
     trace = simulate(schedule, stage_sim_costs(model, hw, cfg, eff))
     lt = layer_times(model, hw, cfg, eff)
     layout = stage_layers(model, cfg)
@@ -233,7 +233,7 @@ def estimate(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
     dp_exposed = max(0.0, finish[critical] - trace.step_time)
     opt = max(optimizer_step_time(params[r], cfg, hw, eff) for r in range(cfg.pp))
     step = trace.step_time + dp_exposed + opt
-    mem = memory_per_stage(model, hw, cfg)
+    mem = memory_per_stage(model, hw, cfg, efficiency=eff)
     totals = tuple(m.total for m in mem)
     peak = max(totals)
     fits = peak <= hw.usable_memory_gib

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from evenpipe.errors import ConfigError
 from evenpipe.schedule import ActionKind, Schedule, bpipe_transform, build_schedule, compute_order
@@ -49,6 +50,12 @@ from evenpipe.schedule.semantics import SEMANTICS, MemoryEffect, kind_table
 from evenpipe.cost.hardware import GIB, Hardware
 from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, ScheduleFamily, stage_layers
 from evenpipe.cost.specs import Arch, ModelSpec
+
+if TYPE_CHECKING:
+    from evenpipe.cost.timing import Efficiency
+
+PlanDurations = tuple[int, int, int]
+"""Integer durations of F, I and W (see :func:`evenpipe.schedule.build.plan_durations_for`)."""
 
 __all__ = ["StageMemory", "memory_per_stage", "layer_activation_bytes", "layer_params_per_rank",
            "BYTES_WEIGHT", "embedding_params_per_rank", "layer_states_per_rank_gib", "BYTES_GRAD", "BYTES_OPTIMIZER", "build_cost_schedule", "counting_schedule",
@@ -163,34 +170,39 @@ def activation_bytes(model: ModelSpec, cfg: ParallelConfig) -> ActivationBytes:
                            embedding=embedding, head=head)
 
 
-def build_cost_schedule(cfg: ParallelConfig) -> Schedule:
-    """The complete, validated schedule ``cfg`` runs (cached on its shape)."""
+def build_cost_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None = None) -> Schedule:
+    """The complete, validated schedule ``cfg`` runs (cached on its shape). ``plan_durations``: the F, I, W
+    durations a memory-capped family plans its order with (:func:`evenpipe.cost.timing.cost_plan_durations`)."""
     return _cached_schedule(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks, cfg.bpipe_budget,
-                            cfg.recompute is Recompute.FULL)
+                            cfg.recompute is Recompute.FULL, cfg.bpipe, plan_durations)
 
 
 @functools.lru_cache(maxsize=8)  # full schedules of big pipelines hold 10^5-10^6 actions each
 def _cached_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int | None,
-                     recompute: bool) -> Schedule:
+                     recompute: bool, bpipe: bool, plan_durations: PlanDurations | None) -> Schedule:
     return build_schedule(family, num_ranks=p, num_microbatches=m, num_chunks=v, bpipe_budget=budget,
-                          recompute=recompute)
+                          recompute=recompute, bpipe=bpipe, plan_durations=plan_durations)
 
 
-def counting_schedule(cfg: ParallelConfig) -> Schedule:
+def counting_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None = None) -> Schedule:
     """What in-flight counting needs, cheaply: the compute order (plus BPipe's evict/load actions) of at most
     2·p micro-batches (all of them for GPipe and looped BFS, whose peaks grow with m). The other families'
     per-rank peaks saturate by m = 2·p (1F1B: min(p - r, m); interleaved: min(v·p + p - 1, v·m) chunks; ZB-H1
-    at most 1F1B's; BPipe at its budget), so the truncated schedule has the same peaks; a unit test checks this against the full one."""
+    at most 1F1B's; BPipe at its budget), so the truncated schedule has the same peaks; a unit test checks this against the full one.
+    BPipe on another family (``--bpipe``) keeps 3·p: which chunk it evicts at the peak settles one round later."""
     m = cfg.num_microbatches
-    if cfg.schedule.traits.memory_saturates and m > _TRUNCATE_FACTOR * cfg.pp:
-        m = _TRUNCATE_FACTOR * cfg.pp
-    return _cached_counting_schedule(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.bpipe_budget)
+    keep = (_TRUNCATE_FACTOR + (1 if cfg.bpipe else 0)) * cfg.pp
+    if cfg.schedule.traits.memory_saturates and m > keep:
+        m = keep
+    return _cached_counting_schedule(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.bpipe_budget, cfg.uses_bpipe,
+                                     plan_durations)
 
 
 @functools.lru_cache(maxsize=128)
-def _cached_counting_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int | None) -> Schedule:
-    compute = compute_order(family, num_ranks=p, num_microbatches=m, num_chunks=v)
-    return bpipe_transform(compute, budget=budget) if family is ScheduleFamily.BPIPE else compute
+def _cached_counting_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int | None, bpipe: bool,
+                              plan_durations: PlanDurations | None) -> Schedule:
+    compute = compute_order(family, num_ranks=p, num_microbatches=m, num_chunks=v, plan_durations=plan_durations)
+    return bpipe_transform(compute, budget=budget) if bpipe else compute
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,16 +275,17 @@ _EFFECT_STEP = {
 _WALK = kind_table("memory walk", {k: _EFFECT_STEP[SEMANTICS[k].memory] for k in ActionKind})
 
 
-def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig) -> tuple[StageMemory, ...]:
+def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
+                     efficiency: "Efficiency | None" = None) -> tuple[StageMemory, ...]:
     """Peak memory of every pipeline rank, by component (GiB). Cheap: builds (a truncated copy of) the
-    schedule and counts in program order; no simulation. ``hw`` is unused today (kept for per-GPU workspaces)."""
-    del hw
+    schedule and counts in program order; no simulation. ``hw`` and ``efficiency`` only give a memory-capped
+    family the durations it plans its order with (the order the estimate simulates)."""
     p = cfg.pp
     layers = stage_layers(model, cfg)
     if cfg.num_stages > model.num_layers:
         raise ConfigError(f"pp·chunks = {cfg.num_stages} stages exceed the {model.num_layers} layers of {model.name}")
     act = activation_bytes(model, cfg)
-    schedule = counting_schedule(cfg)
+    schedule = counting_schedule(cfg, _plan_durations(model, hw, cfg, efficiency))
     unit = [n * act.layer_saved for n in layers]
     wg_unit = [n * act.layer_weight_grad for n in layers]
     # Full recomputation: one layer's full activations exist while it is recomputed and back-propagated.
@@ -299,6 +312,14 @@ def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig) -> tup
             head=(head_state + peak.own_extra_head) / GIB,
         ))
     return tuple(out)
+
+
+def _plan_durations(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
+                    efficiency: "Efficiency | None") -> PlanDurations | None:
+    if not cfg.schedule.traits.plans_with_durations:
+        return None
+    from evenpipe.cost.timing import cost_plan_durations  # timing builds on this module
+    return cost_plan_durations(model, hw, cfg, efficiency)
 
 
 def embedding_params_per_rank(model: ModelSpec, tp: int) -> float:

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 
 from evenpipe.errors import ConfigError, parse_choice
-from evenpipe.schedule.family import ScheduleFamily
+from evenpipe.schedule.family import ScheduleFamily, Transform
 
 from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.specs import ModelSpec
@@ -79,7 +79,10 @@ class ParallelConfig:
     distributed_optimizer: bool = False
     """Shard fp32 master weights and Adam moments over dp (Megatron's distributed optimizer)."""
     bpipe_budget: int | None = None
-    """BPipe: activation units a rank may hold (own + hosted); None for the default ceil((p+1)/2)."""
+    """BPipe: activation units a rank may hold (own + hosted); None for the lowest balanced peak the pairing allows
+    (``ceil((p+1)/2)`` for 1F1B)."""
+    bpipe: bool = False
+    """Apply BPipe's evict/load transform to ``schedule`` (``--bpipe``; schedule ``bpipe`` is 1F1B with it)."""
     layout: tuple[int, ...] | None = None
     """Transformer layers of each stage in pipeline order (one entry per virtual chunk), e.g. Llama 3 405B's
     (7, 8, ..., 8, 7); ``None`` is :func:`stage_layers`' default (even, or lighter end stages)."""
@@ -99,6 +102,16 @@ class ParallelConfig:
             raise ConfigError(f"bpipe_budget must be >= 1, got {self.bpipe_budget}")
 
     @property
+    def uses_bpipe(self) -> bool:
+        """Whether ranks evict activations to their BPipe partners (``--bpipe``, or schedule ``bpipe``)."""
+        return self.bpipe or self.schedule is ScheduleFamily.BPIPE
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule as the command line names it: ``interleaved+bpipe`` with the transform."""
+        return f"{self.schedule.value}+bpipe" if self.bpipe else self.schedule.value
+
+    @property
     def num_microbatches(self) -> int:
         """Micro-batches per replica per step (m = B / (d·b))."""
         return self.global_batch // (self.dp * self.microbatch_size)
@@ -115,7 +128,7 @@ class ParallelConfig:
     def describe(self) -> str:
         """A one-line summary such as ``tp=8 pp=8 dp=16 v=1 b=1 m=96 1f1b recompute=full``."""
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} v={self.chunks} b={self.microbatch_size} "
-                f"m={self.num_microbatches} {self.schedule.value} recompute={self.recompute.value} "
+                f"m={self.num_microbatches} {self.schedule_name} recompute={self.recompute.value} "
                 f"attention={self.attention.value}" + (" sp" if self.sequence_parallel else "")
                 + (" distopt" if self.distributed_optimizer else "")
                 + (f" layout={describe_layout(self.layout)}" if self.layout is not None else ""))
@@ -204,7 +217,7 @@ def check_config(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, num_gpus: 
     Rules: tp divides the attention heads and the FFN size (KV heads are split when tp divides them and
     replicated when they divide tp); every stage holds at least one layer;
     chunks as the schedule family allows (its traits); M as the family allows; dp·b divides the global batch; the
-    GPU count equals tp·pp·dp; tp fits in a node; BPipe needs pp >= 2. Uneven stages: the layout (given, or
+    GPU count equals tp·pp·dp; tp fits in a node; BPipe needs pp >= 2 and a family it applies to. Uneven stages: the layout (given, or
     :func:`stage_layers`' default) must place every layer exactly once. The schedule generator adds its own rules (interleaved
     needs m % p == 0; a BPipe budget must be meetable) and raises ConfigError the same way.
     """
@@ -233,5 +246,9 @@ def check_config(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, num_gpus: 
     if cfg.global_batch % (cfg.dp * cfg.microbatch_size):
         raise ConfigError(f"global batch {cfg.global_batch} is not divisible by dp·microbatch_size = "
                           f"{cfg.dp}·{cfg.microbatch_size} = {cfg.dp * cfg.microbatch_size}")
-    if cfg.schedule is ScheduleFamily.BPIPE and cfg.pp < 2:
-        raise ConfigError(f"schedule bpipe needs pp >= 2, got pp {cfg.pp}")
+    if cfg.uses_bpipe and cfg.pp < 2:
+        raise ConfigError(f"bpipe needs pp >= 2, got pp {cfg.pp}")
+    if cfg.bpipe and Transform.BPIPE not in traits.transforms:
+        allowed = ", ".join(f.value for f in ScheduleFamily if Transform.BPIPE in f.traits.transforms)
+        raise ConfigError(f"bpipe does not apply to schedule {cfg.schedule.value} (its stages hand activations "
+                          f"over on the same rank); allowed: {allowed}")

@@ -20,18 +20,20 @@ the inter-node network otherwise, at ``p2p_fraction`` of the bandwidth.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from evenpipe.errors import ConfigError
+from evenpipe.schedule.build import plan_durations_for
 from evenpipe.sim.costs import Link, SimCosts, StageCosts
 
 from evenpipe.cost.flops import attention_core_flops, head_gemm, layer_gemms, Gemm
 from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.memory import activation_bytes
-from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, ScheduleFamily, stage_layers
+from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, stage_layers
 from evenpipe.cost.specs import Arch, ModelSpec
 
-__all__ = ["Efficiency", "LayerTimes", "layer_times", "stage_sim_costs", "pipeline_link", "allreduce_time",
+__all__ = ["Efficiency", "LayerTimes", "layer_times", "stage_sim_costs", "cost_plan_durations", "pipeline_link", "allreduce_time",
            "gemm_efficiency", "same_node", "dp_allreduce_time", "optimizer_step_time"]
 
 
@@ -213,7 +215,7 @@ def stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
     links: dict[tuple[int, int], Link] = {}
     p = cfg.pp
     pairs = {(r, (r + 1) % p) for r in range(p)}
-    if cfg.schedule is ScheduleFamily.BPIPE:
+    if cfg.uses_bpipe:  # the transform pairs x with p-1-x wherever it evicts (profiles falling with the rank)
         pairs |= {(r, q) for r in range(p) if (q := _bpipe_partner(r, p)) is not None}
     by_node: dict[bool, Link] = {}  # a pair's link depends only on whether it shares a node
     for a, b in pairs:
@@ -225,6 +227,19 @@ def stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
             links[(a, b)] = links[(b, a)] = link
     default = pipeline_link(0, p - 1, cfg, hw, eff) if p > 1 else Link()
     return SimCosts.from_stages(stages, default_link=default, links=links)
+
+
+def cost_plan_durations(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
+                        efficiency: Efficiency | None = None) -> tuple[int, int, int] | None:
+    """The integer F, I, W durations a memory-capped family (zb-h2, zb-v, v-half, v-min) plans its order with:
+    the ratio of one layer's forward, input-gradient and weight-gradient times; ``None`` for the other families,
+    whose order does not depend on durations."""
+    if not cfg.schedule.traits.plans_with_durations:
+        return None
+    lt = layer_times(model, hw, cfg, efficiency or Efficiency())
+    f, i, w = plan_durations_for(lt.forward, lt.backward_input, lt.backward_weight_compute)
+    common = math.gcd(f, i, w)  # (2, 2, 2) plans as (1, 1, 1): one cached schedule for both
+    return (f // common, i // common, w // common)
 
 
 def dp_allreduce_time(params_per_rank: float, cfg: ParallelConfig, hw: Hardware, eff: Efficiency) -> float:

@@ -16,6 +16,7 @@ from evenpipe.plan.explain import (
     explain_bpipe,
 )
 from evenpipe.plan.search import (
+    PLANNED_BPIPE_SCHEDULES,
     PLANNED_SCHEDULES,
     Candidate,
     PlanResult,
@@ -27,7 +28,7 @@ from evenpipe.plan.search import (
 )
 
 __all__ = [
-    "PLANNED_SCHEDULES", "Candidate", "PlanResult", "Searcher", "SearchSpace", "SearchStats", "enumerate_configs",
+    "PLANNED_SCHEDULES", "PLANNED_BPIPE_SCHEDULES", "Candidate", "PlanResult", "Searcher", "SearchSpace", "SearchStats", "enumerate_configs",
     "plan_configs", "PipelineBounds", "pipeline_bounds", "stage_layout", "step_time_lower_bound",
     "TIME_COMPONENTS", "BPipeExplanation", "ComponentDelta", "Eater", "Lever", "Verdict", "explain_bpipe",
 ]

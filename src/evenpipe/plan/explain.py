@@ -102,11 +102,12 @@ class BPipeExplanation:
     usable_memory_gib: float
     """Memory a rank may use (the GPU's memory less its reserve)."""
     twin_fits: bool | None
-    """Whether the BPipe configuration still fits with plain 1F1B (False: BPipe is what makes it possible)."""
+    """Whether the BPipe configuration still fits without eviction (plain 1F1B for schedule ``bpipe``; False: BPipe
+    is what makes it possible)."""
     twin: Candidate | None
-    """That 1F1B twin's estimate when it fits."""
+    """That twin's estimate when it fits."""
     twin_peak_memory_gib: float | None
-    """Peak rank memory of the 1F1B twin (fitting or not)."""
+    """Peak rank memory of the twin (fitting or not)."""
     levers: tuple[Lever, ...]
     """What BPipe's balanced memory buys relative to the baseline, among the memory-bound knobs (empty when the
     BPipe configuration fits without BPipe: then the memory bought nothing)."""
@@ -183,9 +184,11 @@ def _eaters(costs: tuple[ComponentDelta, ...], bp: Estimate) -> tuple[Eater, ...
 
 def explain_bpipe(searcher: Searcher, *, num_gpus: int, global_batch: int, space: SearchSpace | None = None,
                   margin: float = 0.02) -> BPipeExplanation:
-    """Answer whether BPipe pays: search the best BPipe and the best other configuration of ``space`` (the
-    searcher's estimate cache makes the second search cheap), then compare them component by component. The
-    BPipe configuration's 1F1B twin (same everything, no eviction) tells whether BPipe is what makes it fit.
+    """Answer whether BPipe pays: search the best BPipe configuration (schedule ``bpipe``, and the families of
+    ``space.bpipe_schedules`` with the transform, e.g. interleaved) and the best configuration without eviction
+    (the searcher's estimate cache makes the second search cheap), then compare them component by component.
+    The BPipe configuration's twin (same everything, no eviction: 1F1B for ``bpipe``) tells whether BPipe is
+    what makes it fit.
     Gains within ``margin`` are called marginal.
     """
     if margin < 0:
@@ -193,12 +196,13 @@ def explain_bpipe(searcher: Searcher, *, num_gpus: int, global_batch: int, space
     space = space or SearchSpace()
     others = tuple(f for f in space.schedules if f is not ScheduleFamily.BPIPE) or (ScheduleFamily.ONE_F_ONE_B,)
     baseline = searcher.search(num_gpus=num_gpus, global_batch=global_batch, top_k=1,
-                               space=dataclasses.replace(space, schedules=others)).best
+                               space=dataclasses.replace(space, schedules=others, bpipe_schedules=())).best
     usable = searcher.hw.usable_memory_gib
     try:
         bpipe: Candidate | None = searcher.search(
             num_gpus=num_gpus, global_batch=global_batch, top_k=1,
-            space=dataclasses.replace(space, schedules=(ScheduleFamily.BPIPE,))).best
+            space=dataclasses.replace(space, schedules=(ScheduleFamily.BPIPE,),
+                                      bpipe_schedules=space.bpipe_families)).best
     except ConfigError:
         bpipe = None
     if bpipe is None:
@@ -207,7 +211,8 @@ def explain_bpipe(searcher: Searcher, *, num_gpus: int, global_batch: int, space
                                 twin_peak_memory_gib=None, levers=(), eaters=(), components=(), hosted_gib=0.0)
     gain = baseline.step_time_s / bpipe.step_time_s - 1.0
     verdict = Verdict.PAYS if gain > margin else Verdict.DOES_NOT_PAY if gain < -margin else Verdict.MARGINAL
-    twin_cfg = dataclasses.replace(bpipe.config, schedule=ScheduleFamily.ONE_F_ONE_B, bpipe_budget=None)
+    plain = ScheduleFamily.ONE_F_ONE_B if bpipe.config.schedule is ScheduleFamily.BPIPE else bpipe.config.schedule
+    twin_cfg = dataclasses.replace(bpipe.config, schedule=plain, bpipe=False, bpipe_budget=None)
     twin_fits = searcher.fits(twin_cfg)
     twin = Candidate(config=twin_cfg, estimate=searcher.estimate(twin_cfg)) if twin_fits else None
     components = tuple(ComponentDelta(name=n, baseline_s=float(getattr(baseline.estimate.breakdown, n)),

@@ -52,11 +52,13 @@ class ProfiledConfig:
     """Data-parallel replicas."""
     bpipe_budget: int | None = None
     """BPipe activation units per rank (default ceil((P+1)/2))."""
+    bpipe: bool = False
+    """Apply BPipe's transform to ``schedule`` (``--bpipe``)."""
 
     def describe(self) -> str:
         v = f" V={self.num_chunks}" if self.num_chunks > 1 else ""
         dp = f" dp={self.dp}" if self.dp > 1 else ""
-        return f"{self.schedule.value} P={self.num_ranks}{v}{dp} b={self.microbatch_size} M={self.num_microbatches}"
+        return f"{self.schedule.value}{'+bpipe' if self.bpipe else ''} P={self.num_ranks}{v}{dp} b={self.microbatch_size} M={self.num_microbatches}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,7 +107,7 @@ class ProfiledEstimate:
 
     def to_dict(self) -> dict[str, object]:
         c = self.config
-        return {"schedule": c.schedule.value, "num_ranks": c.num_ranks, "num_chunks": c.num_chunks, "dp": c.dp,
+        return {"schedule": c.schedule.value, "bpipe": c.bpipe or c.schedule is ScheduleFamily.BPIPE, "num_ranks": c.num_ranks, "num_chunks": c.num_chunks, "dp": c.dp,
                 "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches,
                 "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "peak_bytes": list(self.peak_bytes), "state_bytes": list(self.state_bytes),
@@ -129,7 +131,7 @@ def estimate_profiled(model: ProfileModel, config: ProfiledConfig, *, memory_bud
     """Predict one configuration (ConfigError if the schedule cannot be built for it)."""
     c = config
     sched = build_schedule(c.schedule, num_ranks=c.num_ranks, num_microbatches=c.num_microbatches,
-                           num_chunks=c.num_chunks, bpipe_budget=c.bpipe_budget)
+                           num_chunks=c.num_chunks, bpipe_budget=c.bpipe_budget, bpipe=c.bpipe)
     counts = tuple(layout) if layout is not None else even_layout(model.profile.model.num_layers, sched.num_stages)
     pred = predict_step(model, sched, microbatch_size=c.microbatch_size, layout=counts)
     tokens = c.dp * c.num_microbatches * c.microbatch_size * model.profile.seq_lens[-1]

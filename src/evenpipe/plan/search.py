@@ -44,6 +44,7 @@ from evenpipe.cost.memory import layer_states_per_rank_gib
 from evenpipe.errors import ConfigError, EvenpipeError
 from evenpipe.plan.bounds import step_time_lower_bound
 from evenpipe.schedule import ScheduleFamily
+from evenpipe.schedule.family import Transform
 
 __all__ = [
     "SearchSpace",
@@ -54,6 +55,7 @@ __all__ = [
     "plan_configs",
     "enumerate_configs",
     "PLANNED_SCHEDULES",
+    "PLANNED_BPIPE_SCHEDULES",
 ]
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,9 @@ PLANNED_SCHEDULES: tuple[ScheduleFamily, ...] = (
     ScheduleFamily.ONE_F_ONE_B, ScheduleFamily.INTERLEAVED, ScheduleFamily.ZB_H1, ScheduleFamily.BPIPE)
 """The schedule families the planner compares by default."""
 
+PLANNED_BPIPE_SCHEDULES: tuple[ScheduleFamily, ...] = (ScheduleFamily.INTERLEAVED,)
+"""The families the planner also tries with BPipe's transform by default (1F1B with it is schedule ``bpipe``)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SearchSpace:
@@ -69,6 +74,10 @@ class SearchSpace:
 
     schedules: tuple[ScheduleFamily, ...] = PLANNED_SCHEDULES
     """Schedule families to try."""
+    bpipe_schedules: tuple[ScheduleFamily, ...] | None = None
+    """Families to try with BPipe's evict/load transform as well (``interleaved+bpipe``; ``bpipe`` in
+    ``schedules`` is 1F1B with it). ``None``: those of :data:`PLANNED_BPIPE_SCHEDULES` that ``schedules`` tries
+    plain, when it also tries ``bpipe`` (see :attr:`bpipe_families`)."""
     recomputes: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
     """Activation recomputation policies to try."""
     max_microbatch_size: int = 16
@@ -94,16 +103,31 @@ class SearchSpace:
     """BPipe's per-rank activation budget; ``None`` uses the schedule default ceil((p+1)/2)."""
 
     def __post_init__(self) -> None:
-        if not self.schedules:
+        if not self.schedules and not self.bpipe_families:
             raise ConfigError("the search space needs at least one schedule")
+        bad = [f.value for f in self.bpipe_families
+               if f is ScheduleFamily.BPIPE or Transform.BPIPE not in f.traits.transforms]
+        if bad:
+            allowed = [f.value for f in ScheduleFamily if Transform.BPIPE in f.traits.transforms
+                       and f is not ScheduleFamily.BPIPE]
+            raise ConfigError(f"bpipe does not apply to schedule {bad[0]}; allowed: {', '.join(allowed)}")
         if not self.recomputes:
             raise ConfigError("the search space needs at least one recomputation policy")
         if self.max_microbatch_size < 1:
             raise ConfigError(f"max micro-batch size must be >= 1, got {self.max_microbatch_size}")
-        if self.max_chunks < 2 and ScheduleFamily.INTERLEAVED in self.schedules:
+        if self.max_chunks < 2 and ScheduleFamily.INTERLEAVED in self.schedules + self.bpipe_families:
             raise ConfigError(f"max chunks must be >= 2 for the interleaved schedule, got {self.max_chunks}")
         if self.max_tp is not None and self.max_tp < 1:
             raise ConfigError(f"max tp must be >= 1, got {self.max_tp}")
+
+    @property
+    def bpipe_families(self) -> tuple[ScheduleFamily, ...]:
+        """The families tried with BPipe's transform (``bpipe_schedules`` resolved)."""
+        if self.bpipe_schedules is not None:
+            return self.bpipe_schedules
+        if ScheduleFamily.BPIPE not in self.schedules:
+            return ()
+        return tuple(f for f in PLANNED_BPIPE_SCHEDULES if f in self.schedules)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,6 +162,7 @@ class Candidate:
         return {
             "tp": c.tp, "pp": c.pp, "dp": c.dp, "chunks": c.chunks, "microbatch_size": c.microbatch_size,
             "num_microbatches": c.num_microbatches, "recompute": c.recompute.value, "schedule": c.schedule.value,
+            "bpipe": c.uses_bpipe,
             "sequence_parallel": c.sequence_parallel, "attention": c.attention.value,
             "distributed_optimizer": c.distributed_optimizer, "layout": list(self.estimate.layout),
             "step_time_s": self.step_time_s, "mfu": self.mfu, "peak_memory_gib": self.peak_memory_gib,
@@ -185,8 +210,8 @@ class PlanResult:
     candidates: tuple[Candidate, ...]
     """The best configurations, fastest first."""
     best_by_schedule: dict[ScheduleFamily, Candidate]
-    """With ``best_per_schedule``, the fastest fitting configuration of each family (families with none are
-    absent); otherwise the fastest of each family among the configurations simulated."""
+    """With ``best_per_schedule``, the fastest fitting configuration of each family, with or without BPipe's
+    transform (families with none are absent); otherwise the fastest of each family among the configurations simulated."""
     stats: SearchStats
     """Counts at each pruning step."""
 
@@ -231,6 +256,12 @@ def _distopt_options(dp: int, space: SearchSpace) -> tuple[bool, ...]:
     return (False, True) if dp > 1 else (False,)
 
 
+def _schedule_options(space: SearchSpace) -> Iterator[tuple[ScheduleFamily, bool]]:
+    """``(family, with BPipe's transform)`` pairs of the space."""
+    yield from ((f, False) for f in space.schedules)
+    yield from ((f, True) for f in space.bpipe_families)
+
+
 def enumerate_configs(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_batch: int,
                       space: SearchSpace) -> Iterator[ParallelConfig]:
     """Every structurally plausible configuration of ``num_gpus`` GPUs (``check_config`` may still reject some).
@@ -238,7 +269,8 @@ def enumerate_configs(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_b
     tp divides the GPU count, the attention heads and is at most one node; pp is at most the layer count;
     dp divides the global batch; every micro-batch size dividing the per-replica batch is tried up to the cap;
     per stage count, the layouts of :func:`_layout_options`; with dp > 1 the distributed optimizer on and off.
-    With pp = 1 all schedules coincide, so only 1F1B is produced; BPipe needs pp >= 3 to have a partner to evict to.
+    With pp = 1 all schedules coincide, so only 1F1B is produced; BPipe (schedule ``bpipe``, or a family of
+    ``space.bpipe_schedules`` with the transform) needs pp >= 3 to have a partner to evict to.
     """
     max_tp = space.max_tp if space.max_tp is not None else hw.gpus_per_node
     for tp in _divisors(num_gpus):
@@ -252,10 +284,11 @@ def enumerate_configs(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_b
             for mbs in _divisors(per_replica):
                 if mbs > space.max_microbatch_size:
                     break
-                for family in space.schedules:
-                    if pp == 1 and family is not ScheduleFamily.ONE_F_ONE_B:
+                for family, bpipe in _schedule_options(space):
+                    evicts = bpipe or family is ScheduleFamily.BPIPE
+                    if pp == 1 and (family is not ScheduleFamily.ONE_F_ONE_B or bpipe):
                         continue
-                    if family is ScheduleFamily.BPIPE and pp < 3:
+                    if evicts and pp < 3:
                         continue
                     for chunks in _chunk_options(model, pp, family, space):
                         for layout in _layout_options(model, pp * chunks, space):
@@ -266,8 +299,8 @@ def enumerate_configs(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_b
                                         global_batch=global_batch, recompute=recompute,
                                         sequence_parallel=space.sequence_parallel and tp > 1,
                                         attention=space.attention, schedule=family, distributed_optimizer=distopt,
-                                        bpipe_budget=space.bpipe_budget if family is ScheduleFamily.BPIPE else None,
-                                        layout=layout)
+                                        bpipe_budget=space.bpipe_budget if evicts else None,
+                                        bpipe=bpipe, layout=layout)
 
 
 _LIGHTER_RECOMPUTE: dict[Recompute, tuple[Recompute, ...]] = {
@@ -314,7 +347,8 @@ class Searcher:
         """The largest stage memory of ``cfg`` in GiB (closed form, no simulation; cached)."""
         peak = self._peaks.get(cfg)
         if peak is None:
-            peak = self._peaks[cfg] = max(s.total for s in memory_per_stage(self.model, self.hw, cfg))
+            peak = self._peaks[cfg] = max(
+                s.total for s in memory_per_stage(self.model, self.hw, cfg, efficiency=self.efficiency))
         return peak
 
     def fits(self, cfg: ParallelConfig) -> bool:
@@ -391,7 +425,7 @@ class Searcher:
         BPipe, whose transfers carry the saved activations) moves no more bytes."""
         for r in _LIGHTER_RECOMPUTE[cfg.recompute]:
             twin = _replace_config(cfg, recompute=r)
-            if twin in fitting and (cfg.schedule is not ScheduleFamily.BPIPE or self._moves_no_more(twin, cfg)):
+            if twin in fitting and (not cfg.uses_bpipe or self._moves_no_more(twin, cfg)):
                 return True
         return False
 
@@ -405,7 +439,7 @@ class Searcher:
     def _states_fit(self, cfg: ParallelConfig) -> bool:
         """Whether the model states of ``cfg``'s (tp, pp, dp) leave room on every rank (activations aside)."""
         schedule = cfg.schedule if cfg.chunks > 1 else ScheduleFamily.ONE_F_ONE_B  # same placement, cheap
-        probe = _replace_config(cfg, schedule=schedule, bpipe_budget=None, microbatch_size=1,
+        probe = _replace_config(cfg, schedule=schedule, bpipe_budget=None, bpipe=False, microbatch_size=1,
                                 recompute=Recompute.FULL)
         try:
             states = layer_states_per_rank_gib(self.model, probe)
@@ -442,7 +476,7 @@ class Searcher:
             if self._dominated(cfg, fitting):
                 counts.dominated += 1
                 continue
-            key = (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.recompute, cfg.layout,
+            key = (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.bpipe, cfg.chunks, cfg.recompute, cfg.layout,
                    cfg.distributed_optimizer)
             try:
                 fits = cfg.microbatch_size < overflow_at.get(key, cfg.microbatch_size + 1) and self.fits(cfg)

@@ -119,16 +119,20 @@ def test_llama_block_derivation() -> None:
     assert sp == 4096 * (8 * 8192 + 4 * 8192 + 6 * 28672 + 4 * 1024) / 8
 
 
-@pytest.mark.parametrize("family,v", [(ScheduleFamily.ONE_F_ONE_B, 1), (ScheduleFamily.INTERLEAVED, 2),
-                                      (ScheduleFamily.ZB_H1, 1), (ScheduleFamily.BPIPE, 1)])
+@pytest.mark.parametrize("family,v,bpipe", [
+    (ScheduleFamily.ONE_F_ONE_B, 1, False), (ScheduleFamily.INTERLEAVED, 2, False), (ScheduleFamily.ZB_H1, 1, False),
+    (ScheduleFamily.BPIPE, 1, False), (ScheduleFamily.INTERLEAVED, 2, True), (ScheduleFamily.ZB_H1, 1, True),
+    (ScheduleFamily.ZB_H2, 1, False), (ScheduleFamily.ZB_V, 2, False), (ScheduleFamily.V_HALF, 2, False),
+    (ScheduleFamily.V_MIN, 2, False), (ScheduleFamily.DUALPIPE_V, 2, False)])
 @pytest.mark.parametrize("p", [2, 4, 5, 6])
-def test_truncated_counting_matches_the_full_schedule(family: ScheduleFamily, v: int, p: int) -> None:
-    m = 8 * p
-    cfg = ParallelConfig(pp=p, chunks=v, global_batch=m, schedule=family)
-    short = counting_schedule(cfg)
+def test_truncated_counting_matches_the_full_schedule(family: ScheduleFamily, v: int, bpipe: bool, p: int) -> None:
+    m = 12 * p
+    cfg = ParallelConfig(pp=p, chunks=v, global_batch=m, schedule=family, bpipe=bpipe)
+    plan = (2, 2, 1) if family.traits.plans_with_durations else None  # the family's order for those durations
+    short = counting_schedule(cfg, plan)
     assert short.num_microbatches < m
-    full = compute_order(family, num_ranks=p, num_microbatches=m, num_chunks=v)
-    if family is ScheduleFamily.BPIPE:
+    full = compute_order(family, num_ranks=p, num_microbatches=m, num_chunks=v, plan_durations=plan)
+    if cfg.uses_bpipe:
         full = bpipe_transform(full)
     unit = [1.0] * (p * v)
     wg = [0.25] * (p * v)

@@ -85,7 +85,7 @@ def test_dominated_configurations_are_really_slower(exhaustive_40gb: list[tuple[
             twin = dataclasses.replace(cfg, recompute=lighter)
             if twin not in by_cfg:
                 continue
-            if cfg.schedule is ScheduleFamily.BPIPE and not searcher._moves_no_more(twin, cfg):
+            if cfg.uses_bpipe and not searcher._moves_no_more(twin, cfg):
                 continue
             assert by_cfg[twin] <= t * (1 + 1e-12), (twin.describe(), cfg.describe())
             if cfg.schedule in checked:
@@ -167,7 +167,8 @@ def test_peak_memory_grows_with_the_microbatch_size(name: str, gpus: int, batch:
             peak = max(m.total for m in memory_per_stage(model, A100, cfg))
         except EvenpipeError:
             continue
-        key = (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.recompute, cfg.layout, cfg.distributed_optimizer)
+        key = (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.bpipe, cfg.chunks, cfg.recompute, cfg.layout,
+               cfg.distributed_optimizer)
         peaks.setdefault(key, []).append((cfg.microbatch_size, peak))
     series = [sorted(v) for v in peaks.values() if len(v) > 1]
     assert len(series) > 5
@@ -203,3 +204,58 @@ def test_planner_searches_the_new_families() -> None:
     result = Searcher(SMALL, A100).search(num_gpus=8, global_batch=32, space=space, top_k=3,
                                           best_per_schedule=True)
     assert set(result.best_by_schedule) >= {ScheduleFamily.ZB_V, ScheduleFamily.DUALPIPE_V}
+
+
+def test_the_default_space_tries_interleaved_with_bpipe(exhaustive_40gb: list[tuple[float, ParallelConfig]]) -> None:
+    """BPipe on interleaved is a configuration of its own (``bpipe=True``), searched exactly like the others (the
+    exhaustive top-k above includes it), only where a partner exists (pp >= 3)."""
+    tried = [c for _, c in exhaustive_40gb if c.bpipe]
+    assert tried and all(c.schedule is ScheduleFamily.INTERLEAVED and c.pp >= 3 and c.uses_bpipe for c in tried)
+    assert all(c.schedule_name == "interleaved+bpipe" for c in tried)
+    plain = {dataclasses.replace(c, bpipe=False) for c in tried}
+    assert plain & {c for _, c in exhaustive_40gb}  # and its twins without eviction are there too
+    assert SPACE.bpipe_families == (ScheduleFamily.INTERLEAVED,)
+    # by default only where the space tries both interleaved and bpipe; or as asked
+    assert SearchSpace(schedules=(ScheduleFamily.INTERLEAVED, ScheduleFamily.ZB_H1)).bpipe_families == ()
+    assert SearchSpace(schedules=(), bpipe_schedules=(ScheduleFamily.GPIPE,)).bpipe_families == (ScheduleFamily.GPIPE,)
+
+
+def test_interleaved_with_bpipe_balances_what_plain_interleaved_piles_on_rank_0() -> None:
+    plain = ParallelConfig(pp=4, dp=2, chunks=2, global_batch=64, schedule=ScheduleFamily.INTERLEAVED,
+                           attention=Attention.EAGER)
+    moved = dataclasses.replace(plain, bpipe=True)
+    a, b = (memory_per_stage(SMALL, A100, c) for c in (plain, moved))
+    assert b[0].activations < 0.8 * a[0].activations  # rank 0 evicts
+    assert b[-1].hosted > 0 and a[-1].hosted == 0  # its partner hosts
+    assert max(m.activations + m.hosted for m in b) < max(m.activations + m.hosted for m in a)
+    assert estimate(SMALL, A100, moved).config.uses_bpipe
+
+
+def test_bpipe_on_a_family_it_does_not_apply_to_is_refused() -> None:
+    with pytest.raises(ConfigError, match="bpipe does not apply to schedule zb-v"):
+        SearchSpace(bpipe_schedules=(ScheduleFamily.ZB_V,))
+    cfg = ParallelConfig(pp=4, dp=2, chunks=2, global_batch=32, schedule=ScheduleFamily.ZB_V, bpipe=True)
+    with pytest.raises(ConfigError, match="bpipe does not apply to schedule zb-v"):
+        check_config(SMALL, A100, cfg, 8)
+
+
+def test_memory_capped_families_plan_with_the_cost_models_durations() -> None:
+    """zb-h2, zb-v, v-half and v-min order their actions for the F, I, W durations the cost model predicts (not
+    1:1:1): the estimate simulates that order, and the memory check counts the same one."""
+    from evenpipe.cost.memory import build_cost_schedule, counting_schedule
+    from evenpipe.cost.timing import cost_plan_durations
+    from evenpipe.sim import simulate
+    from evenpipe.cost import stage_sim_costs
+    cfg = ParallelConfig(tp=8, pp=4, dp=1, chunks=2, global_batch=16, schedule=ScheduleFamily.ZB_V)
+    plan = cost_plan_durations(SMALL, A100, cfg)
+    assert plan is not None and plan != (1, 1, 1)  # tensor parallelism makes W shorter than F and I
+    assert cost_plan_durations(SMALL, A100, dataclasses.replace(cfg, schedule=ScheduleFamily.ONE_F_ONE_B,
+                                                                chunks=1)) is None
+    full, unit = build_cost_schedule(cfg, plan), build_cost_schedule(cfg, (1, 1, 1))
+    assert full.meta["plan_durations"] == list(plan) and full.actions != unit.actions
+    costs = stage_sim_costs(SMALL, A100, cfg)
+    trace = simulate(full, costs)
+    assert trace.step_time < simulate(unit, costs).step_time  # planning for the real durations pays here
+    est = estimate(SMALL, A100, cfg)
+    assert est.activation_peak_simulated_gib == pytest.approx(tuple(b / 2**30 for b in trace.peak_activation_bytes))
+    assert counting_schedule(cfg, plan).meta["plan_durations"] == list(plan)
