@@ -76,6 +76,8 @@ def launch_command(cfg: ParallelConfig, *, model: ModelSpec, model_args: tuple[s
         train.append("--recompute")
         if cfg.recompute is Recompute.SELECTIVE:
             notes.append("the runtime recomputes whole stages: selective recomputation runs as full")
+    if cfg.bpipe:  # BPipe's transform on another family (interleaved+bpipe)
+        train.append("--bpipe")
     if cfg.bpipe_budget is not None:
         train += ["--bpipe-budget", str(cfg.bpipe_budget)]
     if cfg.sequence_parallel and cfg.tp > 1:

@@ -50,3 +50,9 @@ def test_plan_prints_the_best_command_and_json_has_one_per_candidate(capsys) -> 
     assert len(cands) == 3 and all(c["launch"]["command"].startswith("torchrun ") for c in cands)
     assert all(f"--stages {c['pp']} " in c["launch"]["command"] and f"--tp {c['tp']} " in c["launch"]["command"]
                for c in cands)
+
+
+def test_bpipe_on_interleaved_is_launched_with_the_flag() -> None:
+    text = _cmd(dp=1, chunks=2, schedule=ScheduleFamily.INTERLEAVED, bpipe=True).text()
+    assert "--schedule interleaved" in text and " --bpipe" in text
+    assert " --bpipe" not in _cmd(dp=1, chunks=2, schedule=ScheduleFamily.INTERLEAVED).text()

@@ -113,3 +113,11 @@ def test_dualpipev_needs_one_microbatch_per_stage(capsys: pytest.CaptureFixture[
 def test_v_families_refuse_other_chunk_counts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--schedule", "zb-v", "--stages", "4", "--microbatches", "8", "--chunks", "3"]) == 2
     assert "num_chunks=3, allowed: 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("durations", [(2, 2, 1), (1, 3, 2), (3, 1, 1), (2, 3, 1)])
+def test_v_min_builds_for_unequal_durations(durations: tuple[int, int, int]) -> None:
+    """Unequal F, I, W can leave a rank's free slots too scattered for a pass: the block's period then grows."""
+    for p in (2, 3, 5, 7):
+        s = build_schedule("v-min", num_ranks=p, num_microbatches=2 * p + 1, plan_durations=durations)
+        assert s.meta["block_period"] >= 2 * sum(durations)

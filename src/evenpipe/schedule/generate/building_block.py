@@ -40,31 +40,48 @@ class _Slots:
         self.period = period
         self.used: list[set[int]] = [set() for _ in range(num_ranks)]
 
-    def place(self, rank: int, ready: int, duration: int) -> int:
-        """The earliest start ``>= ready`` whose ``duration`` slots are free on ``rank``; marks them used."""
-        t = ready
-        while any((t + k) % self.period in self.used[rank] for k in range(duration)):
-            t += 1
-        self.used[rank].update((t + k) % self.period for k in range(duration))
-        return t
+    def place(self, rank: int, ready: int, duration: int) -> int | None:
+        """The earliest start ``>= ready`` whose ``duration`` slots are free on ``rank`` (marked used), or
+        ``None`` when no window of the period has room (its free slots are scattered)."""
+        for t in range(ready, ready + self.period):
+            if not any((t + k) % self.period in self.used[rank] for k in range(duration)):
+                self.used[rank].update((t + k) % self.period for k in range(duration))
+                return t
+        return None
 
 
-def _block(stage_to_rank: Sequence[int], durations: tuple[int, int, int]) -> dict[tuple[ActionKind, int], int]:
-    """Start time of every pass of one micro-batch (see the module docstring)."""
+def _try_block(stage_to_rank: Sequence[int], durations: tuple[int, int, int],
+               period: int) -> dict[tuple[ActionKind, int], int] | None:
+    """Start time of every pass of one micro-batch with this period, or ``None`` if some pass finds no room."""
     f, i, w = durations
     S = len(stage_to_rank)
-    slots = _Slots(max(stage_to_rank) + 1, 2 * (f + i + w))
+    slots = _Slots(max(stage_to_rank) + 1, period)
     start: dict[tuple[ActionKind, int], int] = {}
+    chain = [(_F, s, f) for s in range(S)] + [(_I, s, i) for s in reversed(range(S))]
     ready = 0
-    for s in range(S):
-        start[(_F, s)] = slots.place(stage_to_rank[s], ready, f)
-        ready = start[(_F, s)] + f
+    for kind, s, d in chain:
+        t = slots.place(stage_to_rank[s], ready, d)
+        if t is None:
+            return None
+        start[(kind, s)] = t
+        ready = t + d
     for s in reversed(range(S)):
-        start[(_I, s)] = slots.place(stage_to_rank[s], ready, i)
-        ready = start[(_I, s)] + i
-    for s in reversed(range(S)):
-        start[(_W, s)] = slots.place(stage_to_rank[s], start[(_I, s)] + i, w)
+        t = slots.place(stage_to_rank[s], start[(_I, s)] + i, w)
+        if t is None:
+            return None
+        start[(_W, s)] = t
     return start
+
+
+def _block(stage_to_rank: Sequence[int], durations: tuple[int, int, int]) -> tuple[dict[tuple[ActionKind, int], int], int]:
+    """The block (see the module docstring) and its period: ``2 (F + I + W)``, or longer when passes of unequal
+    durations leave a rank's free slots too scattered (a long enough period always has room: no wrap-around)."""
+    period = 2 * sum(durations)
+    while True:
+        start = _try_block(stage_to_rank, durations, period)
+        if start is not None:
+            return start, period
+        period += 1
 
 
 def building_block_v(name: str, *, num_ranks: int, num_microbatches: int, stage_to_rank: Sequence[int],
@@ -77,8 +94,7 @@ def building_block_v(name: str, *, num_ranks: int, num_microbatches: int, stage_
     per_rank = [sum(1 for r in stage_to_rank if r == rank) for rank in range(P)]
     if per_rank != [2] * P:
         raise ConfigError(f"{name}: the building block needs two stages on every rank, got {per_rank}")
-    start = _block(stage_to_rank, durations)
-    period = 2 * sum(durations)
+    start, period = _block(stage_to_rank, durations)
     timed: list[list[tuple[int, Work]]] = [[] for _ in range(P)]
     for (kind, s), t in start.items():
         for m in range(M):
