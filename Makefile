@@ -25,7 +25,9 @@ typecheck: $(STAMP)
 	$(VPY) -m mypy src/evenpipe/schedule src/evenpipe/sim src/evenpipe/cost src/evenpipe/plan src/evenpipe/training
 
 test: $(STAMP) typecheck
-	$(VPY) -m pytest -q --durations=15 tests
+	# pure and single-process tests on both cores; the multi-process worlds (and their timeouts) alone
+	$(VPY) -m pytest -q --durations=10 -n 2 --dist loadfile tests/unit tests/architecture
+	$(VPY) -m pytest -q --durations=15 tests/distributed
 
 # The pure benchmarks (seconds each); the runtime ones are listed in BENCHMARKS.md with their commands.
 bench: $(STAMP)

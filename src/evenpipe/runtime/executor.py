@@ -402,7 +402,7 @@ class _StepRun:
             self._retire_sends()
             i += 1
         self.bpipe.finish()
-        for b in self.sends:
+        for b in self.earlier_sends + self.sends:  # a send posted before the last compute is still unwaited
             b.wait_sends()
             self._sent(b)
         self.sends.clear()
