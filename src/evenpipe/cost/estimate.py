@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from evenpipe.schedule.ir import ActionKind, Schedule
+from evenpipe.schedule.semantics import TABLES
 from evenpipe.sim import Trace, simulate
 
 from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step
@@ -147,22 +148,22 @@ def _params_on_rank(model: ModelSpec, cfg: ParallelConfig, rank: int, layers: in
     return n
 
 
-_BACKWARD_KINDS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT,
-                             ActionKind.RECOMPUTE})
+_BACKWARD_CODES = frozenset(k.code for k in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
+                                              ActionKind.BACKWARD_WEIGHT, ActionKind.RECOMPUTE))
+_IS_COMPUTE = TABLES.compute
 
 
 def _rank_finish(trace: Trace, rank: int) -> tuple[float, float]:
     """(end of the rank's last compute, time of the backward work of its last micro-batch): gradient buckets of
     the last micro-batch are reduced while its backward runs, so that work can hide the reduction."""
-    end = 0.0
-    last_mb = -1
-    records = [rec for rec in trace.records(rank) if rec.action.kind.is_compute]
-    for rec in records:
-        end = max(end, rec.end)
-        if rec.action.kind in _BACKWARD_KINDS:
-            last_mb = rec.action.microbatch
-    window = sum(rec.end - rec.start for rec in records
-                 if rec.action.microbatch == last_mb and rec.action.kind in _BACKWARD_KINDS)
+    cols = trace.schedule.columns
+    kinds, mbs = cols.kinds[rank], cols.microbatches[rank]
+    starts, ends = trace.action_times(rank)
+    at = [i for i, c in enumerate(kinds) if _IS_COMPUTE[c]]
+    end = max([0.0] + [ends[i] for i in at])
+    backward = [i for i in at if kinds[i] in _BACKWARD_CODES]
+    last_mb = mbs[backward[-1]] if backward else -1
+    window = sum(ends[i] - starts[i] for i in backward if mbs[i] == last_mb)
     return end, window
 
 
@@ -181,7 +182,8 @@ def _exposed_wait(trace: Trace, rank: int) -> tuple[float, float]:
 
 def _layers_run(schedule: Schedule, rank: int, kind: ActionKind, layers: tuple[int, ...]) -> int:
     """Layer-micro-batches of the rank's ``kind`` actions (each runs all the layers of its stage)."""
-    return sum(layers[a.stage] for a in schedule.actions[rank] if a.kind is kind)
+    cols, code = schedule.columns, kind.code
+    return sum(layers[s] for c, s in zip(cols.kinds[rank], cols.stages[rank]) if c == code)
 
 
 def _breakdown(model: ModelSpec, cfg: ParallelConfig, trace: Trace, rank: int, lt: LayerTimes,

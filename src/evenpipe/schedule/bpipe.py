@@ -136,7 +136,7 @@ def bpipe_transform(schedule: Schedule, *, budget: int | None = None, balance: b
     result = derive_communication(compute.with_actions(lists))
     assert max(held_units(result), default=0) <= K, "acceptor check disagrees with the derived schedule"
     assert all(sum(_own_and_hosted_peaks(acts)) <= K for acts in result.actions), "acceptor overlap exceeds budget"
-    return result.with_actions(result.actions, meta=meta)
+    return result.renamed(result.name, meta)
 
 
 def _plan(compute: Schedule, timing: WitnessTiming, budget: int, pairs: tuple[tuple[int, int], ...], *,

@@ -15,6 +15,7 @@ from evenpipe.schedule.generate import gpipe, interleaved, looped_bfs, one_f_one
 from evenpipe.schedule.generate.capped import capped_zero_bubble
 from evenpipe.schedule.generate.building_block import building_block_v
 from evenpipe.schedule.generate.dualpipe_v import dualpipe_v
+from evenpipe.schedule.columns import Columns
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.schedule.validate import validate
 
@@ -85,7 +86,7 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
         meta["family"] = fam.value
     else:
         full = derive_communication(compute)
-    full = full.with_actions(full.actions, name=fam.value, meta=meta)
+    full = full.renamed(fam.value, meta)
     validate(full)
     return full
 
@@ -148,16 +149,24 @@ assert set(_GENERATORS) | {f for f in ScheduleFamily if f.traits.plans_with_dura
 
 def add_recompute(schedule: Schedule) -> Schedule:
     """Insert ``R(s, m)`` right before every ``B``/``I`` of ``(s, m)`` that has none yet."""
-    out = []
-    for acts in schedule.actions:
-        have = {a.key for a in acts if a.kind is ActionKind.RECOMPUTE}
-        row: list[Action] = []
-        for a in acts:
-            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and a.key not in have:
-                row.append(Action(ActionKind.RECOMPUTE, a.stage, a.microbatch))
-            row.append(a)
+    cols = schedule.columns
+    rec, backs = ActionKind.RECOMPUTE.code, (ActionKind.BACKWARD.code, ActionKind.BACKWARD_INPUT.code)
+    out: list[tuple[list[int], list[int], list[int], list[int]]] = []
+    for ks, ss, ms, ps in zip(cols.kinds, cols.stages, cols.microbatches, cols.peers):
+        have = {(s, m) for k, s, m in zip(ks, ss, ms) if k == rec}
+        row: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+        for k, s, m, p in zip(ks, ss, ms, ps):
+            if k in backs and (s, m) not in have:
+                row[0].append(rec)
+                row[1].append(s)
+                row[2].append(m)
+                row[3].append(-1)
+            row[0].append(k)
+            row[1].append(s)
+            row[2].append(m)
+            row[3].append(p)
         out.append(row)
-    return schedule.with_actions(out)
+    return schedule.with_columns(Columns(*(tuple(col) for col in zip(*out))))
 
 
 def add_offload(schedule: Schedule, *, ranks: "set[int] | None" = None) -> Schedule:

@@ -47,13 +47,16 @@ keep the argument. The validator re-checks progress by a dry run.
 
 from __future__ import annotations
 
+import bisect
 import enum
 
+
+from evenpipe.schedule.columns import Columns
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.schedule.semantics import SEMANTICS, TABLES, kind_table
 from evenpipe.schedule.witness import WitnessTiming, witness_timing
 
-__all__ = ["derive_communication"]
+__all__ = ["derive_communication", "derive_communication_actions"]
 
 _K = ActionKind
 
@@ -88,8 +91,25 @@ def derive_communication(compute: Schedule) -> Schedule:
 
     The input's compute actions, its ``EVICT``/``LOAD`` markers and any host ``OFFLOAD``/``RELOAD`` are kept in
     their order; other transfers are recomputed. Raises ``ScheduleValidationError`` if the compute order itself
-    has a cyclic wait.
+    has a cyclic wait. Works on the integer columns (:mod:`evenpipe.schedule.columns`) and returns a schedule in
+    that form; :func:`derive_communication_actions` is the same derivation over ``Action`` objects, the reference
+    the golden tests compare it with.
     """
+    cols = compute.columns
+    derived = TABLES.derived
+    if any(derived[c] for ks in cols.kinds for c in set(ks)):
+        keep = [[i for i, c in enumerate(ks) if not derived[c]] for ks in cols.kinds]
+        cols = Columns(*(tuple(list(map(col.__getitem__, idx)) for col, idx in zip(table, keep))
+                         for table in (cols.kinds, cols.stages, cols.microbatches, cols.peers)))
+        compute = compute.with_columns(cols)
+    timing = witness_timing(compute)
+    comm = _comm_columns(compute, timing)
+    return compute.with_columns(Columns(*zip(*(_merge_columns(cols, r, timing, comm[r])
+                                               for r in range(compute.num_ranks)))))
+
+
+def derive_communication_actions(compute: Schedule) -> Schedule:
+    """The reference of :func:`derive_communication`: the same result, derived over ``Action`` objects."""
     kept = compute.with_actions([[a for a in acts if _PART[a.kind.code] is not _Part.DERIVED]
                                  for acts in compute.actions])
     timing = witness_timing(kept)
@@ -172,3 +192,119 @@ def _messages(kept: Schedule, timing: WitnessTiming) -> list[_Message]:
                 else:  # LOAD: the partner returns, this rank receives
                     out.append((key, peer, Action(other, s, m, r), r, a))
     return out
+
+
+# -- the same derivation over integer columns ------------------------------------------------------------------
+_CF, _CB, _CI = _K.FORWARD.code, _K.BACKWARD.code, _K.BACKWARD_INPUT.code
+_C_ACCEPT, _C_EVICT = _K.ACCEPT.code, _K.EVICT.code
+_PART_OF_CODE = _PART
+_SEND_OF: dict[int, tuple[int, int, int]] = {
+    code: (kind.code, SEMANTICS[kind].neighbour_shift, SEMANTICS[kind].peer_kind.code)  # type: ignore[misc,union-attr]
+    for code, kind in _OUTPUT_MESSAGE.items()}
+"""Producer code -> (its send's code, offset of the stage it feeds, the receive's code)."""
+_MARKER_PEER = {k.code: SEMANTICS[k].peer_kind.code for k in ActionKind  # type: ignore[union-attr]
+                if _PART[k.code] is _Part.MARKER}
+"""EVICT/LOAD code -> the code of the action derived on the partner (ACCEPT/RETURN)."""
+
+_CommRow = tuple[list[int], list[int], list[int], list[int], list[int]]
+"""One rank's messages in global index order: (time, kind code, stage, micro-batch, peer) as parallel lists."""
+
+
+def _comm_columns(kept: Schedule, timing: WitnessTiming) -> list[_CommRow]:
+    """Every message of ``kept`` (as :func:`_messages` finds them), numbered globally and split per rank."""
+    P, S, layout = kept.num_ranks, kept.num_stages, kept.stage_to_rank
+    cols = kept.columns
+    keys: list[int] = []
+    # per message: time, src, send code, send stage, dst, receive code, receive stage, micro-batch
+    rows: list[tuple[int, int, int, int, int, int, int, int]] = []
+    part, send_of, marker_peer = _PART_OF_CODE, _SEND_OF, _MARKER_PEER
+    producer, marker = _Part.PRODUCER, _Part.MARKER
+    for r in range(P):
+        ks, ss, ms, ps, finish = cols.kinds[r], cols.stages[r], cols.microbatches[r], cols.peers[r], timing.finish[r]
+        for i, code in enumerate(ks):
+            what = part[code]
+            if what is producer:
+                send_code, shift, recv_code = send_of[code]
+                s = ss[i]
+                t = s + shift
+                if 0 <= t < S and layout[t] != r:
+                    keys.append(((finish[i] * 2 * P + r) << 32) | i)
+                    rows.append((finish[i], r, send_code, s, layout[t], recv_code, t, ms[i]))
+            elif what is marker:
+                anchor = _anchor_time_columns(timing, r, i)
+                keys.append((((anchor * 2 + 1) * P + r) << 32) | i)
+                if code == _C_EVICT:  # this rank sends, the partner accepts
+                    rows.append((anchor, r, code, ss[i], ps[i], marker_peer[code], ss[i], ms[i]))
+                else:  # LOAD: the partner returns, this rank receives
+                    rows.append((anchor, ps[i], marker_peer[code], ss[i], r, code, ss[i], ms[i]))
+    comm: list[_CommRow] = [([], [], [], [], []) for _ in range(P)]
+    for k in sorted(range(len(keys)), key=keys.__getitem__):  # global index order
+        t, src, send_code, send_stage, dst, recv_code, recv_stage, mb = rows[k]
+        for rank, code, stage, peer in ((src, send_code, send_stage, dst), (dst, recv_code, recv_stage, src)):
+            times, codes, stages, mbs, peers = comm[rank]
+            times.append(t)
+            codes.append(code)
+            stages.append(stage)
+            mbs.append(mb)
+            peers.append(peer)
+    return comm
+
+
+def _anchor_time_columns(timing: WitnessTiming, rank: int, i: int) -> int:
+    """:func:`_anchor_time` by position."""
+    starts = timing.start[rank]
+    for j in range(i + 1, len(starts)):
+        if starts[j] >= 0:
+            return starts[j]
+    return max(timing.finish[rank], default=0)
+
+
+def _merge_columns(cols: Columns, r: int, timing: WitnessTiming, comm: _CommRow
+                   ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """:func:`_merge` as one stable sort: a message at time ``t`` sorts by ``2t`` (before a compute starting at
+    ``t``), a compute starting at ``t`` by ``2t + 1``, a host move with the compute after it (after all when none
+    follows); an ``ACCEPT`` due inside a backward takes that backward's key, with the messages before it."""
+    ks, ss, ms, ps = cols.kinds[r], cols.stages[r], cols.microbatches[r], cols.peers[r]
+    starts, finishes = timing.start[r], timing.finish[r]
+    ct, ck, cs, cm, cp = comm
+    n_comm = len(ct)
+    keys = [2 * t for t in ct]
+    if _C_ACCEPT in ck:
+        compute_at = [i for i, st in enumerate(starts) if st >= 0]
+        compute_starts = [starts[i] for i in compute_at]
+        for k, code in enumerate(ck):
+            if code != _C_ACCEPT:
+                continue
+            t = ct[k]
+            j = bisect.bisect_left(compute_starts, t) - 1  # the compute that started last before t
+            if j < 0:
+                continue
+            i = compute_at[j]
+            if _FREEING[ks[i]] and t < finishes[i]:
+                first = bisect.bisect_right(ct, starts[i])
+                for q in range(first, k + 1):
+                    keys[q] = 2 * starts[i]
+    src: list[int] = list(range(-1, -n_comm - 1, -1))  # -1 - k: message k; i >= 0: the rank's action i
+    part, local, marker = _PART_OF_CODE, _Part.LOCAL, _Part.MARKER
+    last_key = 2 * max(max(finishes, default=0), max(ct, default=0)) + 2
+    pending: list[int] = []
+    for i, code in enumerate(ks):
+        st = starts[i]
+        if st >= 0:
+            key = 2 * st + 1
+            for q in pending:
+                keys.append(key)
+                src.append(q)
+            pending.clear()
+            keys.append(key)
+            src.append(i)
+        elif part[code] is local:
+            pending.append(i)
+        else:
+            assert part[code] is marker, "only computes, markers and host moves remain"
+    for q in pending:
+        keys.append(last_key)
+        src.append(q)
+    order = [src[j] for j in sorted(range(len(keys)), key=keys.__getitem__)]
+    return ([ck[-1 - x] if x < 0 else ks[x] for x in order], [cs[-1 - x] if x < 0 else ss[x] for x in order],
+            [cm[-1 - x] if x < 0 else ms[x] for x in order], [cp[-1 - x] if x < 0 else ps[x] for x in order])

@@ -18,10 +18,13 @@ from __future__ import annotations
 import enum
 import json
 import re
-from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from evenpipe.errors import ScheduleFormatError
+
+if TYPE_CHECKING:
+    from evenpipe.schedule.columns import Columns
 
 __all__ = [
     "Action",
@@ -155,12 +158,16 @@ def parse_action(token: str) -> Action:
     return Action(_KIND_BY_TOKEN[m.group(2)], int(m.group(1)), int(m.group(3)), peer)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Schedule:
     """A pipeline schedule: the ordered actions of every rank plus the stage layout.
 
     ``actions[r]`` is what rank ``r`` executes, in order. ``stage_to_rank[s]`` is the rank holding stage ``s``.
+    A schedule is made from ``actions`` or from ``columns`` (:mod:`evenpipe.schedule.columns`, the integer form
+    the builder, validator and simulator read); the other form is derived when first asked for. Immutable;
+    equality compares name, sizes, layout and actions (not ``meta``).
     """
+
+    __slots__ = ("name", "num_ranks", "num_microbatches", "stage_to_rank", "meta", "_actions", "_columns")
 
     name: str
     """Schedule family, e.g. ``1f1b`` or ``bpipe``."""
@@ -170,21 +177,87 @@ class Schedule:
     """Micro-batches per step (m)."""
     stage_to_rank: tuple[int, ...]
     """Rank of each stage; ``len(stage_to_rank)`` is the number of stages (p times the chunks per rank)."""
-    actions: tuple[tuple[Action, ...], ...]
-    """Per-rank action lists."""
-    meta: dict[str, object] = field(default_factory=dict, compare=False)
+    meta: dict[str, object]
     """Free-form facts a generator wants to keep (e.g. the BPipe budget); JSON-serialisable."""
+    _actions: tuple[tuple[Action, ...], ...] | None
+    _columns: Columns | None
 
-    def __post_init__(self) -> None:
-        if self.num_ranks < 1:
-            raise ScheduleFormatError(f"num_ranks must be >= 1, got {self.num_ranks}")
-        if self.num_microbatches < 1:
-            raise ScheduleFormatError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
-        if len(self.actions) != self.num_ranks:
-            raise ScheduleFormatError(f"schedule has {len(self.actions)} action lists for {self.num_ranks} ranks")
-        for s, r in enumerate(self.stage_to_rank):
-            if not 0 <= r < self.num_ranks:
-                raise ScheduleFormatError(f"stage {s} placed on rank {r}; ranks are 0..{self.num_ranks - 1}")
+    def __init__(self, *, name: str, num_ranks: int, num_microbatches: int, stage_to_rank: tuple[int, ...],
+                 actions: tuple[tuple[Action, ...], ...] | None = None, meta: dict[str, object] | None = None,
+                 columns: "Columns | None" = None) -> None:
+        if (actions is None) == (columns is None):
+            raise ScheduleFormatError("a schedule needs exactly one of actions and columns")
+        init = object.__setattr__
+        init(self, "name", name)
+        init(self, "num_ranks", num_ranks)
+        init(self, "num_microbatches", num_microbatches)
+        init(self, "stage_to_rank", stage_to_rank)
+        init(self, "meta", {} if meta is None else meta)
+        init(self, "_actions", actions)
+        init(self, "_columns", columns)
+        if num_ranks < 1:
+            raise ScheduleFormatError(f"num_ranks must be >= 1, got {num_ranks}")
+        if num_microbatches < 1:
+            raise ScheduleFormatError(f"num_microbatches must be >= 1, got {num_microbatches}")
+        lists = len(actions) if actions is not None else columns.num_ranks  # type: ignore[union-attr]
+        if lists != num_ranks:
+            raise ScheduleFormatError(f"schedule has {lists} action lists for {num_ranks} ranks")
+        for s, r in enumerate(stage_to_rank):
+            if not 0 <= r < num_ranks:
+                raise ScheduleFormatError(f"stage {s} placed on rank {r}; ranks are 0..{num_ranks - 1}")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Schedule is immutable: cannot assign {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Schedule is immutable: cannot delete {name!r}")
+
+    @property
+    def actions(self) -> tuple[tuple[Action, ...], ...]:
+        """Per-rank action lists (built from the columns on first use)."""
+        acts = self._actions
+        if acts is None:
+            from evenpipe.schedule.columns import actions_of_columns
+            acts = actions_of_columns(self._columns)  # type: ignore[arg-type]
+            object.__setattr__(self, "_actions", acts)
+        return acts
+
+    @property
+    def columns(self) -> "Columns":
+        """The integer columns of the actions (built from the actions on first use)."""
+        cols = self._columns
+        if cols is None:
+            from evenpipe.schedule.columns import columns_of_actions
+            cols = columns_of_actions(self._actions)  # type: ignore[arg-type]
+            object.__setattr__(self, "_columns", cols)
+        return cols
+
+    def _key(self) -> tuple[object, ...]:
+        return (self.name, self.num_ranks, self.num_microbatches, self.stage_to_rank)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Schedule):
+            return NotImplemented
+        if self is other:
+            return True
+        if self._key() != other._key():
+            return False
+        if self._actions is not None and other._actions is not None:
+            return self._actions == other._actions
+        a, b = self.columns, other.columns
+        return (a.kinds == b.kinds and a.stages == b.stages and a.microbatches == b.microbatches
+                and a.peers == b.peers)
+
+    def __hash__(self) -> int:
+        return hash(self._key() + (self.actions,))
+
+    def __repr__(self) -> str:
+        return (f"Schedule(name={self.name!r}, num_ranks={self.num_ranks!r}, num_microbatches="
+                f"{self.num_microbatches!r}, stage_to_rank={self.stage_to_rank!r}, actions={self.actions!r}, "
+                f"meta={self.meta!r})")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_schedule_from_state, (self._key(), self.actions, self.meta))
 
     # -- layout -------------------------------------------------------------------------------------------
     @property
@@ -211,6 +284,19 @@ class Schedule:
         return Schedule(name=name or self.name, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
                         stage_to_rank=self.stage_to_rank, actions=tuple(tuple(a) for a in actions),
                         meta=dict(self.meta if meta is None else meta))
+
+    def with_columns(self, columns: "Columns", name: str | None = None,
+                     meta: dict[str, object] | None = None) -> "Schedule":
+        """:meth:`with_actions` for the integer form."""
+        return Schedule(name=name or self.name, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
+                        stage_to_rank=self.stage_to_rank, columns=columns,
+                        meta=dict(self.meta if meta is None else meta))
+
+    def renamed(self, name: str, meta: dict[str, object]) -> "Schedule":
+        """The same actions (in whichever form this schedule holds them) under another name and ``meta``."""
+        return Schedule(name=name, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
+                        stage_to_rank=self.stage_to_rank, actions=self._actions,
+                        columns=self._columns if self._actions is None else None, meta=dict(meta))
 
     def iter_actions(self) -> Iterator[tuple[int, int, Action]]:
         """Yield ``(rank, index, action)`` for every action."""
@@ -282,6 +368,13 @@ class Schedule:
         layout = tuple(stage_to_rank) if stage_to_rank is not None else tuple(
             s % len(actions) for s in range(num_stages))
         return cls(name=name, num_ranks=len(actions), num_microbatches=mb, stage_to_rank=layout, actions=actions)
+
+
+def _schedule_from_state(key: tuple[object, ...], actions: tuple[tuple[Action, ...], ...],
+                         meta: dict[str, object]) -> Schedule:
+    name, num_ranks, num_microbatches, stage_to_rank = key
+    return Schedule(name=name, num_ranks=num_ranks, num_microbatches=num_microbatches,  # type: ignore[arg-type]
+                    stage_to_rank=stage_to_rank, actions=actions, meta=meta)  # type: ignore[arg-type]
 
 
 def count_kinds(actions: Iterable[Action]) -> dict[ActionKind, int]:

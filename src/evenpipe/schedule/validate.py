@@ -27,8 +27,9 @@ from evenpipe.errors import ScheduleValidationError
 from evenpipe.schedule.grid import format_grid
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.schedule.semantics import SEMANTICS, TABLES, Requirement, kind_table
+from evenpipe.schedule.validate_columns import columns_valid
 
-__all__ = ["validate", "message_key"]
+__all__ = ["validate", "validate_rules", "message_key"]
 
 _KINDS = TABLES.kinds
 _C = {k: k.code for k in _KINDS}
@@ -57,7 +58,20 @@ def message_key(rank: int, a: Action) -> tuple[int, int, int]:
 
 
 def validate(schedule: Schedule) -> None:
-    """Raise ``ScheduleValidationError`` naming the first broken rule, with a rank-by-step grid."""
+    """Raise ``ScheduleValidationError`` naming the first broken rule, with a rank-by-step grid.
+
+    The rules are decided over the integer columns first (:func:`evenpipe.schedule.validate_columns.columns_valid`);
+    only when that fast path has any doubt does the action-by-action scan below (the reference, which words
+    every error) run. Either way the dry run then checks deadlock-freedom."""
+    messages = columns_valid(schedule)
+    if messages is None:
+        messages = validate_rules(schedule)
+    _dry_run(schedule, messages)
+
+
+def validate_rules(schedule: Schedule) -> list[list[int]]:
+    """The reference scan of every rule but deadlock-freedom (raises on the first broken one); returns, per
+    rank, ``[position, message key, ...]`` of its peer transfers for the dry run."""
     scan = _Scan(schedule)
     for r, acts in enumerate(schedule.actions):
         scan.rank(r, acts)
@@ -65,7 +79,7 @@ def validate(schedule: Schedule) -> None:
     if scan.first_dependency_error is not None:
         raise scan.first_dependency_error
     scan.matching()
-    _dry_run(schedule, scan.keys)
+    return [[x for i, key in enumerate(keys) if key >= 0 for x in (i, key)] for keys in scan.keys]
 
 
 class _Scan:
@@ -237,33 +251,35 @@ _CHECKS = {
 assert set(_CHECKS) | {Requirement.ACTIVATIONS_HERE} == set(Requirement), "a requirement has no checker"
 
 
-def _dry_run(schedule: Schedule, keys: list[list[int]]) -> None:
-    """Rendezvous dry run: a transfer completes when its counterpart is at the head of the peer's list."""
-    lists = schedule.actions
+def _dry_run(schedule: Schedule, messages: list[list[int]]) -> None:
+    """Rendezvous dry run: a transfer completes when its counterpart is at the head of the peer's list.
+    ``messages[r]`` is ``[position, key, ...]`` of rank r's peer transfers; computes always complete."""
     P = schedule.num_ranks
-    pos = [0] * P
+    peers = schedule.columns.peers
+    head = [0] * P  # index into messages[r] (steps of 2)
     stack = list(range(P))
     while stack:
         r = stack.pop()
-        ks, acts, i = keys[r], lists[r], pos[r]
-        n = len(ks)
+        row, i = messages[r], head[r]
+        n = len(row)
+        peer_of = peers[r]
         while i < n:
-            key = ks[i]
-            if key < 0:
-                i += 1
-                continue
-            peer = acts[i].peer
-            assert peer is not None
-            j = pos[peer]
-            if j < len(keys[peer]) and keys[peer][j] == key:
-                pos[peer] = j + 1
+            key = row[i + 1]
+            peer = peer_of[row[i]]
+            j = head[peer]
+            other = messages[peer]
+            if j < len(other) and other[j + 1] == key:
+                head[peer] = j + 2
                 stack.append(peer)
-                i += 1
+                i += 2
                 continue
             break
-        pos[r] = i
-    stuck = {r: pos[r] for r in range(P) if pos[r] < len(lists[r])}
+        head[r] = i
+    lengths = [len(k) for k in schedule.columns.kinds]
+    pos = [messages[r][head[r]] if head[r] < len(messages[r]) else lengths[r] for r in range(P)]
+    stuck = {r: pos[r] for r in range(P) if pos[r] < lengths[r]}
     if stuck:
+        lists = schedule.actions
         heads = ", ".join(f"rank {r} at {lists[r][i]}" for r, i in sorted(stuck.items()))
         raise ScheduleValidationError("deadlock", f"rendezvous dry run stops: {heads}",
                                       format_grid(schedule, stuck, reached=dict(enumerate(pos))))

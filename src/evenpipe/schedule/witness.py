@@ -56,38 +56,38 @@ def witness_timing(schedule: Schedule, durations: Mapping[ActionKind, int] = WIT
     ``W`` needs ``I``; ``R`` needs ``F``. A rank runs its list in order, one compute at a time.
     """
     P, S, M = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
-    lists = schedule.actions
+    cols = schedule.columns
+    kinds_all, stages_all, mbs_all = cols.kinds, cols.stages, cols.microbatches
     dur: list[int | None] = [durations.get(k) for k in ActionKind]
-    spec = _SPEC
-    start = [[-1] * len(acts) for acts in lists]
-    finish = [[-1] * len(acts) for acts in lists]
-    # done[2*u] = finish of F(u), done[2*u+1] = finish of B/I(u), u = stage*M + mb; -1 = not yet
-    done = [-1] * (2 * S * M)
+    # per code: (duration, offsets into ``done`` of the finishes it waits for, produced slot), or None
+    plan = [None if d is None or sp is None else (d, tuple(2 * ds * M + slot for ds, slot in sp[0]), sp[1])
+            for d, sp in zip(dur, _SPEC)]
+    # done[2*(u + M) + slot]: finish of F (slot 0) or B/I (slot 1) of u = stage*M + mb, -1 = not yet; stages -1
+    # and S are padding, finished at time 0, so a dependency on a stage that does not exist never waits
+    done = [0] * (2 * M) + [-1] * (2 * S * M) + [0] * (2 * M)
+    start = [[-1] * len(ks) for ks in kinds_all]
+    finish = [[-1] * len(ks) for ks in kinds_all]
     waiting: dict[int, list[int]] = {}
     pos, free = [0] * P, [0] * P
     stack = list(reversed(range(P)))
     while stack:
         r = stack.pop()
-        acts, i, t_free = lists[r], pos[r], free[r]
+        ks, ss, ms, i, t_free = kinds_all[r], stages_all[r], mbs_all[r], pos[r], free[r]
+        n = len(ks)
         st, fi = start[r], finish[r]
-        while i < len(acts):
-            a = acts[i]
-            code = a.kind.code
-            d_i = dur[code]
-            sp = spec[code]
-            if d_i is None or sp is None:
+        while i < n:
+            step = plan[ks[i]]
+            if step is None:
                 i += 1
                 continue
-            s, u = a.stage, a.stage * M + a.microbatch
+            d_i, offsets, produced = step
+            base = 2 * ((ss[i] + 1) * M + ms[i])
             ready = t_free
             blocked = -1
-            for ds, slot in sp[0]:
-                if not 0 <= s + ds < S:
-                    continue
-                d = 2 * (u + ds * M) + slot
-                t = done[d]
+            for off in offsets:
+                t = done[base + off]
                 if t < 0:
-                    blocked = d
+                    blocked = base + off
                     break
                 if t > ready:
                     ready = t
@@ -96,16 +96,15 @@ def witness_timing(schedule: Schedule, durations: Mapping[ActionKind, int] = WIT
                 break
             st[i], t_free = ready, ready + d_i
             fi[i] = t_free
-            produced = sp[1]
             if produced >= 0:
-                slot = 2 * u + produced
+                slot = base + produced
                 done[slot] = t_free
                 woken = waiting.pop(slot, None)
                 if woken:
                     stack.extend(woken)
             i += 1
         pos[r], free[r] = i, t_free
-    stuck = {r: pos[r] for r in range(P) if pos[r] < len(lists[r])}
+    stuck = {r: pos[r] for r in range(P) if pos[r] < len(kinds_all[r])}
     if stuck:
         raise ScheduleValidationError(
             "deadlock", f"compute order has a cyclic wait even with buffered messages; stuck ranks "

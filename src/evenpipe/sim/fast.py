@@ -23,9 +23,9 @@ on the costs) is cached for the last few schedules simulated, so sweeps over cos
 from __future__ import annotations
 
 import gc
-import operator
 from collections import Counter
 from dataclasses import dataclass
+from itertools import repeat
 
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.sim import engine as _ref
@@ -43,8 +43,6 @@ _KINDS = tuple(ActionKind)
 (_KF, _KB, _KI, _KR, _KSEND_F, _KRECV_F, _KRECV_B, _KEVICT, _KACCEPT, _KRETURN, _KLOAD, _KOFFLOAD,
  _KRELOAD) = (_ref._KF, _ref._KB, _ref._KI, _ref._KR, _ref._KSEND_F, _ref._KRECV_F, _ref._KRECV_B, _ref._KEVICT,
               _ref._KACCEPT, _ref._KRETURN, _ref._KLOAD, _ref._KOFFLOAD, _ref._KRELOAD)
-_KIND_CODE = {k: k.code for k in ActionKind}
-_KIND_OF, _STAGE_OF, _MB_OF, _PEER_OF = (operator.attrgetter(name) for name in ("kind", "stage", "microbatch", "peer"))
 _EXACT_LIMIT = 2 ** 53
 _CACHE_SIZE = 4  # a shape of 4*10^5 actions holds tens of MB
 
@@ -63,8 +61,9 @@ class Shape:
     ops: list[list[tuple]]  # type: ignore[type-arg]
     """Per rank and action: ``(code, transfer id)`` for a send or receive; for a compute ``(code, duration index
     (code x stages + stage), stage, (stage, micro-batch), forward-bytes index (stage, + stages if recomputed),
-    signals it waits for, transfers it consumes, extra or None)``, with extra ``(EVICT transfers it waits to
-    land, signals it announces, (delayed signal, delay slot) pairs it announces)``."""
+    signals it waits for (its inputs, then the EVICT transfers gating it), transfers it consumes, extra or
+    None)``, with extra ``(EVICT transfers it waits to land, signals it announces, (delayed signal, delay slot)
+    pairs it announces)``."""
     delay_specs: list[tuple[int, int, int]]
     """Per delay slot, (src rank, dst rank, stage whose ``output_bytes`` move)."""
     recomputed: frozenset[tuple[int, int]]
@@ -131,13 +130,13 @@ class _Compiler:
 
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
-        actions = schedule.actions
-        # fields pulled out rank by rank with C-level maps: the passes below then touch no Action object
-        self.kcodes = [list(map(_KIND_CODE.__getitem__, map(_KIND_OF, acts))) for acts in actions]
+        cols = schedule.columns  # the integer form: the passes below touch no Action object
+        self.kcodes = cols.kinds
         self.codes = [list(map(_CODE.__getitem__, kc)) for kc in self.kcodes]
-        self.stages = [list(map(_STAGE_OF, acts)) for acts in actions]
-        self.mbs = [list(map(_MB_OF, acts)) for acts in actions]
-        self.xfer_at = [[-1] * len(acts) for acts in actions]
+        self.stages = cols.stages
+        self.mbs = cols.microbatches
+        self.peers = cols.peers
+        self.xfer_at = [[-1] * len(kc) for kc in self.kcodes]
         self.x_pending: list[int] = []
         self.gated: dict[int, list[int]] = {}
         self.data_waiters: dict[int, list[int]] = {}
@@ -154,8 +153,8 @@ class _Compiler:
         self.host_x: list[tuple[int, int, ActionKind, int, int]] = []
         self.delay_specs: list[tuple[int, int, int]] = []
         self.implicit: dict[int, tuple[int, int]] = {}  # producer key -> (delayed signal, slot)
-        recomputed = frozenset((a.stage, a.microbatch) for acts, codes in zip(self.schedule.actions, self.codes)
-                               if _R in codes for a, c in zip(acts, codes) if c == _R)
+        recomputed = frozenset((s, m) for codes, ss, ms in zip(self.codes, self.stages, self.mbs)
+                               if _R in codes for c, s, m in zip(codes, ss, ms) if c == _R)
         self.recomputed = recomputed
         produced: list[dict[int, int]] = []
         ops_all = []
@@ -195,7 +194,7 @@ class _Compiler:
     def _match(self) -> tuple[list[tuple], list[tuple[int, int]], list[dict[tuple[int, int, int], int]]]:  # type: ignore[type-arg]
         """Pair every send with its receive, numbering the messages in the engine's order (when the later side
         is met, ranks in order); host moves are numbered after them, in rank and program order."""
-        actions, codes_all, kcodes, xfer_at = self.schedule.actions, self.codes, self.kcodes, self.xfer_at
+        codes_all, kcodes, xfer_at = self.codes, self.kcodes, self.xfer_at
         match, shift, host_side = _MATCH, _RECV_SHIFT, _HOST_SIDE
         send_keys: list[tuple[int, int, int, int, int]] = []
         recv_keys: list[tuple[int, int, int, int, int]] = []
@@ -203,10 +202,10 @@ class _Compiler:
         recv_at: list[int] = []
         hosts: list[tuple[int, int]] = []
         recv_index: list[dict[tuple[int, int, int], int]] = []
-        for r, acts in enumerate(actions):
+        for r in range(self.schedule.num_ranks):
             codes, kc_r, st_r, mb_r = codes_all[r], kcodes[r], self.stages[r], self.mbs[r]
             moves = [i for i, c in enumerate(codes) if c >= _SEND]
-            peer_of = dict(zip(moves, map(_PEER_OF, map(acts.__getitem__, moves))))
+            peer_of = dict(zip(moves, map(self.peers[r].__getitem__, moves)))
             hosts += [(r, i) for i in moves if host_side[kc_r[i]]]
             sends = [i for i in moves if codes[i] < _RECV and not host_side[kc_r[i]]]
             recvs = [i for i in moves if codes[i] >= _RECV and not host_side[kc_r[i]]]
@@ -271,7 +270,6 @@ class _Compiler:
         evicting: list[int] = []
         returning: list[int] = []
         ops: list[tuple] = []  # type: ignore[type-arg]
-        actions = sched.actions[r]
         for i, c, kc, s, m in zip(range(len(xat)), self.codes[r], self.kcodes[r], self.stages[r], self.mbs[r]):
             if c == _RECV:
                 ops.append((c, xat[i]))
@@ -314,7 +312,7 @@ class _Compiler:
                 if evicting and (kc == _KF or kc == _KR):
                     gate = tuple(evicting)
                     evicting.clear()
-                ops.append((c, c * num_stages + s, s, mk, s + num_stages if mk in recomputed else s, tuple(deps),
+                ops.append((c, c * num_stages + s, s, mk, s + num_stages if mk in recomputed else s, tuple(deps) + gate,
                             tuple(used), (gate, announce, ()) if gate or announce else None))
                 continue
             tid = xat[i]
@@ -326,7 +324,7 @@ class _Compiler:
                     evicting.append(tid)
                 else:
                     offloaded[mk] = tid
-                    self.host_x.append((r, _HOST, actions[i].kind, s, m))
+                    self.host_x.append((r, _HOST, _KINDS[kc], s, m))
                     self.mixed.add(r)
                 key = (s << 33) | (m << 1)
                 if key not in done:
@@ -340,7 +338,7 @@ class _Compiler:
                 if kc == _KRELOAD:
                     if mk not in offloaded:
                         raise _Fallback
-                    self.host_x.append((_HOST, r, actions[i].kind, s, m))
+                    self.host_x.append((_HOST, r, _KINDS[kc], s, m))
                     self.mixed.add(r)
                     self._data_dep(tid, offloaded[mk])
                 else:
@@ -580,9 +578,9 @@ class _Run:
                             ready_x.append(tid)
                     i += 1
                     continue
-                _, dk, s, key, mk, deps, used, extra = op
+                _, dk, s, key, mk, waits, used, extra = op
                 start = now
-                for sig in deps:
+                for sig in waits:  # its inputs, then the evictions gating it
                     t = avail[sig]
                     if t is None:
                         break
@@ -590,15 +588,6 @@ class _Run:
                         start = t
                 else:
                     sig = -1
-                if sig < 0 and extra is not None:
-                    for sig in extra[0]:
-                        t = avail[sig]
-                        if t is None:
-                            break
-                        if t > start:
-                            start = t
-                    else:
-                        sig = -1
                 if sig >= 0:  # blocked: wait for the signal
                     waiting = waiters.get(sig)
                     if waiting is None:
@@ -637,7 +626,7 @@ class _Run:
                 if extra is not None:
                     gate, announce, delayed = extra
                     if gate:
-                        self._expose_gate(deps, gate, avail, x_end, x_exposed, now, start)
+                        self._expose_gate(waits[:len(waits) - len(gate)], gate, avail, x_end, x_exposed, now, start)
                     for sig in announce:
                         avail[sig] = end
                         woken.append((sig, end))
@@ -654,11 +643,12 @@ class _Run:
         for r in sh.mixed:
             if not _sums_exact(mem[r]):
                 raise _Fallback
-        kinds = sh.x_kind
-        new = tuple.__new__
-        records = [new(TransferRecord, (x_src[t] if x_src[t] != _HOST else x_dst[t],
-                                        x_dst[t] if x_dst[t] != _HOST else x_src[t], kinds[t], x_stage[t], x_mb[t],
-                                        x_bytes[t], x_start[t], x_end[t], x_exposed[t])) for t in range(num_x)]
+        src, dst = x_src, x_dst
+        if _HOST in x_src or _HOST in x_dst:  # a host move names its rank on both sides
+            src = [d if s == _HOST else s for s, d in zip(x_src, x_dst)]
+            dst = [s if d == _HOST else d for s, d in zip(x_src, x_dst)]
+        records = list(map(tuple.__new__, repeat(TransferRecord),
+                           zip(src, dst, sh.x_kind, x_stage, x_mb, x_bytes, x_start, x_end, x_exposed)))
         return _ref.make_trace(sched, costs, starts, ends, records, mem)
 
     @staticmethod

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from itertools import repeat
+from operator import sub
 from typing import Any, Iterator, NamedTuple, TypeAlias
 
 from evenpipe.errors import ConfigError
@@ -108,14 +110,20 @@ class MemoryTimeline:
         return next((t for t, b in self.points if b == peak), 0.0)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Trace:
-    """Everything one step of a schedule did, simulated or measured."""
+    """Everything one step of a schedule did, simulated or measured.
+
+    Made from per-rank :class:`ActionRecord` tuples (``actions``) or, by the simulator, from per-rank start and
+    end times (``times``), in which case the records (and the schedule's ``Action`` objects) are built only when
+    ``actions`` is first read; the summaries (busy time, bubbles, counts) read the times directly. Immutable;
+    equality compares every field.
+    """
+
+    __slots__ = ("schedule", "_actions", "_times", "transfers", "memory", "unit_bytes", "step_time", "source",
+                 "_spans")
 
     schedule: Schedule
     """The schedule that ran."""
-    actions: tuple[tuple[ActionRecord, ...], ...]
-    """Per rank, its executed actions in list order."""
     transfers: tuple[TransferRecord, ...]
     """Every message, in order of arrival."""
     memory: tuple[MemoryTimeline, ...]
@@ -124,12 +132,90 @@ class Trace:
     """Per rank, the bytes of one activation unit (sum of ``activation_bytes`` of the stages it holds)."""
     step_time: float
     """Makespan: the last end time of any action or transfer."""
-    source: str = "sim"
+    source: str
     """``sim`` for the simulator, ``measured`` for a runtime trace."""
+    _actions: tuple[tuple[ActionRecord, ...], ...] | None
+    _times: tuple[list[list[float]], list[list[float]]] | None
+    _spans: list[tuple[float, float, float]] | None
+
+    def __init__(self, *, schedule: Schedule, transfers: tuple[TransferRecord, ...],
+                 memory: tuple[MemoryTimeline, ...], unit_bytes: tuple[float, ...], step_time: float,
+                 source: str = "sim", actions: tuple[tuple[ActionRecord, ...], ...] | None = None,
+                 times: tuple[list[list[float]], list[list[float]]] | None = None) -> None:
+        if (actions is None) == (times is None):
+            raise ValueError("a trace needs exactly one of actions and times")
+        init = object.__setattr__
+        for name, value in (("schedule", schedule), ("_actions", actions), ("_times", times),
+                            ("transfers", transfers), ("memory", memory), ("unit_bytes", unit_bytes),
+                            ("step_time", step_time), ("source", source), ("_spans", None)):
+            init(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Trace is immutable: cannot assign {name!r}")
+
+    @property
+    def actions(self) -> tuple[tuple[ActionRecord, ...], ...]:
+        """Per rank, its executed actions in list order."""
+        recs = self._actions
+        if recs is None:
+            assert self._times is not None
+            starts, ends = self._times
+            new = tuple.__new__  # over zip: the named tuples are built in C
+            recs = tuple(tuple(map(new, repeat(ActionRecord), zip(repeat(r), range(len(acts)), acts, starts[r],
+                                                                   ends[r])))
+                         for r, acts in enumerate(self.schedule.actions))
+            object.__setattr__(self, "_actions", recs)
+        return recs
+
+    def _fields(self) -> tuple[object, ...]:
+        return (self.schedule, self.transfers, self.memory, self.unit_bytes, self.step_time, self.source)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trace):
+            return NotImplemented
+        if self is other:
+            return True
+        if self._fields() != other._fields():
+            return False
+        if self._times is not None and other._times is not None:
+            return self._times == other._times
+        return self.actions == other.actions
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_trace_from_state, (self.schedule, self.actions, self.transfers, self.memory, self.unit_bytes,
+                                    self.step_time, self.source))
+
+    def __repr__(self) -> str:
+        return (f"Trace(source={self.source!r}, schedule={self.schedule.name!r}, step_time={self.step_time!r}, "
+                f"transfers={len(self.transfers)}, actions={self.num_actions})")
+
+    def _compute_spans(self) -> list[tuple[float, float, float]]:
+        """Per rank (busy compute time, first compute start, last compute end); zeros and infinities when none."""
+        if self._spans is not None:
+            return self._spans
+        compute = _IS_COMPUTE
+        out: list[tuple[float, float, float]] = []
+        object.__setattr__(self, "_spans", out)
+        if self._times is not None:
+            starts, ends = self._times
+            for kinds, st, en in zip(self.schedule.columns.kinds, starts, ends):
+                at = [i for i, c in enumerate(kinds) if compute[c]]
+                s = list(map(st.__getitem__, at))
+                e = list(map(en.__getitem__, at))
+                out.append((sum(map(sub, e, s)),
+                            min(s, default=float("inf")), max(e, default=float("-inf"))))
+            return out
+        for acts in self.actions:
+            recs = [r for r in acts if compute[r.action.kind.code]]
+            out.append((sum(r.end - r.start for r in recs), min((r.start for r in recs), default=float("inf")),
+                        max((r.end for r in recs), default=float("-inf"))))
+        return out
 
     @property
     def num_ranks(self) -> int:
-        return len(self.actions)
+        return len(self._times[0]) if self._times is not None else len(self.actions)
 
     def to_json(self) -> str:
         """The trace as JSON text (times in seconds, bytes as numbers, actions as IR tokens)."""
@@ -173,7 +259,17 @@ class Trace:
 
     @property
     def num_actions(self) -> int:
+        if self._times is not None:
+            return sum(len(row) for row in self._times[0])
         return sum(len(acts) for acts in self.actions)
+
+    def action_times(self, rank: int) -> tuple[list[float], list[float]]:
+        """Start and end of each action of one rank, in list order (without building records when the trace
+        holds times)."""
+        if self._times is not None:
+            return self._times[0][rank], self._times[1][rank]
+        recs = self.actions[rank]
+        return [r.start for r in recs], [r.end for r in recs]
 
     def records(self, rank: int) -> tuple[ActionRecord, ...]:
         """The executed actions of one rank, in list order."""
@@ -186,6 +282,8 @@ class Trace:
 
     def busy_time(self, rank: int) -> float:
         """Total compute time of one rank."""
+        if self._times is not None:
+            return self._compute_spans()[rank][0]
         return sum(rec.end - rec.start for rec in self.actions[rank] if _IS_COMPUTE[rec.action.kind.code])
 
     @property
@@ -193,7 +291,7 @@ class Trace:
         """Idle share of the ranks' time: ``1 - busy compute / (ranks x step_time)``."""
         if self.step_time <= 0:
             return 0.0
-        busy = sum(self.busy_time(r) for r in range(self.num_ranks))
+        busy = sum(b for b, _, _ in self._compute_spans())
         return 1.0 - busy / (self.num_ranks * self.step_time)
 
     @property
@@ -203,12 +301,11 @@ class Trace:
         computes (first start to last end), ``1 - busy compute / (ranks x longest span)``. A schedule whose ranks
         all work without a gap from their first compute to their last (ZB-H2's parallelogram) has none, although
         each single step still has its ramps."""
-        spans = [max(rec.end for rec in recs) - min(rec.start for rec in recs)
-                 for recs in ([r for r in acts if _IS_COMPUTE[r.action.kind.code]] for acts in self.actions) if recs]
-        period = max(spans, default=0.0)
+        spans = self._compute_spans()
+        period = max((last - first for _, first, last in spans if first <= last), default=0.0)
         if period <= 0:
             return 0.0
-        busy = sum(self.busy_time(r) for r in range(self.num_ranks))
+        busy = sum(b for b, _, _ in spans)
         return max(0.0, 1.0 - busy / (self.num_ranks * period))
 
     @property
@@ -231,6 +328,13 @@ class Trace:
     def exposed_transfer_time(self) -> float:
         """Sum of ``exposed_s`` over all transfers."""
         return sum(t.exposed_s for t in self.transfers)
+
+
+def _trace_from_state(schedule: Schedule, actions: tuple[tuple[ActionRecord, ...], ...],
+                      transfers: tuple[TransferRecord, ...], memory: tuple[MemoryTimeline, ...],
+                      unit_bytes: tuple[float, ...], step_time: float, source: str) -> Trace:
+    return Trace(schedule=schedule, actions=actions, transfers=transfers, memory=memory, unit_bytes=unit_bytes,
+                 step_time=step_time, source=source)
 
 
 SimResult: TypeAlias = Trace

@@ -16,6 +16,7 @@ from evenpipe.errors import ConfigError
 from evenpipe.schedule import ScheduleFamily, build_schedule
 from evenpipe.schedule.build import add_offload, compute_order
 from evenpipe.schedule.comm import derive_communication
+from evenpipe.schedule.ir import Schedule
 from evenpipe.sim import Link, SimCosts, StageCosts, simulate
 from evenpipe.sim.engine import simulate_events
 from evenpipe.sim.fast import simulate_fast
@@ -24,19 +25,27 @@ FAMILIES = [f for f in ScheduleFamily]
 LINKS = ["free", "latency", "slow", "mixed"]
 
 
-def _schedule(rng: random.Random) -> object:
+def _shape(rng: random.Random) -> tuple[ScheduleFamily, int, int, int | None]:
+    """A random family, ranks, micro-batches and chunks (interleaved: micro-batches a multiple of the ranks)."""
+    fam = rng.choice(FAMILIES)
+    p, m = rng.randint(1, 6), rng.randint(1, 12)
+    v = rng.randint(2, 3) if fam.has_chunks else None
+    if fam is ScheduleFamily.INTERLEAVED:
+        m = max(p, m - m % p)
+    return fam, p, m, v
+
+
+def _schedule(rng: random.Random, compute_only: bool = True) -> Schedule:
+    """A random schedule of any family: with recomputation, BPipe, host offload and (``compute_only``) sometimes
+    compute actions only."""
     while True:
-        fam = rng.choice(FAMILIES)
-        p, m = rng.randint(1, 6), rng.randint(1, 12)
-        v = rng.randint(2, 3) if fam.has_chunks else None
-        if fam is ScheduleFamily.INTERLEAVED:
-            m = max(p, m - m % p)
+        fam, p, m, v = _shape(rng)
         try:
             if rng.random() < 0.15 and not fam.has_chunks:
                 compute = compute_order(fam, num_ranks=p, num_microbatches=m)
                 return derive_communication(add_offload(compute, ranks={0}))
             transforms = fam.traits.transforms
-            if rng.random() < 0.15:  # compute only: messages become implicit, unserialised transfers
+            if compute_only and rng.random() < 0.15:  # compute only: messages become implicit, unserialised transfers
                 return build_schedule(fam, num_ranks=p, num_microbatches=m, num_chunks=v).compute_only()
             return build_schedule(fam, num_ranks=p, num_microbatches=m, num_chunks=v,
                                   recompute=rng.random() < 0.3,

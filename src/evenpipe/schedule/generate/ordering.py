@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from evenpipe.schedule.columns import Columns
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 
 __all__ = ["Work", "linear_layout", "looped_layout", "warmup_then_alternate", "compute_schedule"]
+
+_CODE = {k: k.code for k in ActionKind}
 
 Work = tuple[ActionKind, int, int]
 """One compute step before it becomes an :class:`Action`: ``(kind, stage, microbatch)``."""
@@ -31,18 +34,31 @@ def warmup_then_alternate(forwards: Sequence[tuple[int, int]], backwards: Sequen
     """
     assert len(forwards) == len(backwards), "every forward needs its backward"
     num_warmup = max(0, min(num_warmup, len(forwards)))
-    out: list[Work] = [(ActionKind.FORWARD, s, m) for s, m in forwards[:num_warmup]]
+    fwd, bwd = ActionKind.FORWARD, ActionKind.BACKWARD
+    out: list[Work] = [(fwd, s, m) for s, m in forwards[:num_warmup]]
     num_steady = len(forwards) - num_warmup
-    for i in range(num_steady):
-        out.append((ActionKind.FORWARD, *forwards[num_warmup + i]))
-        out.append((ActionKind.BACKWARD, *backwards[i]))
-    out.extend((ActionKind.BACKWARD, s, m) for s, m in backwards[num_steady:])
+    steady: list[Work] = [(fwd, 0, 0)] * (2 * num_steady)  # F, B, F, B, ... filled by slices
+    steady[::2] = [(fwd, s, m) for s, m in forwards[num_warmup:]]
+    steady[1::2] = [(bwd, s, m) for s, m in backwards[:num_steady]]
+    out += steady
+    out.extend((bwd, s, m) for s, m in backwards[num_steady:])
     return out
 
 
 def compute_schedule(name: str, *, num_ranks: int, num_microbatches: int, stage_to_rank: Sequence[int],
                      work: Sequence[Sequence[Work]], meta: dict[str, object] | None = None) -> Schedule:
-    """Assemble per-rank work lists into a compute-only :class:`Schedule`."""
-    actions = tuple(tuple(Action(kind, s, m) for kind, s, m in rank_work) for rank_work in work)
+    """Assemble per-rank work lists into a compute-only :class:`Schedule` (in the integer form; ``Action``
+    objects are made only if a consumer asks for them)."""
+    kinds, stages, mbs, peers = [], [], [], []
+    for rank_work in work:
+        k, s, m = (list(col) for col in zip(*rank_work)) if rank_work else ([], [], [])
+        if s and (min(s) < 0 or min(m) < 0) or any(kind.is_transfer for kind in set(k)):
+            for item in rank_work:
+                Action(*item)  # raises ScheduleFormatError naming the bad value
+        kinds.append(list(map(_CODE.__getitem__, k)))
+        stages.append(s)
+        mbs.append(m)
+        peers.append([-1] * len(s))
+    cols = Columns(kinds=tuple(kinds), stages=tuple(stages), microbatches=tuple(mbs), peers=tuple(peers))
     return Schedule(name=name, num_ranks=num_ranks, num_microbatches=num_microbatches,
-                    stage_to_rank=tuple(stage_to_rank), actions=actions, meta=dict(meta or {}))
+                    stage_to_rank=tuple(stage_to_rank), columns=cols, meta=dict(meta or {}))
