@@ -35,6 +35,8 @@ __all__ = [
     "WaitObserver",
     "observe_waits",
     "observed",
+    "collective",
+    "through_flat",
     "DEFAULT_TIMEOUT_S",
 ]
 
@@ -229,6 +231,36 @@ def observed(what: str, peer: int = -1) -> Iterator[None]:
     yield
     if obs is not None:
         obs.end_wait()
+
+
+@contextlib.contextmanager
+def collective(what: str, peer: int = -1) -> Iterator[None]:
+    """A blocking collective named ``what`` (e.g. ``the loss broadcast``): reported to the observer like
+    :func:`observed`, and a ``RuntimeError`` from inside (a dead peer, a timeout) becomes a :class:`PeerFailure`
+    that names it."""
+    try:
+        with observed(what, peer):
+            yield
+    except PeerFailure:
+        raise
+    except RuntimeError as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise PeerFailure(f"rank {rank}: {what} failed: {_first_line(e)}") from e
+
+
+def through_flat(tensors: Sequence[torch.Tensor], run: Callable[[torch.Tensor], None], *,
+                 dtype: torch.dtype | None = None) -> None:
+    """Run ``run`` (a collective, in place) once on one flat buffer holding every tensor of ``tensors`` (cast to
+    ``dtype`` when given), then copy the result back into each tensor."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) if dtype is None else t.reshape(-1).to(dtype) for t in tensors])
+    run(flat)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
 
 
 def _named_works(b: PendingBatch) -> list[tuple[Any, str, int]]:

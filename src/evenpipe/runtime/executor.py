@@ -44,7 +44,8 @@ from torch import nn
 from torch.autograd import Variable
 
 from evenpipe.errors import ConfigError
-from evenpipe.runtime.comm import ParallelGroups, PendingBatch, PeerFailure, Transfer, observed, post_batch
+from evenpipe.runtime.comm import (ParallelGroups, PendingBatch, PeerFailure, Transfer, collective, post_batch,
+                                  through_flat)
 from evenpipe.runtime.tensor_parallel import local_shard
 from evenpipe.runtime.split_backward import WeightState, backward_input, backward_weight
 from evenpipe.runtime.trace import RankRecorder, SendRecord
@@ -273,20 +274,13 @@ class PipelineExecutor:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [local_shard(p.grad) for p in params]  # a tensor-parallel shard reduces with its own coordinate
-        if not grads:
-            return
-        flat = torch.cat([t.reshape(-1).float() for t in grads])  # reduced in fp32 whatever the model's dtype
-        try:
-            with observed("gradient all-reduce across replicas"):
+
+        def mean(flat: torch.Tensor) -> None:
+            with collective("the gradient all-reduce across replicas"):
                 dist.all_reduce(flat, group=g.dp_group)
-        except RuntimeError as e:
-            raise PeerFailure(f"rank {dist.get_rank()}: gradient all-reduce across replicas failed: {e}") from e
-        flat /= g.dp
-        offset = 0
-        for grad in grads:
-            n = grad.numel()
-            grad.copy_(flat[offset:offset + n].view_as(grad))
-            offset += n
+            flat /= g.dp
+
+        through_flat(grads, mean, dtype=torch.float32)  # reduced in fp32 whatever the model's dtype
 
     def _sum_tied_grads(self) -> None:
         """Sum the gradients of weights tied between the first and the last stage when two ranks hold copies
@@ -303,31 +297,24 @@ class PipelineExecutor:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [local_shard(p.grad) for p in tied]  # a shard (tensor parallel, FSDP) sums with its own coordinate
-        flat = torch.cat([t.reshape(-1).float() for t in grads])
         other = g.global_rank(last_rank if g.pp_rank == first_rank else first_rank)
-        try:
-            with observed("the tied-weight gradient all-reduce", other):
+
+        def total(flat: torch.Tensor) -> None:
+            with collective("the tied-weight gradient all-reduce", other):
                 dist.all_reduce(flat, group=g.embedding_group)
-        except RuntimeError as e:
-            raise PeerFailure(f"rank {dist.get_rank()}: tied-weight gradient all-reduce failed: {e}") from e
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+
+        through_flat(grads, total, dtype=torch.float32)
 
     def _share_loss(self, loss_sum: float) -> float:
         g = self.groups
         t = torch.tensor([loss_sum], dtype=torch.float64, device=self.device)
         src = g.global_rank(self.schedule.rank_of(self.last_stage))
-        try:
-            with observed("the loss broadcast", src):
-                if g.dp > 1:
-                    dist.all_reduce(t, group=g.dp_group)
-                    t /= g.dp
-                if g.pp > 1:
-                    dist.broadcast(t, src, group=g.pp_group)
-        except RuntimeError as e:
-            raise PeerFailure(f"rank {dist.get_rank()}: sharing the loss failed: {e}") from e
+        with collective("the loss broadcast", src):
+            if g.dp > 1:
+                dist.all_reduce(t, group=g.dp_group)
+                t /= g.dp
+            if g.pp > 1:
+                dist.broadcast(t, src, group=g.pp_group)
         return float(t.item())
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from evenpipe.errors import ConfigError
-from evenpipe.runtime.comm import PeerFailure, observed
+from evenpipe.runtime.comm import collective, through_flat
 from evenpipe.runtime.tensor_parallel import local_shard
 
 __all__ = ["ShardedOptimizer", "deal_parameters", "fully_shard_stages", "FsdpGradientSync"]
@@ -81,16 +81,13 @@ class ShardedOptimizer:
             mine = [local_shard(p) for p, o in zip(self.params, self.owners) if o == owner]
             if not mine:
                 continue
-            flat = torch.cat([t.reshape(-1) for t in mine])
-            try:
-                with observed("the broadcast of updated parameters across replicas", src):
-                    dist.broadcast(flat, src=src, group=self.dp_group)
-            except RuntimeError as e:
-                raise PeerFailure(f"rank {dist.get_rank()}: broadcasting updated parameters failed: {e}") from e
-            offset = 0
-            for t in mine:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            through_flat(mine, self._broadcaster(src))
+
+    def _broadcaster(self, src: int) -> Callable[[torch.Tensor], None]:
+        def broadcast(flat: torch.Tensor) -> None:
+            with collective("the broadcast of updated parameters across replicas", src):
+                dist.broadcast(flat, src=src, group=self.dp_group)
+        return broadcast
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -133,11 +130,8 @@ class FsdpGradientSync:
             m.set_reshard_after_backward(True)  # type: ignore[operator]
             m.set_requires_gradient_sync(True)  # type: ignore[operator]
             state = fully_shard.state(m)  # type: ignore[attr-defined]
-            try:
-                with observed("the FSDP gradient reduce-scatter across replicas"):
-                    self._post_backward(state)
-            except RuntimeError as e:
-                raise PeerFailure(f"rank {dist.get_rank()}: FSDP gradient reduce-scatter failed: {e}") from e
+            with collective("the FSDP gradient reduce-scatter across replicas"):
+                self._post_backward(state)
         self.accumulate()
 
     @staticmethod

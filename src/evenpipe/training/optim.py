@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from evenpipe.runtime.comm import ParallelGroups, PeerFailure, observed
+from evenpipe.runtime.comm import ParallelGroups, collective
 from evenpipe.runtime.tensor_parallel import local_shard
 from evenpipe.training.config import OptimizerOptions
 from evenpipe.training.params import RankParameters
@@ -71,11 +71,8 @@ def global_grad_norm(params: RankParameters, groups: ParallelGroups) -> float:
     for group, size in ((groups.pp_group, groups.pp), (groups.tp_group, groups.tp),
                         (groups.dp_group, sizes["dp"])):
         if size > 1:
-            try:
-                with observed("the gradient-norm all-reduce"):
-                    dist.all_reduce(total, group=group)
-            except RuntimeError as e:
-                raise PeerFailure(f"rank {dist.get_rank()}: gradient-norm all-reduce failed: {e}") from e
+            with collective("the gradient-norm all-reduce"):
+                dist.all_reduce(total, group=group)
     return math.sqrt(float(total.sum()))
 
 

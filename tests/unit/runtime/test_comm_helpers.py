@@ -1,0 +1,64 @@
+"""The named-collective and flat-buffer helpers every gradient and loss reduction goes through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evenpipe.runtime import comm
+from evenpipe.runtime.comm import PeerFailure, collective, through_flat
+
+
+def test_through_flat_runs_once_on_one_buffer_and_copies_back_in_place() -> None:
+    a, b = torch.arange(6.0).reshape(2, 3), torch.tensor([10.0, 20.0])
+    seen: list[torch.Tensor] = []
+
+    def double(flat: torch.Tensor) -> None:
+        seen.append(flat.clone())
+        flat *= 2
+
+    ids = (id(a), id(b))
+    through_flat([a, b], double)
+    assert len(seen) == 1 and seen[0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0]
+    assert (id(a), id(b)) == ids
+    assert a.tolist() == [[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]] and b.tolist() == [20.0, 40.0]
+
+
+def test_through_flat_reduces_in_the_given_dtype_and_keeps_each_tensors_own() -> None:
+    half = torch.full((4,), 1.0 + 2.0 ** -8, dtype=torch.bfloat16)  # not representable: rounds to 1.0 in bf16
+    dtypes: list[torch.dtype] = []
+
+    def record(flat: torch.Tensor) -> None:
+        dtypes.append(flat.dtype)
+        flat += 0.5
+
+    through_flat([half], record, dtype=torch.float32)
+    assert dtypes == [torch.float32] and half.dtype == torch.bfloat16 and half.tolist() == [1.5] * 4
+    through_flat([], record)  # nothing to reduce: the collective is not run
+    assert dtypes == [torch.float32]
+
+
+def test_collective_names_the_failed_call_and_reports_its_wait() -> None:
+    events: list[tuple[str, str, int]] = []
+
+    class Observer:
+        def begin_wait(self, what: str, peer: int) -> None:
+            events.append(("begin", what, peer))
+
+        def end_wait(self) -> None:
+            events.append(("end", "", -1))
+
+    comm.observe_waits(Observer())
+    try:
+        with collective("the loss broadcast", 3):
+            pass
+        with pytest.raises(PeerFailure, match=r"^rank 0: the loss broadcast failed: Connection closed by peer$"):
+            with collective("the loss broadcast", 3):
+                raise RuntimeError("Connection closed by peer\nC++ stack ...")
+        with pytest.raises(PeerFailure, match="^already named$"):  # a PeerFailure passes through as it is
+            with collective("the loss broadcast"):
+                raise PeerFailure("already named")
+    finally:
+        comm.observe_waits(None)
+    assert events[:2] == [("begin", "the loss broadcast", 3), ("end", "", -1)]
+    assert events[2] == ("begin", "the loss broadcast", 3)
