@@ -10,8 +10,6 @@ TORCH_PIN ?= torch==2.13.0
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q "$(TORCH_PIN)"
 	$(VPY) -m pip install -q "$(TORCH_PIN)" -e ".[runtime,plot,dev,hf]"
 	touch $(STAMP)
 
@@ -25,9 +23,9 @@ typecheck: $(STAMP)
 	$(VPY) -m mypy src/evenpipe/schedule src/evenpipe/sim src/evenpipe/cost src/evenpipe/plan src/evenpipe/training
 
 test: $(STAMP) typecheck
-	# pure and single-process tests on both cores; the multi-process worlds (and their timeouts) alone
-	$(VPY) -m pytest -q --durations=10 -n 2 --dist loadfile tests/unit tests/architecture
-	$(VPY) -m pytest -q --durations=15 tests/distributed
+	# two workers: one runs the multi-process worlds in order (tests/conftest.py), the other every
+	# single-process file meanwhile
+	$(VPY) -m pytest -q --durations=20 -n 2 --dist loadgroup tests/distributed tests/unit tests/architecture
 
 # The pure benchmarks (seconds each); the runtime ones are listed in BENCHMARKS.md with their commands.
 bench: $(STAMP)
