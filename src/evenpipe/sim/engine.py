@@ -134,15 +134,19 @@ class _Xfer:
 def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
     """Simulate one step of ``schedule`` and return its :class:`~evenpipe.sim.trace.Trace`.
 
-    Runs the dataflow evaluation (:mod:`evenpipe.sim.fast`) and, where it cannot vouch for an identical answer,
-    this module's event engine (:func:`simulate_events`), which is the reference.
+    Runs the instant-link evaluation over computes (:mod:`evenpipe.sim.free`), else the dataflow evaluation
+    (:mod:`evenpipe.sim.fast`), and where neither can vouch for an identical answer this module's event engine
+    (:func:`simulate_events`), which is the reference.
     Raises :class:`ScheduleValidationError` for unmatched transfers or a schedule that deadlocks, and
     :class:`ConfigError` when ``costs`` does not describe every stage.
     """
     _check_costs(schedule, costs)
-    from evenpipe.sim.fast import simulate_fast  # imports this module
+    from evenpipe.sim.fast import simulate_fast  # both import this module
+    from evenpipe.sim.free import simulate_free
 
-    trace = simulate_fast(schedule, costs)
+    trace = simulate_free(schedule, costs)
+    if trace is None:
+        trace = simulate_fast(schedule, costs)
     return trace if trace is not None else simulate_events(schedule, costs)
 
 

@@ -32,7 +32,7 @@ from evenpipe.sim import engine as _ref
 from evenpipe.sim.costs import SimCosts
 from evenpipe.sim.trace import TransferRecord, Trace
 
-__all__ = ["simulate_fast", "compile_shape"]
+__all__ = ["simulate_fast", "compile_shape", "compute_memory"]
 
 _F, _B, _I, _W, _R, _SEND, _SEND_FREES, _RECV, _RECV_ALLOC = range(9)
 _HOST = _ref._HOST
@@ -476,6 +476,9 @@ class _Run:
         todo = list(range(n - 1, -1, -1))
         ready_x: list[int] = []
         woken: list[tuple[int, float]] = []  # (signal, time) just set, whose waiters still need waking
+        # what made each transfer ready last: rank << 32 | position of the send or receive whose time is its ready
+        # time, -1 when a signal did or two conditions tie, -2 before any condition
+        x_trig = [-2] * num_x
 
         while True:
             while woken:
@@ -487,8 +490,9 @@ class _Run:
                         w = -1 - w
                         if x_rdata[w] < e:
                             x_rdata[w] = e
-                        if x_ready[w] < e:
+                        if x_ready[w] <= e:
                             x_ready[w] = e
+                            x_trig[w] = -1  # made ready by a signal: no rank order to vouch for ties
                         x_pending[w] -= 1
                         if not x_pending[w]:
                             ready_x.append(w)
@@ -506,7 +510,9 @@ class _Run:
                 while True:
                     t = x_ready[tid]
                     if pos > 0:
-                        if not t > x_ready[order[pos - 1]]:
+                        before = x_ready[order[pos - 1]]
+                        if not (t > before or t == before and _same_rank_order(x_trig[order[pos - 1]],
+                                                                                x_trig[tid])):
                             raise _Fallback  # maybe not served in FIFO order: the engine decides
                         if link_end[lid] > t:
                             t = link_end[lid]
@@ -527,8 +533,9 @@ class _Run:
                     if p is not None:
                         ends[p[0]][p[1]] = e
                     for g in gated.get(tid, ()):
-                        if x_ready[g] < e:
+                        if x_ready[g] <= e:
                             x_ready[g] = e
+                            x_trig[g] = -1
                         x_pending[g] -= 1
                         if not x_pending[g]:
                             ready_x.append(g)
@@ -561,8 +568,12 @@ class _Run:
                     st_r[i] = en_r[i] = now
                     if c < _RECV and x_rdata[tid] < now:
                         x_rdata[tid] = now
-                    if x_ready[tid] < now:
+                    rt = x_ready[tid]
+                    if rt < now or x_trig[tid] == -2:
                         x_ready[tid] = now
+                        x_trig[tid] = (r << 32) | i
+                    elif rt == now:
+                        x_trig[tid] = -1
                     left = x_pending[tid] - 1
                     x_pending[tid] = left
                     if not left:
@@ -589,11 +600,7 @@ class _Run:
                 else:
                     sig = -1
                 if sig >= 0:  # blocked: wait for the signal
-                    waiting = waiters.get(sig)
-                    if waiting is None:
-                        waiters[sig] = [r]
-                    else:
-                        waiting.append(r)
+                    waiters.setdefault(sig, []).append(r)
                     break
                 for tid in used:
                     rd = x_rdata[tid]
@@ -601,26 +608,7 @@ class _Run:
                     if exposed > x_exposed[tid]:
                         x_exposed[tid] = exposed
                 end = start + table[dk]
-                if c == _F:
-                    nb = fab[mk]
-                    if nb:
-                        held_r[key] = held_r.get(key, 0.0) + nb
-                        mem_r.append((start, nb))
-                elif c == _B or c == _W:
-                    nb = held_r.pop(key, 0.0)
-                    if nb:
-                        mem_r.append((end, -nb))
-                elif c == _I:
-                    h = held_r.get(key, 0.0)
-                    nb = h - wgb[s]
-                    if nb > 0.0:
-                        held_r[key] = h - nb
-                        mem_r.append((end, -nb))
-                else:
-                    nb = act[s] - ckpt[s]
-                    if nb > 0.0:
-                        held_r[key] = held_r.get(key, 0.0) + nb
-                        mem_r.append((start, nb))
+                compute_memory(c, key, start, end, fab[mk], act[s] - ckpt[s], wgb[s], held_r, mem_r)
                 st_r[i] = start
                 en_r[i] = end
                 if extra is not None:
@@ -665,6 +653,38 @@ class _Run:
             if end > base:
                 x_exposed[tid] += end - base
                 base = end
+
+
+def compute_memory(code: int, key: tuple[int, int], start: float, end: float, forward_bytes: float,
+                   rebuilt_bytes: float, weight_grad_bytes: float, held: dict[tuple[int, int], float],
+                   mem: list[tuple[float, float]]) -> None:
+    """A compute's change to its rank's activation memory (the engine's rules): ``F`` saves ``forward_bytes``
+    at its start, ``R`` adds ``rebuilt_bytes`` at its start, ``B``/``W`` free what the micro-batch holds at their
+    end, ``I`` keeps ``weight_grad_bytes`` of it. ``held`` maps (stage, mb) to bytes; ``mem`` gets (time, delta)."""
+    if code == _F:
+        if forward_bytes:
+            held[key] = held.get(key, 0.0) + forward_bytes
+            mem.append((start, forward_bytes))
+    elif code == _B or code == _W:
+        nb = held.pop(key, 0.0)
+        if nb:
+            mem.append((end, -nb))
+    elif code == _I:
+        h = held.get(key, 0.0)
+        nb = h - weight_grad_bytes
+        if nb > 0.0:
+            held[key] = h - nb
+            mem.append((end, -nb))
+    elif rebuilt_bytes > 0.0:
+        held[key] = held.get(key, 0.0) + rebuilt_bytes
+        mem.append((start, rebuilt_bytes))
+
+
+def _same_rank_order(first: int, then: int) -> bool:
+    """Two messages on one link ready at the same time are queued in the engine's FIFO in the order one rank
+    reached the actions that made them ready: the static order is the engine's when both were made ready by the
+    same rank, the first at an earlier position."""
+    return first >= 0 and then >= 0 and first >> 32 == then >> 32 and first < then
 
 
 def _sums_exact(events: list[tuple[float, float]]) -> bool:

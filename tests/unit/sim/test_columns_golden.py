@@ -125,3 +125,18 @@ def test_columns_and_actions_describe_the_same_schedule() -> None:
     assert actions_of_columns(from_columns.columns) == s.actions
     assert Schedule.from_text(from_columns.to_text()) == s
     assert hash(from_actions) == hash(from_columns)
+
+
+def test_a_trace_of_times_equals_its_records_form() -> None:
+    from evenpipe.sim import SimCosts, Trace, simulate
+    s = build_schedule("zb-h1", num_ranks=4, num_microbatches=8)
+    lazy = simulate(s, SimCosts.uniform(num_stages=4, weight=1.0, output_bytes=1.0))
+    eager = Trace(schedule=lazy.schedule, actions=lazy.actions, transfers=lazy.transfers, memory=lazy.memory,
+                  unit_bytes=lazy.unit_bytes, step_time=lazy.step_time, source=lazy.source)
+    fresh = simulate(s.with_actions(s.actions), SimCosts.uniform(num_stages=4, weight=1.0, output_bytes=1.0))
+    assert eager == lazy == fresh
+    for name in ("num_ranks", "num_actions", "bubble_fraction", "repeated_bubble_fraction", "peak_activations"):
+        assert getattr(eager, name) == getattr(lazy, name), name
+    assert [eager.busy_time(r) for r in range(4)] == [lazy.busy_time(r) for r in range(4)]
+    assert [eager.action_times(r) for r in range(4)] == [lazy.action_times(r) for r in range(4)]
+    assert Trace.from_json(lazy.to_json()) == lazy

@@ -20,6 +20,7 @@ from evenpipe.schedule.ir import Schedule
 from evenpipe.sim import Link, SimCosts, StageCosts, simulate
 from evenpipe.sim.engine import simulate_events
 from evenpipe.sim.fast import simulate_fast
+from evenpipe.sim.free import simulate_free
 
 FAMILIES = [f for f in ScheduleFamily]
 LINKS = ["free", "latency", "slow", "mixed"]
@@ -55,6 +56,14 @@ def _schedule(rng: random.Random, compute_only: bool = True) -> Schedule:
             continue
 
 
+def _plain(sched: Schedule) -> bool:
+    """Only computes and explicit activation/gradient messages (what the instant-link path takes)."""
+    allowed = {"F", "B", "I", "W", "R", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+    kinds = {a.kind.value for acts in sched.actions for a in acts}
+    messages_needed = any(sched.stage_to_rank[s] != sched.stage_to_rank[s + 1] for s in range(sched.num_stages - 1))
+    return kinds <= allowed and (not messages_needed or bool(kinds & {"SEND_F"}))
+
+
 def _costs(rng: random.Random, num_stages: int, num_ranks: int, integer: bool, link: str) -> SimCosts:
     def t() -> float:
         return float(rng.randint(1, 4)) if integer else rng.uniform(0.1, 3.0)
@@ -82,7 +91,7 @@ def _costs(rng: random.Random, num_stages: int, num_ranks: int, integer: bool, l
 @pytest.mark.parametrize("seed", range(6))
 def test_dataflow_matches_event_engine_on_random_schedules(seed: int) -> None:
     rng = random.Random(seed)
-    taken = 0
+    taken = free_taken = 0
     for case in range(40):
         sched = _schedule(rng)
         integer = rng.random() < 0.5
@@ -96,8 +105,14 @@ def test_dataflow_matches_event_engine_on_random_schedules(seed: int) -> None:
                 f"link={link} integer={integer}"
         elif integer and link == "free":
             pytest.fail(f"case {case}: {sched.name} fell back on instant links with integer bytes")
+        free = simulate_free(sched, costs)
+        if free is not None:
+            free_taken += 1
+            assert free == reference, f"case {case}: instant-link path, {sched.name} P={sched.num_ranks}"
+        elif link == "free" and _plain(sched):
+            pytest.fail(f"case {case}: {sched.name} left the instant-link path on free links")
         assert simulate(sched, costs) == reference
-    assert taken >= 20  # the comparison is not vacuous
+    assert taken >= 20 and free_taken >= 5  # the comparisons are not vacuous
 
 
 def test_slow_links_and_cached_shape_reused() -> None:

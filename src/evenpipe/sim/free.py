@@ -1,0 +1,271 @@
+"""The simulator's rules on instant links, evaluated over computes only (the first path :func:`simulate` tries).
+
+When every message takes no time (free links, or sizes and latency zero) and the schedule holds only computes and
+explicit activation / gradient messages, the event engine's times reduce to a longest path over the computes: a
+message arrives when both of its ends are reached (a rank reaches a send or a receive when the compute before it
+ends), a link never queues, and a compute starts at the latest of its rank becoming free and its input's send
+being reached (its receive comes earlier on its own rank, so it is never later). So this module times the
+computes alone, from integer columns, and derives every send's and receive's times, every transfer record and
+the memory changes afterwards in bulk. Anything else -- a link that takes time, BPipe or host moves, a message
+whose ends are missing, out of order or on the wrong ranks, a deadlock -- answers ``None`` and the dataflow path
+(:mod:`evenpipe.sim.fast`) or the event engine decides. ``tests/unit/sim/test_fast_golden.py`` compares the
+traces with the event engine's, float for float.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate, repeat
+
+from evenpipe.schedule.ir import ActionKind, Schedule
+from evenpipe.sim import engine as _ref
+from evenpipe.sim.costs import SimCosts
+from evenpipe.sim.fast import compute_memory
+from evenpipe.sim.trace import TransferRecord, Trace
+
+__all__ = ["simulate_free"]
+
+_K = ActionKind
+_F, _B, _I, _W, _R = (k.code for k in (_K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT,
+                                       _K.RECOMPUTE))
+_SF, _RF, _SB, _RB = (k.code for k in (_K.SEND_F, _K.RECV_F, _K.SEND_B, _K.RECV_B))
+_KINDS = tuple(ActionKind)
+_ALLOWED = frozenset({_F, _B, _I, _W, _R, _SF, _RF, _SB, _RB})
+_IS_COMPUTE = tuple(int(k.is_compute) for k in ActionKind)
+_IS_MESSAGE = tuple(c in (_SF, _RF, _SB, _RB) for c in range(len(_KINDS)))
+_SENDING_STAGE = {_SF: 0, _SB: 0, _RF: -1, _RB: 1}
+"""Offset from an action's stage to the stage that sends its message."""
+_CHANNEL = {_SF: 0, _RF: 0, _SB: 1, _RB: 1}
+_IS_SEND = {_SF: True, _SB: True, _RF: False, _RB: False}
+
+
+class _NotFree(Exception):
+    """The schedule or the costs leave the instant-link rules: another path decides."""
+
+
+def simulate_free(schedule: Schedule, costs: SimCosts) -> Trace | None:
+    """The trace the event engine would return, or ``None`` where the instant-link rules do not apply."""
+    try:
+        return _FreeRun(schedule, costs).run()
+    except _NotFree:
+        return None
+
+
+class _FreeRun:
+    def __init__(self, schedule: Schedule, costs: SimCosts) -> None:
+        self.schedule, self.costs = schedule, costs
+        cols = schedule.columns
+        if any(c not in _ALLOWED for ks in cols.kinds for c in set(ks)):
+            raise _NotFree
+        self.cols = cols
+
+    def _messages(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Send and receive positions (``rank << 32 | index``) by message key ``(channel, sending stage, mb)``."""
+        S, M = self.schedule.num_stages, self.schedule.num_microbatches
+        cols = self.cols
+        sends: dict[int, int] = {}
+        recvs: dict[int, int] = {}
+        num_sends = num_recvs = 0
+        for r, (ks, ss, ms) in enumerate(zip(cols.kinds, cols.stages, cols.microbatches)):
+            base = r << 32
+            at = [i for i, c in enumerate(ks) if _IS_MESSAGE[c]]
+            for i in at:
+                c = ks[i]
+                key = (_CHANNEL[c] * S + ss[i] + _SENDING_STAGE[c]) * M + ms[i]
+                if _IS_SEND[c]:
+                    sends[key] = base | i
+                    num_sends += 1
+                else:
+                    recvs[key] = base | i
+                    num_recvs += 1
+        if len(sends) != num_sends or len(recvs) != num_recvs or sends.keys() != recvs.keys():
+            raise _NotFree  # unmatched or repeated messages: the engine names them
+        peers = cols.peers
+        low = (1 << 32) - 1
+        for key, sp in sends.items():
+            rp = recvs[key]
+            src, dst = sp >> 32, rp >> 32
+            if peers[src][sp & low] != dst or peers[dst][rp & low] != src:
+                raise _NotFree
+        return sends, recvs
+
+    def run(self) -> Trace:
+        sched, costs, cols = self.schedule, self.costs, self.cols
+        P, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
+        stages = costs.stages
+        sends, recvs = self._messages()
+        low = (1 << 32) - 1
+        # every link is instant for the bytes it carries
+        checked: set[tuple[int, int, int]] = set()
+        for key, sp in sends.items():
+            channel, rest = divmod(key, S * M)
+            sending = rest // M
+            link = (sp >> 32, recvs[key] >> 32, sending if channel == 0 else sending - 1)
+            if link not in checked:
+                checked.add(link)
+                if costs.link(link[0], link[1]).transfer_time(stages[link[2]].output_bytes):
+                    raise _NotFree
+        # computes per rank: positions, and the compute index before each position (-1: none)
+        cpos = [[i for i, c in enumerate(ks) if _IS_COMPUTE[c]] for ks in cols.kinds]
+        before = [list(accumulate(map(_IS_COMPUTE.__getitem__, ks))) for ks in cols.kinds]  # computes up to i
+        offset = list(accumulate([0] + [len(c) for c in cpos]))  # global compute id = offset[r] + j
+        num_computes = offset[-1]
+        deps = self._compute_deps(cpos, before, offset, recvs, sends)
+        recomputed = {(s, m) for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches) if _R in ks
+                      for c, s, m in zip(ks, ss, ms) if c == _R}
+        table = ([st.forward for st in stages] + [st.backward for st in stages]
+                 + [st.backward_input for st in stages] + [st.backward_weight for st in stages]
+                 + [st.recompute_time for st in stages])
+        act = [st.activation_bytes for st in stages]
+        ckpt = [st.checkpoint_bytes for st in stages]
+        wgb = [st.weight_grad_bytes for st in stages]
+        cstart: list[float] = [0.0] * num_computes
+        cend: list[float | None] = [None] * num_computes
+        waiters: dict[int, list[int]] = {}
+        pcs = [0] * P
+        t_free = [0.0] * P
+        todo = list(range(P - 1, -1, -1))
+        while todo:
+            r = todo.pop()
+            ks, ss = cols.kinds[r], cols.stages[r]
+            positions, deps_r, base = cpos[r], deps[r], offset[r]
+            j, count, now = pcs[r], len(positions), t_free[r]
+            while j < count:
+                start = now
+                blocked = -1
+                for g in deps_r[j]:
+                    t = cend[g]
+                    if t is None:
+                        blocked = g
+                        break
+                    if t > start:
+                        start = t
+                if blocked >= 0:
+                    waiters.setdefault(blocked, []).append(r)
+                    break
+                i = positions[j]
+                end = start + table[ks[i] * S + ss[i]]
+                g = base + j
+                cstart[g] = start
+                cend[g] = end
+                woken = waiters.pop(g, None)
+                if woken:
+                    todo.extend(woken)
+                now = end
+                j += 1
+            pcs[r] = j
+            t_free[r] = now
+        if any(pc != len(c) for pc, c in zip(pcs, cpos)):
+            raise _NotFree  # a deadlock: the engine reports it
+        mem: list[list[tuple[float, float]]] = []
+        for r, positions in enumerate(cpos):  # memory changes in program order, as the engine records them
+            ks, ss, ms, base = cols.kinds[r], cols.stages[r], cols.microbatches[r], offset[r]
+            held: dict[tuple[int, int], float] = {}
+            mem_r: list[tuple[float, float]] = []
+            for j, i in enumerate(positions):
+                s, mk = ss[i], (ss[i], ms[i])
+                compute_memory(ks[i], mk, cstart[base + j], cend[base + j],  # type: ignore[arg-type]
+                               ckpt[s] if mk in recomputed else act[s], act[s] - ckpt[s], wgb[s], held, mem_r)
+            mem.append(mem_r)
+        starts, ends, reach = self._action_times(cpos, offset, cstart, cend)  # type: ignore[arg-type]
+        records = self._records(sends, recvs, reach, ends, low)
+        return _ref.make_trace(sched, costs, starts, ends, records, mem)
+
+    def _compute_deps(self, cpos: list[list[int]], before: list[list[int]], offset: list[int],
+                      recvs: dict[int, int], sends: dict[int, int]) -> list[list[tuple[int, ...]]]:
+        """Per rank and compute, the global ids of the computes whose ends it waits for: the compute before the
+        send of its input (or output gradient) on the sender's rank; a producer on its own rank must come
+        earlier (it then adds no wait)."""
+        sched, cols = self.schedule, self.cols
+        S, M, layout = sched.num_stages, sched.num_microbatches, sched.stage_to_rank
+        last = S - 1
+        low = (1 << 32) - 1
+        out: list[list[tuple[int, ...]]] = []
+        for r, positions in enumerate(cpos):
+            ks, ss, ms = cols.kinds[r], cols.stages[r], cols.microbatches[r]
+            produced: dict[tuple[int, int, int], int] = {}  # (slot, stage, mb) -> position; slot 0: F, 1: B/I
+            row: list[tuple[int, ...]] = []
+            for i in positions:
+                c, s, m = ks[i], ss[i], ms[i]
+                if layout[s] != r:
+                    raise _NotFree
+                if c == _F:
+                    src_stage, slot, channel = s - 1, 0, 0
+                elif (c == _B or c == _I) and s < last:
+                    src_stage, slot, channel = s + 1, 1, 1
+                else:
+                    src_stage = -1
+                dep: tuple[int, ...] = ()
+                if 0 <= src_stage < S:
+                    if layout[src_stage] == r:
+                        if (slot, src_stage, m) not in produced:
+                            raise _NotFree  # consumer before its producer: the engine decides
+                    else:
+                        key = (channel * S + src_stage) * M + m
+                        rp = recvs.get(key)
+                        if rp is None or rp >> 32 != r or rp & low > i:
+                            raise _NotFree  # no receive here (an implicit message), or it comes too late
+                        sp = sends[key]
+                        q, k = sp >> 32, before[sp >> 32][sp & low] - 1
+                        if k >= 0:
+                            dep = (offset[q] + k,)
+                if c == _F or c == _B or c == _I:
+                    mark = (0 if c == _F else 1, s, m)
+                    if mark in produced:
+                        raise _NotFree  # produced twice
+                    produced[mark] = i
+                row.append(dep)
+            for i, c in enumerate(ks):  # a send follows what it sends (else its data is late)
+                if (c == _SF or c == _SB) and produced.get((0 if c == _SF else 1, ss[i], ms[i]), i) >= i:
+                    raise _NotFree
+            out.append(row)
+        return out
+
+    def _action_times(self, cpos: list[list[int]], offset: list[int], cstart: list[float], cend: list[float]
+                      ) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
+        """Per rank and position: start and end (a send or receive: when it is reached, and for now the same as
+        its end; the message ends are filled in by :meth:`_records`), and when the rank reaches it."""
+        starts, ends, reach = [], [], []
+        for r, ks in enumerate(self.cols.kinds):
+            n = len(ks)
+            positions = cpos[r]
+            base = offset[r]
+            vals = [0.0] * n
+            for j, i in enumerate(positions):
+                vals[i] = cend[base + j]
+            reached = list(accumulate(vals, max))  # at a transfer: the end of the last compute before it
+            st = list(reached)
+            en = list(reached)
+            for j, i in enumerate(positions):
+                st[i] = cstart[base + j]
+            starts.append(st)
+            ends.append(en)
+            reach.append(reached)
+        return starts, ends, reach
+
+    def _records(self, sends: dict[int, int], recvs: dict[int, int], reach: list[list[float]],
+                 ends: list[list[float]], low: int) -> list[TransferRecord]:
+        """Every message, in the engine's numbering (by the position of its later end, ranks in order), with
+        both ends' action end set to its arrival."""
+        cols, stages = self.cols, self.costs.stages
+        send_at = list(sends.values())
+        recv_at = list(map(recvs.__getitem__, sends))
+        later = list(map(max, send_at, recv_at))
+        order = sorted(range(len(later)), key=later.__getitem__)
+        send_at = [send_at[k] for k in order]
+        recv_at = [recv_at[k] for k in order]
+        src = [p >> 32 for p in send_at]
+        dst = [p >> 32 for p in recv_at]
+        si = [p & low for p in send_at]
+        ri = [p & low for p in recv_at]
+        arrive = list(map(max, [reach[q][i] for q, i in zip(src, si)], [reach[q][i] for q, i in zip(dst, ri)]))
+        for q, i, e in zip(src, si, arrive):
+            ends[q][i] = e
+        for q, i, e in zip(dst, ri, arrive):
+            ends[q][i] = e
+        kinds = [_KINDS[cols.kinds[q][i]] for q, i in zip(src, si)]
+        stage = [cols.stages[q][i] for q, i in zip(src, si)]
+        mb = [cols.microbatches[q][i] for q, i in zip(src, si)]
+        nbytes = [stages[s if k is _K.SEND_F else s - 1].output_bytes for k, s in zip(kinds, stage)]
+        return list(map(tuple.__new__, repeat(TransferRecord),
+                        zip(src, dst, kinds, stage, mb, nbytes, arrive, arrive, repeat(0.0))))
+
