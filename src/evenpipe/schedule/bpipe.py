@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from itertools import accumulate
 
 from evenpipe.errors import ConfigError
 from evenpipe.schedule.comm import derive_communication
@@ -70,7 +71,8 @@ def held_units_trace(actions: tuple[Action, ...]) -> list[int]:
 
 def held_units(schedule: Schedule) -> list[int]:
     """Peak held activation units (own plus hosted) of each rank, counted in program order."""
-    return [max(held_units_trace(acts), default=0) for acts in schedule.actions]
+    units = _UNITS
+    return [max(accumulate(map(units.__getitem__, kinds)), default=0) for kinds in schedule.columns.kinds]
 
 
 def bpipe_pairs(compute: Schedule) -> tuple[tuple[int, int], ...]:
@@ -135,7 +137,8 @@ def bpipe_transform(schedule: Schedule, *, budget: int | None = None, balance: b
                           f"micro-batches; the smallest budget that works is {smallest}")
     result = derive_communication(compute.with_actions(lists))
     assert max(held_units(result), default=0) <= K, "acceptor check disagrees with the derived schedule"
-    assert all(sum(_own_and_hosted_peaks(acts)) <= K for acts in result.actions), "acceptor overlap exceeds budget"
+    assert all(sum(_own_and_hosted_peaks_of_codes(kinds)) <= K for kinds in result.columns.kinds), \
+        "acceptor overlap exceeds budget"
     return result.renamed(result.name, meta)
 
 
@@ -150,20 +153,43 @@ def _plan(compute: Schedule, timing: WitnessTiming, budget: int, pairs: tuple[tu
            for r in range(compute.num_ranks) if r not in paired):
         return None
     for r, partner in pairs:
-        peak = budget + 1
-        for early in (True, False):  # prefer overlapping the eviction with compute; fall back for the acceptor
-            marked = _evict_and_load(compute.actions[r], budget, partner=partner, early=early)
-            if marked is None:
-                return None
-            peak = _acceptor_peak(compute.actions[partner], timing, partner, marked, timing.start[r])
-            if peak <= budget:
-                break
-        else:
+        planned = _pair_plan(compute, timing, budget, r, partner)
+        if planned is None:
             return None
+        marked, peak = planned
         if balance and peak < budget:
             marked = _balanced(compute, timing, budget, r, partner, peak) or marked
         lists[r] = marked
     return lists
+
+
+_PAIR_PLANS: dict[tuple[int, int, int], tuple[list[Action], int] | None] = {}
+"""(budget, evictor, acceptor) -> :func:`_pair_plan`'s answer, for the compute order in :data:`_PAIR_PLANS_OF`
+(the budget search and the final transform ask the same questions of one order)."""
+_PAIR_PLANS_OF: list[Schedule] = []
+
+
+def _pair_plan(compute: Schedule, timing: WitnessTiming, budget: int, rank: int, partner: int
+               ) -> tuple[list[Action], int] | None:
+    """The evictor's marked list and the acceptor's peak, or ``None`` when no placement meets ``budget``:
+    evictions right after their forwards if the acceptor then fits, else right before the computes that need
+    the room. Remembered for the last compute order asked about (callers never mutate the list)."""
+    if not _PAIR_PLANS_OF or _PAIR_PLANS_OF[0] is not compute:
+        _PAIR_PLANS.clear()
+        _PAIR_PLANS_OF[:] = [compute]
+    key = (budget, rank, partner)
+    if key not in _PAIR_PLANS:
+        answer = None
+        for early in (True, False):  # prefer overlapping the eviction with compute; fall back for the acceptor
+            marked = _evict_and_load(compute.actions[rank], budget, partner=partner, early=early)
+            if marked is None:
+                break
+            peak = _acceptor_peak(compute.actions[partner], timing, partner, marked, timing.start[rank])
+            if peak <= budget:
+                answer = (marked, peak)
+                break
+        _PAIR_PLANS[key] = answer
+    return _PAIR_PLANS[key]
 
 
 _BALANCE_TRIES = 4
@@ -191,12 +217,11 @@ def _balanced(compute: Schedule, timing: WitnessTiming, budget: int, rank: int, 
     return None
 
 
-def _own_and_hosted_peaks(actions: tuple[Action, ...]) -> tuple[int, int]:
+def _own_and_hosted_peaks_of_codes(codes: list[int]) -> tuple[int, int]:
     """Program-order peaks of a rank's own units (F, LOAD minus B, W, EVICT) and of its hosted ones (ACCEPT
-    minus RETURN), each on its own."""
+    minus RETURN), each on its own, from its kind codes."""
     own = hosted = own_peak = hosted_peak = 0
-    for a in actions:
-        code = a.kind.code
+    for code in codes:
         if _HOSTED[code]:
             hosted += _UNITS[code]
             hosted_peak = max(hosted_peak, hosted)

@@ -109,6 +109,8 @@ COMPUTE_KINDS = frozenset(
 SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.EVICT, ActionKind.RETURN})
 RECV_KINDS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.ACCEPT, ActionKind.LOAD})
 
+_COMPUTE_CODES = frozenset(k.code for k in COMPUTE_KINDS)
+
 MATCHING_RECV: dict[ActionKind, ActionKind] = {
     ActionKind.SEND_F: ActionKind.RECV_F,
     ActionKind.SEND_B: ActionKind.RECV_B,
@@ -276,8 +278,16 @@ class Schedule:
         return self.stage_to_rank[stage]
 
     def compute_only(self) -> "Schedule":
-        """The same schedule with transfer actions removed (what torch's compute CSV holds)."""
-        return self.with_actions(tuple(tuple(a for a in acts if a.kind.is_compute) for acts in self.actions))
+        """The same schedule with transfer actions removed (what torch's compute CSV holds); itself when it has
+        none (schedules are immutable)."""
+        from evenpipe.schedule.columns import Columns
+        cols = self.columns
+        compute = _COMPUTE_CODES
+        if all(compute.issuperset(ks) for ks in cols.kinds):
+            return self
+        keep = [[i for i, c in enumerate(ks) if c in compute] for ks in cols.kinds]
+        return self.with_columns(Columns(*(tuple(list(map(col.__getitem__, idx)) for col, idx in zip(table, keep))
+                                           for table in (cols.kinds, cols.stages, cols.microbatches, cols.peers))))
 
     def with_actions(self, actions: Sequence[Sequence[Action]], name: str | None = None,
                      meta: dict[str, object] | None = None) -> "Schedule":

@@ -31,11 +31,9 @@ _SF, _RF, _SB, _RB = (k.code for k in (_K.SEND_F, _K.RECV_F, _K.SEND_B, _K.RECV_
 _KINDS = tuple(ActionKind)
 _ALLOWED = frozenset({_F, _B, _I, _W, _R, _SF, _RF, _SB, _RB})
 _IS_COMPUTE = tuple(int(k.is_compute) for k in ActionKind)
-_IS_MESSAGE = tuple(c in (_SF, _RF, _SB, _RB) for c in range(len(_KINDS)))
 _SENDING_STAGE = {_SF: 0, _SB: 0, _RF: -1, _RB: 1}
 """Offset from an action's stage to the stage that sends its message."""
 _CHANNEL = {_SF: 0, _RF: 0, _SB: 1, _RB: 1}
-_IS_SEND = {_SF: True, _SB: True, _RF: False, _RB: False}
 
 
 class _NotFree(Exception):
@@ -65,18 +63,15 @@ class _FreeRun:
         sends: dict[int, int] = {}
         recvs: dict[int, int] = {}
         num_sends = num_recvs = 0
+        offset = [(_CHANNEL[c] * S + _SENDING_STAGE[c]) * M if c in _CHANNEL else 0 for c in range(len(_KINDS))]
         for r, (ks, ss, ms) in enumerate(zip(cols.kinds, cols.stages, cols.microbatches)):
             base = r << 32
-            at = [i for i, c in enumerate(ks) if _IS_MESSAGE[c]]
-            for i in at:
-                c = ks[i]
-                key = (_CHANNEL[c] * S + ss[i] + _SENDING_STAGE[c]) * M + ms[i]
-                if _IS_SEND[c]:
-                    sends[key] = base | i
-                    num_sends += 1
-                else:
-                    recvs[key] = base | i
-                    num_recvs += 1
+            send_at = [i for i, c in enumerate(ks) if c == _SF or c == _SB]
+            recv_at = [i for i, c in enumerate(ks) if c == _RF or c == _RB]
+            sends.update(zip([offset[ks[i]] + ss[i] * M + ms[i] for i in send_at], [base | i for i in send_at]))
+            recvs.update(zip([offset[ks[i]] + ss[i] * M + ms[i] for i in recv_at], [base | i for i in recv_at]))
+            num_sends += len(send_at)
+            num_recvs += len(recv_at)
         if len(sends) != num_sends or len(recvs) != num_recvs or sends.keys() != recvs.keys():
             raise _NotFree  # unmatched or repeated messages: the engine names them
         peers = cols.peers
