@@ -5,8 +5,10 @@ Every time the event engine (:mod:`evenpipe.sim.engine`) computes is a max-plus 
 message starts at the latest of its send being reached, its receive posted and its data ready), with one
 exception: the order in which a busy link serves the messages queued on it. So this module computes each time
 as soon as the times it depends on are known, in any order, and serves every link in a static order (the
-sending side's program order). That static order is the engine's FIFO order exactly when the link's messages
-become ready at strictly increasing times along it, which is checked as each message starts; a link whose
+sending side's program order). That static order is the engine's FIFO order when the link's messages become
+ready at increasing times along it, which is checked as each message starts; at equal times, when each send or
+receive that made the earlier one ready has a later one on the same rank among those that made the next one ready
+(a rank reaches its actions in program order: BPipe's EVICT right after a SEND_F to its neighbour); a link whose
 messages all take no time never queues, in any order. The same holds for memory: each rank's changes are
 recorded in causal order, so the bytes every change moves are the engine's; only changes recorded at equal times
 by a transfer and a compute may come in another order, and the levels are then the engine's when the sums
@@ -477,8 +479,10 @@ class _Run:
         ready_x: list[int] = []
         woken: list[tuple[int, float]] = []  # (signal, time) just set, whose waiters still need waking
         # what made each transfer ready last: rank << 32 | position of the send or receive whose time is its ready
-        # time, -1 when a signal did or two conditions tie, -2 before any condition
+        # time (x_trig2: the other side's, when both were reached at that time), -1 when a signal did or tied with
+        # them, -2 before any condition
         x_trig = [-2] * num_x
+        x_trig2 = [-2] * num_x
 
         while True:
             while woken:
@@ -511,8 +515,9 @@ class _Run:
                     t = x_ready[tid]
                     if pos > 0:
                         before = x_ready[order[pos - 1]]
-                        if not (t > before or t == before and _same_rank_order(x_trig[order[pos - 1]],
-                                                                                x_trig[tid])):
+                        prev = order[pos - 1]
+                        if not (t > before or t == before and _served_first(x_trig[prev], x_trig2[prev],
+                                                                             x_trig[tid], x_trig2[tid])):
                             raise _Fallback  # maybe not served in FIFO order: the engine decides
                         if link_end[lid] > t:
                             t = link_end[lid]
@@ -572,8 +577,12 @@ class _Run:
                     if rt < now or x_trig[tid] == -2:
                         x_ready[tid] = now
                         x_trig[tid] = (r << 32) | i
+                        x_trig2[tid] = -2
                     elif rt == now:
-                        x_trig[tid] = -1
+                        if x_trig[tid] >= 0 and x_trig2[tid] == -2:
+                            x_trig2[tid] = (r << 32) | i  # both ends reached at the same time
+                        else:
+                            x_trig[tid] = -1
                     left = x_pending[tid] - 1
                     x_pending[tid] = left
                     if not left:
@@ -680,11 +689,18 @@ def compute_memory(code: int, key: tuple[int, int], start: float, end: float, fo
         mem.append((start, rebuilt_bytes))
 
 
-def _same_rank_order(first: int, then: int) -> bool:
-    """Two messages on one link ready at the same time are queued in the engine's FIFO in the order one rank
-    reached the actions that made them ready: the static order is the engine's when both were made ready by the
-    same rank, the first at an earlier position."""
-    return first >= 0 and then >= 0 and first >> 32 == then >> 32 and first < then
+def _served_first(first: int, first2: int, then: int, then2: int) -> bool:
+    """Whether the engine's FIFO surely queues a message before another one on its link ready at the same time.
+
+    Each is described by the positions (``rank << 32 | index``) of the send or receive reached at that time
+    (the second -2 when only one was; -1 first when a signal took part, whose place among the events of that
+    instant the engine decides). A message is queued when the last of its conditions is met, and a rank meets
+    its actions in program order; so the first one is surely ahead when each of its positions has a later
+    position of the second message on the same rank."""
+    if first < 0 or then < 0:
+        return False
+    later = (then,) if then2 < 0 else (then, then2)
+    return all(any(b >> 32 == a >> 32 and b > a for b in later) for a in ((first,) if first2 < 0 else (first, first2)))
 
 
 def _sums_exact(events: list[tuple[float, float]]) -> bool:

@@ -127,3 +127,41 @@ def test_slow_links_and_cached_shape_reused() -> None:
     again = simulate_fast(sched, cheaper)  # same schedule object: compiled shape from the cache
     assert again is not None and again == simulate_events(sched, cheaper)
     assert again.step_time < first.step_time
+
+
+@pytest.mark.parametrize("family, p, m, v", [("bpipe", 4, 8, None), ("interleaved", 4, 8, 2),
+                                             ("interleaved", 4, 8, 3)])
+def test_messages_tied_on_one_link_take_the_dataflow_path(family: str, p: int, m: int, v: int | None) -> None:
+    # BPipe pairs neighbours (1 <-> 2 at P=4), so an EVICT shares its link with the SEND_F just before it: both
+    # become ready at the same instant, reached by the same two ranks in the same order on each. The engine's FIFO
+    # then serves them in program order whichever rank it advances first; the dataflow path must agree, not refuse
+    sched = build_schedule(family, num_ranks=p, num_microbatches=m, num_chunks=v, bpipe=family == "interleaved")
+    for bandwidth in (1.0, 2.0, 4.0):
+        costs = SimCosts.uniform(num_stages=sched.num_stages, num_chunks=v or 1, forward=1.0, backward=2.0,
+                                 activation_bytes=2.0 * (v or 1), output_bytes=1.0,
+                                 link=Link(bandwidth_bytes_per_s=bandwidth))
+        fast = simulate_fast(sched, costs)
+        assert fast is not None, f"{family} P={p} fell back at bandwidth {bandwidth}"
+        assert fast == simulate_events(sched, costs)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bpipe_on_slow_links_with_integer_costs_matches_engine(seed: int) -> None:
+    # integer durations and bytes make equal-time readiness common: every answer of the dataflow path must be the
+    # engine's, and most cases must be answered
+    rng = random.Random(100 + seed)
+    taken = 0
+    cases = 30
+    for _ in range(cases):
+        p = rng.randint(3, 6)
+        m = p * rng.randint(1, 3)
+        interleaved = rng.random() < 0.5
+        sched = build_schedule("interleaved" if interleaved else "bpipe", num_ranks=p, num_microbatches=m,
+                               num_chunks=rng.randint(2, 3) if interleaved else None, bpipe=interleaved,
+                               recompute=rng.random() < 0.3)
+        costs = _costs(rng, sched.num_stages, p, True, rng.choice(["latency", "slow", "mixed"]))
+        fast = simulate_fast(sched, costs)
+        if fast is not None:
+            taken += 1
+            assert fast == simulate_events(sched, costs), f"{sched.name} P={p} M={m}"
+    assert taken >= cases // 2
