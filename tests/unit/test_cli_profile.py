@@ -124,3 +124,21 @@ def test_train_refuses_a_profile_of_another_dtype(tmp_path: pathlib.Path, capsys
                  "--predict", str(path)])
     err = capsys.readouterr().err
     assert code == 2 and "measured in float32, training runs in bfloat16" in err and len(err.strip().splitlines()) == 1
+
+
+def test_profile_and_train_name_a_relative_hf_config_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profile of ``--hf-config rel/path.json`` must be accepted by ``train --hf-config rel/path.json --predict``:
+    both name the model by the config's absolute path."""
+    pytest.importorskip("transformers")
+    import argparse
+
+    from evenpipe.commands import profile as profile_cmd
+    from evenpipe.commands import train as train_cmd
+    root = pathlib.Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    rel = "benchmarks/data/tiny_llama_config.json"
+    name, _ = profile_cmd._model_config(argparse.Namespace(hf_config=rel, model=None), ())
+    parser = argparse.ArgumentParser()
+    train_cmd.add_arguments(parser)
+    config = train_cmd.build_config(parser.parse_args(["--hf-config", rel, "--stages", "2"]))
+    assert name == config.model.name == str(root / rel)

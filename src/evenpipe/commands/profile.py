@@ -4,6 +4,7 @@ write the profile JSON, print the fits and draw ``efficiency_vs_microbatch.png``
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 
@@ -52,7 +53,10 @@ def _model_config(args: argparse.Namespace, seq_lens: tuple[int, ...]):  # -> Mo
     from evenpipe.models import load_model_config, model_config
     longest = max(seq_lens) if seq_lens else None
     if args.hf_config:
-        return args.hf_config, load_model_config(args.hf_config, **({"seq_len": longest} if longest else {}))
+        # named by its absolute path, as `train --hf-config` names it, so `train --predict` accepts the profile
+        # from any working directory
+        return os.path.abspath(args.hf_config), load_model_config(args.hf_config,
+                                                                  **({"seq_len": longest} if longest else {}))
     name = args.model or "gpt-mini"
     cfg = model_config(name)
     if longest and longest > cfg.seq_len:
