@@ -6,7 +6,9 @@ prediction of step time and per-rank peak activation memory against the measurem
 
 Each case is one ``evenpipe train ... --predict PROFILE --json-out`` run (P=2 local processes, one per core);
 the measured step is the median over the steps after the first of the slowest rank's step (pipeline plus
-optimizer). Timing is only meaningful on a quiet machine: the 1-minute load average is printed before and after.
+optimizer). Timing is only meaningful on a quiet machine: the 1-minute load average is printed before and after,
+and so is the host probe of ``host_probe.py`` (how much slower two concurrent processes compute than one alone:
+on a shared virtual machine this drifts between 1x and 2x within seconds, which no load average shows).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import pathlib
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_probe import concurrent_slowdown, host_line  # noqa: E402
 
 CASES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("bpipe", 1))
 """(schedule, chunks V) of the acceptance table."""
@@ -85,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"load average (1 min) at start: {_load()}")
+    print(host_line(), flush=True)
     prof = pathlib.Path(args.profile) if args.profile else profile(args, out)
     wanted = args.schedules.split(",")
     cases = [(s, v, int(b)) for b in args.sizes.split(",") if b for s, v in CASES if s in wanted]
@@ -94,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         pred = train(args, out, prof, schedule, chunks, b)
         rows.append((schedule, chunks, b, pred))
-        print(f"  {schedule:12s} b={b} done in {time.perf_counter() - t0:5.1f} s (load {_load()})", flush=True)
+        host = concurrent_slowdown(1.0, args.stages)
+        print(f"  {schedule:12s} b={b} done in {time.perf_counter() - t0:5.1f} s (load {_load()}; host probe after: "
+              f"{host[0]:.2f}x median, {host[1]:.2f}x p90)", flush=True)
     print(f"\nP={args.stages} M={args.microbatches}, {args.steps} steps per run (median of the steps after the first)")
     head = (f"{'schedule':12s} {'V':>2s} {'b':>2s} {'pred step':>10s} {'meas step':>10s} {'error':>7s}   "
             + "   ".join(f"{'r' + str(r) + ' pred MiB':>12s} {'meas MiB':>9s} {'error':>7s}" for r in range(args.stages)))
@@ -113,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(f"\nworst |error|: step time {worst_t:.1%}, peak activation bytes {worst_m:.1%}")
     print(f"load average (1 min) at end: {_load()}")
+    print(host_line(), flush=True)
     return 0
 
 

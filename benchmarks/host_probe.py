@@ -1,0 +1,66 @@
+"""How much of two cores the host gives two busy processes right now: a line both timing benchmarks print.
+
+On a virtual machine the load average only sees this machine's own processes; the host may still run two busy
+vCPUs on one physical core (or beside another tenant) for seconds at a time, and then every process computes at
+up to half speed. Measured on this repo's 2-vCPU machine: two single-thread matmul loops ran 2.0x slower each
+than one alone for a whole 5-second window, and 1.0x in the next. Pipeline ranks compute concurrently, so such a
+window stretches a training step while a profile taken in a steady window does not see it. This probe times a
+fixed single-thread matmul block alone, then in ``processes`` concurrent copies, and reports the slowdown
+(median and 90th percentile over blocks): ``1.00x`` is a steady host, ``2.00x`` a host that runs both on one core.
+
+    .venv/bin/python benchmarks/host_probe.py            # prints one line
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+
+__all__ = ["host_line", "concurrent_slowdown"]
+
+
+def _blocks(seconds: float, out: "mp.Queue[list[float]] | None" = None) -> list[float]:
+    import torch
+    torch.set_num_threads(1)
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    for _ in range(3):
+        a @ b
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        times.append(time.perf_counter() - t0)
+    if out is not None:
+        out.put(times)
+    return times
+
+
+def concurrent_slowdown(seconds: float = 2.0, processes: int = 2) -> tuple[float, float]:
+    """(median, 90th percentile) of a block's time with ``processes`` copies running, over its median alone."""
+    ctx = mp.get_context("spawn")
+    q: mp.Queue[list[float]] = ctx.Queue()
+    alone = ctx.Process(target=_blocks, args=(seconds, q))
+    alone.start()
+    base = statistics.median(q.get())
+    alone.join()
+    procs = [ctx.Process(target=_blocks, args=(seconds, q)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    together = sorted(t for _ in procs for t in q.get())
+    for p in procs:
+        p.join()
+    return statistics.median(together) / base, together[int(0.9 * (len(together) - 1))] / base
+
+
+def host_line(seconds: float = 2.0, processes: int = 2) -> str:
+    """One line: the probe's result, for a benchmark's log."""
+    med, p90 = concurrent_slowdown(seconds, processes)
+    return (f"host probe: {processes} concurrent single-thread matmul loops ran {med:.2f}x (median) / {p90:.2f}x "
+            f"(90th pct) the time of one alone (1.00x: steady; 2.00x: two vCPUs sharing one core)")
+
+
+if __name__ == "__main__":
+    print(host_line())
