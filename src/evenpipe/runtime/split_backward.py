@@ -55,34 +55,27 @@ def _children(n: Node) -> list[Node]:
     return [c for c, _ in n.next_functions if c is not None]
 
 
-def _reaching(nodes: list[Node], targets: set[Node]) -> set[Node]:
-    """Nodes of ``nodes`` (topologically closed, any order) from which some node of ``targets`` is reachable."""
-    memo: dict[Node, bool] = {}
-    for start in nodes:
+def _reach_masks(roots: Sequence[Node], bits: dict[Node, int]) -> dict[Node, int]:
+    """For every node reachable from ``roots``: the OR of ``bits`` over the nodes reachable from it (itself
+    included), in one post-order pass over the graph (each node and edge visited once)."""
+    mask: dict[Node, int] = {}
+    for start in roots:
+        if start in mask:
+            continue
         stack: list[tuple[Node, bool]] = [(start, False)]
         while stack:
             n, expanded = stack.pop()
-            if n in memo:
-                continue
             if expanded:
-                memo[n] = n in targets or any(memo.get(c, False) for c in _children(n))
+                m = bits.get(n, 0)
+                for c in _children(n):
+                    m |= mask.get(c, 0)
+                mask[n] = m
+                continue
+            if n in mask:
                 continue
             stack.append((n, True))
-            stack.extend((c, False) for c in _children(n) if c not in memo)
-    return {n for n, hit in memo.items() if hit}
-
-
-def _all_nodes(roots: Sequence[Node]) -> list[Node]:
-    seen: set[Node] = set(roots)
-    order, stack = [], list(roots)
-    while stack:
-        n = stack.pop()
-        order.append(n)
-        for c in _children(n):
-            if c not in seen:
-                seen.add(c)
-                stack.append(c)
-    return order
+            stack.extend((c, False) for c in _children(n) if c not in mask)
+    return mask
 
 
 def _param_groups(split_of: dict[Node, list[Node]], params_of: dict[Node, torch.Tensor]
@@ -118,24 +111,31 @@ def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch
     if not need:
         return tuple(None for _ in inputs), WeightState(roots=(tuple(outputs), tuple(grad_outputs)))
     root_nodes = [n for n in (o.grad_fn for o in outputs) if n is not None]
-    nodes = _all_nodes(root_nodes)
     params_of = {_node(p): p for p in params if p.requires_grad}
-    on_path = _reaching(nodes, {_node(x) for x in need})
-    to_param = {n: set() for n in nodes}  # type: dict[Node, set[Node]]
-    for pn in params_of:
-        if pn in to_param:
-            for n in _reaching(nodes, {pn}):
-                to_param[n].add(pn)
+    # bit 0: the input path (reaches an input's gradient node); bit k+1: reaches parameter k's node
+    param_nodes = list(params_of)
+    bit_of = {pn: 2 << k for k, pn in enumerate(param_nodes)}
+    bits: dict[Node, int] = {}
+    for x in need:
+        bits[_node(x)] = bits.get(_node(x), 0) | 1
+    for pn, bit in bit_of.items():
+        bits[pn] = bits.get(pn, 0) | bit
+    mask = _reach_masks(root_nodes, bits)
     split_of: dict[Node, list[Node]] = {}
-    for n in nodes:
-        if n in on_path:
-            reach = set().union(*(to_param[c] for c in _children(n) if c not in on_path))  # type: set[Node]
+    for n, m in mask.items():
+        if m & 1:
+            reach = 0
+            for c in _children(n):
+                mc = mask.get(c, 0)
+                if not mc & 1:
+                    reach |= mc
             if reach:
-                split_of[n] = sorted(reach, key=id)
+                split_of[n] = [pn for k, pn in enumerate(param_nodes) if reach >> (k + 1) & 1]
     state = WeightState()
     early: list[Node] = []
     for splits, pnodes in _param_groups(split_of, params_of):
-        via_path = any(to_param[c] & set(pnodes) for s in splits for c in _children(s) if c in on_path)
+        group_bits = sum(bit_of[p] for p in pnodes)
+        via_path = any(mask.get(c, 0) & group_bits for s in splits for c in _children(s) if mask.get(c, 0) & 1)
         if via_path:
             early.extend(pnodes)
         else:
