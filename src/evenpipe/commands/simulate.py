@@ -138,7 +138,7 @@ def summary_json(trace: Trace) -> dict[str, Any]:
         "repeated_bubble_fraction": trace.repeated_bubble_fraction,
         "peak_activations": list(trace.peak_activations),
         "peak_activation_bytes": list(trace.peak_activation_bytes),
-        "actions": trace.num_actions, "transfers": len(trace.transfers),
+        "actions": trace.num_actions, "transfers": trace.num_transfers,
         "exposed_transfer_time": trace.exposed_transfer_time,
         "exposed_transfers": [{"kind": t.kind.name, "stage": t.stage, "microbatch": t.microbatch, "src": t.src,
                                "dst": t.dst, "start": t.start, "end": t.end, "exposed_s": t.exposed_s}

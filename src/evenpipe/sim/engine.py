@@ -99,6 +99,8 @@ _Dep = tuple[Hashable, float, int]
 """(signal, delay after it, transfer id or -1): a compute waits until ``signal`` time + delay."""
 
 _by_end = operator.attrgetter("end")
+by_end = _by_end
+"""Sort key of transfer records: their end."""
 _by_time = operator.itemgetter(0)
 
 
@@ -694,13 +696,19 @@ def make_trace(sched: Schedule, costs: SimCosts, starts: list[list[float]], ends
     each rank's memory changes (time, bytes delta) in the order they were decided."""
     transfers.sort(key=_by_end)
     step = max([max(e, default=0.0) for e in ends] + [t.end for t in transfers], default=0.0)
-    unit = tuple(sum(costs.stages[s].activation_bytes for s in sched.stages_of(r)) for r in range(sched.num_ranks))
-    memory = tuple(_timeline(r, mem[r], unit[r]) for r in range(sched.num_ranks))
+    unit = unit_bytes(sched, costs)
+    memory = tuple(timeline(r, mem[r], unit[r]) for r in range(sched.num_ranks))
     return Trace(schedule=sched, times=(starts, ends), transfers=tuple(transfers), memory=memory, unit_bytes=unit,
                  step_time=step, source="sim")
 
 
-def _timeline(r: int, events: list[tuple[float, float]], unit: float) -> MemoryTimeline:
+def unit_bytes(sched: Schedule, costs: SimCosts) -> tuple[float, ...]:
+    """Per rank, the bytes of one activation unit (the activation bytes of the stages it holds)."""
+    return tuple(sum(costs.stages[s].activation_bytes for s in sched.stages_of(r)) for r in range(sched.num_ranks))
+
+
+def timeline(r: int, events: list[tuple[float, float]], unit: float) -> MemoryTimeline:
+    """Rank ``r``'s memory timeline from its changes ``(time, bytes delta)`` in the order they were decided."""
     events.sort(key=_by_time)  # stable: same-time changes keep the causal order they were recorded in
     levels = list(accumulate(delta for _, delta in events))
     tol = _MEM_EPS * max(unit, 1.0) * (1 + len(events))

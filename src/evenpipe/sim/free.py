@@ -15,6 +15,7 @@ traces with the event engine's, float for float.
 from __future__ import annotations
 
 from itertools import accumulate, repeat
+from operator import sub
 
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.sim import engine as _ref
@@ -161,9 +162,22 @@ class _FreeRun:
                 compute_memory(ks[i], mk, cstart[base + j], cend[base + j],  # type: ignore[arg-type]
                                ckpt[s] if mk in recomputed else act[s], act[s] - ckpt[s], wgb[s], held, mem_r)
             mem.append(mem_r)
-        starts, ends, reach = self._action_times(cpos, offset, cstart, cend)  # type: ignore[arg-type]
-        records = self._records(sends, recvs, reach, ends, low)
-        return _ref.make_trace(sched, costs, starts, ends, records, mem)
+        ends_of: list[float] = cend  # type: ignore[assignment]  # every compute is timed by now
+
+        def times_and_transfers() -> tuple[tuple[list[list[float]], list[list[float]]], tuple[TransferRecord, ...]]:
+            starts, ends, reach = self._action_times(cpos, offset, cstart, ends_of)
+            records = self._records(sends, recvs, reach, ends, low)
+            records.sort(key=_ref.by_end)
+            return (starts, ends), tuple(records)
+        # what make_trace derives from the full times, from the computes alone (a message arrives when the later
+        # of its ends is reached, i.e. at some compute's end, so no message ends after the last compute)
+        unit = _ref.unit_bytes(sched, costs)
+        spans = [(sum(map(sub, ends_of[a:b], cstart[a:b])), min(cstart[a:b], default=float("inf")),
+                  max(ends_of[a:b], default=float("-inf"))) for a, b in zip(offset, offset[1:])]
+        return Trace.deferred(schedule=sched, memory=tuple(_ref.timeline(r, mem[r], unit[r]) for r in range(P)),
+                              unit_bytes=unit, step_time=max(max(ends_of, default=0.0), 0.0), spans=spans,
+                              num_transfers=len(sends), exposed_transfer_time=0.0,
+                              times_and_transfers=times_and_transfers)
 
     def _compute_deps(self, cpos: list[list[int]], before: list[list[int]], offset: list[int],
                       recvs: dict[int, int], sends: dict[int, int]) -> list[list[tuple[int, ...]]]:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from itertools import repeat
 from operator import sub
-from typing import Any, Iterator, NamedTuple, TypeAlias
+from typing import Any, Callable, Iterator, NamedTuple, TypeAlias
 
 from evenpipe.errors import ConfigError
 from evenpipe.schedule.ir import Action, ActionKind, Schedule, parse_action
@@ -119,13 +119,11 @@ class Trace:
     equality compares every field.
     """
 
-    __slots__ = ("schedule", "_actions", "_times", "transfers", "memory", "unit_bytes", "step_time", "source",
-                 "_spans")
+    __slots__ = ("schedule", "_actions", "_times", "_transfers", "memory", "unit_bytes", "step_time", "source",
+                 "_spans", "_deferred", "_counts")
 
     schedule: Schedule
     """The schedule that ran."""
-    transfers: tuple[TransferRecord, ...]
-    """Every message, in order of arrival."""
     memory: tuple[MemoryTimeline, ...]
     """Per rank, activation memory over time."""
     unit_bytes: tuple[float, ...]
@@ -137,6 +135,9 @@ class Trace:
     _actions: tuple[tuple[ActionRecord, ...], ...] | None
     _times: tuple[list[list[float]], list[list[float]]] | None
     _spans: list[tuple[float, float, float]] | None
+    _transfers: tuple[TransferRecord, ...] | None
+    _deferred: "Callable[[], tuple[tuple[list[list[float]], list[list[float]]], tuple[TransferRecord, ...]]] | None"
+    _counts: tuple[int, float] | None
 
     def __init__(self, *, schedule: Schedule, transfers: tuple[TransferRecord, ...],
                  memory: tuple[MemoryTimeline, ...], unit_bytes: tuple[float, ...], step_time: float,
@@ -144,11 +145,53 @@ class Trace:
                  times: tuple[list[list[float]], list[list[float]]] | None = None) -> None:
         if (actions is None) == (times is None):
             raise ValueError("a trace needs exactly one of actions and times")
+        self._init(schedule, actions, times, transfers, memory, unit_bytes, step_time, source, None, None, None)
+
+    def _init(self, schedule: Schedule, actions: object, times: object, transfers: object, memory: object,
+              unit_bytes: object, step_time: float, source: str, spans: object, deferred: object,
+              counts: object) -> None:
         init = object.__setattr__
         for name, value in (("schedule", schedule), ("_actions", actions), ("_times", times),
-                            ("transfers", transfers), ("memory", memory), ("unit_bytes", unit_bytes),
-                            ("step_time", step_time), ("source", source), ("_spans", None)):
+                            ("_transfers", transfers), ("memory", memory), ("unit_bytes", unit_bytes),
+                            ("step_time", step_time), ("source", source), ("_spans", spans),
+                            ("_deferred", deferred), ("_counts", counts)):
             init(self, name, value)
+
+    @classmethod
+    def deferred(cls, *, schedule: Schedule, memory: tuple[MemoryTimeline, ...], unit_bytes: tuple[float, ...],
+                 step_time: float, spans: list[tuple[float, float, float]], num_transfers: int,
+                 exposed_transfer_time: float,
+                 times_and_transfers: "Callable[[], tuple[tuple[list[list[float]], list[list[float]]], "
+                                      "tuple[TransferRecord, ...]]]") -> "Trace":
+        """A simulated trace whose per-action times and transfer records are computed only when first read
+        (``times_and_transfers``); the summaries a caller reads most (step time, bubbles from ``spans``, memory
+        peaks, the number of transfers and their exposed time) are known up front."""
+        self = cls.__new__(cls)
+        self._init(schedule, None, None, None, memory, unit_bytes, step_time, "sim", spans, times_and_transfers,
+                   (num_transfers, exposed_transfer_time))
+        return self
+
+    def _resolve(self) -> None:
+        """Compute the deferred times and transfers (once)."""
+        make = self._deferred
+        if make is not None:
+            times, transfers = make()
+            object.__setattr__(self, "_times", times)
+            object.__setattr__(self, "_transfers", transfers)
+            object.__setattr__(self, "_deferred", None)
+
+    @property
+    def transfers(self) -> tuple[TransferRecord, ...]:
+        """Every message, in order of arrival."""
+        if self._transfers is None:
+            self._resolve()
+        assert self._transfers is not None
+        return self._transfers
+
+    @property
+    def num_transfers(self) -> int:
+        """``len(transfers)`` (without computing deferred records)."""
+        return self._counts[0] if self._counts is not None else len(self.transfers)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Trace is immutable: cannot assign {name!r}")
@@ -158,6 +201,7 @@ class Trace:
         """Per rank, its executed actions in list order."""
         recs = self._actions
         if recs is None:
+            self._resolve()
             assert self._times is not None
             starts, ends = self._times
             new = tuple.__new__  # over zip: the named tuples are built in C
@@ -177,6 +221,8 @@ class Trace:
             return True
         if self._fields() != other._fields():
             return False
+        self._resolve()
+        other._resolve()
         if self._times is not None and other._times is not None:
             return self._times == other._times
         return self.actions == other.actions
@@ -215,6 +261,8 @@ class Trace:
 
     @property
     def num_ranks(self) -> int:
+        if self._deferred is not None:
+            return len(self.memory)
         return len(self._times[0]) if self._times is not None else len(self.actions)
 
     def to_json(self) -> str:
@@ -259,6 +307,8 @@ class Trace:
 
     @property
     def num_actions(self) -> int:
+        if self._deferred is not None:
+            return sum(map(len, self.schedule.columns.kinds))
         if self._times is not None:
             return sum(len(row) for row in self._times[0])
         return sum(len(acts) for acts in self.actions)
@@ -266,6 +316,7 @@ class Trace:
     def action_times(self, rank: int) -> tuple[list[float], list[float]]:
         """Start and end of each action of one rank, in list order (without building records when the trace
         holds times)."""
+        self._resolve()
         if self._times is not None:
             return self._times[0][rank], self._times[1][rank]
         recs = self.actions[rank]
@@ -282,7 +333,7 @@ class Trace:
 
     def busy_time(self, rank: int) -> float:
         """Total compute time of one rank."""
-        if self._times is not None:
+        if self._times is not None or self._spans is not None:
             return self._compute_spans()[rank][0]
         return sum(rec.end - rec.start for rec in self.actions[rank] if _IS_COMPUTE[rec.action.kind.code])
 
@@ -322,11 +373,15 @@ class Trace:
     @property
     def exposed_transfers(self) -> tuple[TransferRecord, ...]:
         """Transfers some compute waited on, most exposed first."""
+        if self._counts is not None and self._counts[1] == 0:
+            return ()  # exposed times are never negative: none is exposed (without computing deferred records)
         return tuple(sorted((t for t in self.transfers if t.exposed_s > 0), key=lambda t: -t.exposed_s))
 
     @property
     def exposed_transfer_time(self) -> float:
         """Sum of ``exposed_s`` over all transfers."""
+        if self._counts is not None:
+            return self._counts[1]
         return sum(t.exposed_s for t in self.transfers)
 
 
