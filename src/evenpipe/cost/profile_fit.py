@@ -80,7 +80,12 @@ def fit_least_squares(features: Sequence[str], rows: Sequence[Sequence[float]], 
                       relative: bool = False) -> Fit:
     """Least squares of ``ys`` on ``rows`` (one row of feature values per point). With fewer points than
     features, the leading features are dropped (one point: proportional to the last feature). ``relative``
-    minimises relative instead of absolute residuals (for points spanning decades, like message sizes)."""
+    minimises relative instead of absolute residuals (for points spanning decades, like message sizes).
+
+    Every quantity fitted here (a time, a byte count, FLOPs) is a fixed part plus parts that grow with the
+    features, none negative; so no coefficient is negative: where the free fit gives one (noisy times, e.g. one
+    slow sample at the smallest size), the most negative feature is dropped and the rest fitted again. A fit
+    with no negative coefficient is the plain least-squares fit."""
     if relative:
         w = [1.0 / y if y > 0 else 1.0 for y in ys]
         weighted = fit_least_squares(features, [[v * wi for v in row] for row, wi in zip(rows, w)],
@@ -91,17 +96,28 @@ def fit_least_squares(features: Sequence[str], rows: Sequence[Sequence[float]], 
     keep = list(range(len(features)))
     if k < len(features):  # too few points: keep the slope(s), drop the intercept first
         keep = keep[len(features) - k:]
+    while True:
+        coef = _fit_on(keep, len(features), rows, ys)
+        negative = [i for i in keep if coef[i] < 0]
+        if not negative or len(keep) == 1:
+            break
+        keep.remove(min(negative, key=coef.__getitem__))
+    return Fit(features=tuple(features), coefficients=tuple(coef),
+               points=tuple((tuple(float(v) for v in row), float(y)) for row, y in zip(rows, ys)))
+
+
+def _fit_on(keep: list[int], num_features: int, rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """Least-squares coefficients over the features ``keep`` (the others 0), columns scaled for conditioning."""
     sub = [[row[i] for i in keep] for row in rows]
     scale = [max((abs(r[j]) for r in sub), default=1.0) or 1.0 for j in range(len(keep))]
     norm = [[r[j] / scale[j] for j in range(len(keep))] for r in sub]
     ata = [[sum(r[i] * r[j] for r in norm) for j in range(len(keep))] for i in range(len(keep))]
     aty = [sum(r[i] * y for r, y in zip(norm, ys)) for i in range(len(keep))]
     sol = _solve(ata, aty)
-    coef = [0.0] * len(features)
+    coef = [0.0] * num_features
     for j, i in enumerate(keep):
         coef[i] = sol[j] / scale[j]
-    return Fit(features=tuple(features), coefficients=tuple(coef),
-               points=tuple((tuple(float(v) for v in row), float(y)) for row, y in zip(rows, ys)))
+    return coef
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,7 +198,9 @@ class ProfileModel:
         """Costs of one stage holding ``blocks`` transformer blocks (plus the embedding / head).
 
         ``split_backward``: the schedule runs ``I`` and ``W`` (zero-bubble), so the backward is their two
-        measured parts; otherwise ``B`` is the measured full backward (``backward_weight`` 0)."""
+        measured parts (on the first stage, whose input needs no gradient, ``I`` is empty and ``W`` the full
+        backward, as the runtime runs them); otherwise ``B`` is the measured full backward (``backward_weight``
+        0)."""
         b = microbatch_size
         layers = ([self.predict(LayerKind.EMBEDDING, b, seq_len)] if first else []) \
             + [self.predict(LayerKind.BLOCK, b, seq_len)] * blocks \
@@ -197,14 +215,19 @@ class ProfileModel:
 
         def total(q: str) -> float:
             return sum(getattr(lc, q) for lc in layers)
-        if split_backward:
+        weight_grad = min(unit, total("weight_grad_bytes"))
+        if split_backward and first:
+            # the first stage's input (tokens) needs no gradient: the runtime's I does nothing and W is the whole
+            # backward, so everything saved is kept until W
+            bi, bw, weight_grad = 0.0, total("backward_s"), unit
+        elif split_backward:
             bi, bw = total("backward_input_s"), total("backward_weight_s")
         else:
             bi, bw = total("backward_s"), 0.0
         return StageCosts(forward=total("forward_s") + action_overhead_s, backward_input=bi + action_overhead_s,
                           backward_weight=bw + (action_overhead_s if split_backward else 0.0),
                           recompute=total("recompute_s") + action_overhead_s, activation_bytes=unit,
-                          checkpoint_bytes=held_input, weight_grad_bytes=min(unit, total("weight_grad_bytes")),
+                          checkpoint_bytes=held_input, weight_grad_bytes=weight_grad,
                           output_bytes=0.0 if last else layers[-1].output_bytes)
 
     def sim_costs(self, schedule: Schedule, *, microbatch_size: int, layout: Sequence[int] | None = None,

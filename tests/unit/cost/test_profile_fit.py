@@ -87,6 +87,17 @@ def test_two_sequence_lengths_fit_tokens_and_attention_terms() -> None:
     assert fit.coefficients == pytest.approx((0.5, 2.0, 0.1))
 
 
+def test_no_negative_coefficient_from_noisy_times() -> None:
+    """A slow-looking trend (the free least-squares line is 2.571 b - 1.0, negative at b=0.39) would predict
+    negative times for small sizes: the intercept is dropped and the line refitted through the origin."""
+    rows = [(1.0, 1.0), (1.0, 2.0), (1.0, 4.0)]
+    fit = fit_least_squares(("1", "b"), rows, [1.0, 5.0, 9.0])
+    assert fit.coefficients == pytest.approx((0.0, 47 / 21))
+    assert all(fit.predict_features((1.0, b)) > 0 for b in (0.25, 1.0, 3.0))
+    plain = fit_least_squares(("1", "b"), rows, [3.0, 5.0, 9.0])  # no negative coefficient: least squares
+    assert plain.coefficients == pytest.approx((1.0, 2.0))
+
+
 def test_one_point_fit_is_proportional() -> None:
     fit = fit_least_squares(("1", "b"), [(1.0, 2.0)], [6.0])
     assert fit.predict_features((1.0, 5.0)) == pytest.approx(15.0)
@@ -109,6 +120,12 @@ def test_stage_unit_counts_layers_like_the_stash() -> None:
     split = model.stage_costs(blocks=2, first=False, last=True, microbatch_size=1, split_backward=True)
     assert split.backward_input == pytest.approx(1.1 * (2 * 3e-3 + 1.5e-3))
     assert split.backward_weight == pytest.approx(2 * 3e-3 + 1.5e-3)
+    # the first stage's input (tokens) needs no gradient: I is empty, W the full backward, nothing freed at I
+    first_split = model.stage_costs(blocks=2, first=True, last=False, microbatch_size=1, split_backward=True)
+    first_full = model.stage_costs(blocks=2, first=True, last=False, microbatch_size=1, split_backward=False)
+    assert first_split.backward_input == 0
+    assert first_split.backward_weight == pytest.approx(first_full.backward_input)
+    assert first_split.weight_grad_bytes == pytest.approx(first_split.activation_bytes)
 
 
 def test_link_fit() -> None:
