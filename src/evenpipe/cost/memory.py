@@ -273,6 +273,96 @@ _EFFECT_STEP = {
     MemoryEffect.HOST: _WalkStep(hosted=1), MemoryEffect.UNHOST: _WalkStep(hosted=-1),
 }
 _WALK = kind_table("memory walk", {k: _EFFECT_STEP[SEMANTICS[k].memory] for k in ActionKind})
+_NO_STEP = _EFFECT_STEP[MemoryEffect.NONE]
+
+
+_State = tuple[int, int, int, int, int, int]
+"""A rank's program-order memory state in whole counts: (own layer units, layer units kept for weight gradients,
+hosted layer units, own micro-batches of the first stage, of the last stage, a transient layer or not)."""
+_EXACT = 1 << 53
+_STATES_LIMIT = 4096
+_states_cache: dict[tuple[int, int, tuple[int, ...]], tuple[Schedule, tuple[_State, ...], _State, bool]] = {}
+
+
+def _rank_states(schedule: Schedule, rank: int, layers: tuple[int, ...]) -> tuple[tuple[_State, ...], _State, bool]:
+    """The states :func:`_peak_activations` records on ``rank``, as counts (they do not depend on bytes): the
+    ones that can hold a first maximum (a state no earlier state covers component by component) in program
+    order, each component's largest magnitude over all states, and whether every component stays >= 0.
+    Remembered per schedule object, rank and layers."""
+    key = (id(schedule), rank, layers)
+    hit = _states_cache.get(key)
+    if hit is not None and hit[0] is schedule:
+        return hit[1], hit[2], hit[3]
+    last = schedule.num_stages - 1
+    cols = schedule.columns
+    own = kept = hosted = first = final = 0
+    seen: set[_State] = set()
+    kept_states: list[_State] = []
+    for code, s in zip(cols.kinds[rank], cols.stages[rank]):
+        step = _WALK[code]
+        assert step is not None
+        if step is _NO_STEP:
+            continue  # the state stays: its record would repeat the last one
+        for spike in ((1, 0) if step.transient else (0,)):
+            if not spike:
+                n = layers[s]
+                if step.own:
+                    own += step.own * n
+                    if step.keeps_weight_grad:
+                        kept -= step.own * n
+                    if s == 0:
+                        first += step.own
+                    if s == last:
+                        final += step.own
+                elif step.weight_grad:
+                    kept -= n
+                elif step.hosted:
+                    hosted += step.hosted * n
+            state = (own, kept, hosted, first, final, spike)
+            if state in seen:
+                continue
+            seen.add(state)
+            for c in kept_states:
+                if c[0] >= own and c[1] >= kept and c[2] >= hosted and c[3] >= first and c[4] >= final \
+                        and c[5] >= spike:
+                    break  # an earlier state is as large in every component: this one is never the first maximum
+            else:
+                kept_states.append(state)
+    tops = [max(abs(state[k]) for state in seen) if seen else 0 for k in range(6)]
+    top = (tops[0], tops[1], tops[2], tops[3], tops[4], tops[5])
+    nonneg = all(x >= 0 for state in seen for x in state)
+    if len(_states_cache) >= _STATES_LIMIT:
+        _states_cache.clear()
+    out = (tuple(kept_states), top, nonneg)
+    _states_cache[key] = (schedule, *out)
+    return out
+
+
+def _rank_peak(schedule: Schedule, rank: int, layers: tuple[int, ...], act: ActivationBytes,
+               transient: float) -> _Peak:
+    """:func:`_peak_activations` of ``rank`` with stage units ``layers[s]·act.layer_saved`` (and so on), from the
+    rank's counted states when every sum the walk makes is exact in floating point (then the order of the
+    additions cannot matter and the states say it all); by the walk itself otherwise."""
+    states, top, nonneg = _rank_states(schedule, rank, layers)
+    values = (act.layer_saved, act.layer_weight_grad, act.embedding, act.head, transient)
+    ratios = [v.as_integer_ratio() for v in values]
+    den = max(d for _, d in ratios)  # powers of two: the largest is a multiple of the others
+    saved, wg, emb, head, spike = (n * (den // d) for n, d in ratios)
+    widest = max(layers)
+    bound = saved * (top[0] + top[2] + widest) + wg * (top[1] + widest) + emb * top[3] + head * top[4] + spike
+    if not nonneg or min(saved, wg, emb, head, spike) < 0 or bound >= _EXACT:
+        return _peak_activations(schedule, rank, [n * act.layer_saved for n in layers], act.embedding, act.head,
+                                 [n * act.layer_weight_grad for n in layers], transient)
+    best: _State | None = None
+    best_total = -1
+    for state in states:
+        total = saved * (state[0] + state[2]) + wg * state[1] + emb * state[3] + head * state[4] + spike * state[5]
+        if total > best_total:
+            best_total, best = total, state
+    if best is None:
+        return _Peak(0.0, 0.0, 0.0, 0.0)
+    return _Peak((saved * best[0] + wg * best[1] + spike * best[5]) / den, emb * best[3] / den,
+                 head * best[4] / den, saved * best[2] / den)
 
 
 def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
@@ -286,8 +376,6 @@ def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
         raise ConfigError(f"pp·chunks = {cfg.num_stages} stages exceed the {model.num_layers} layers of {model.name}")
     act = activation_bytes(model, cfg)
     schedule = counting_schedule(cfg, _plan_durations(model, hw, cfg, efficiency))
-    unit = [n * act.layer_saved for n in layers]
-    wg_unit = [n * act.layer_weight_grad for n in layers]
     # Full recomputation: one layer's full activations exist while it is recomputed and back-propagated.
     transient = act.layer_full if cfg.recompute is Recompute.FULL else 0.0
     params_layer = layer_params_per_rank(model, cfg.tp)
@@ -298,7 +386,7 @@ def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
     out: list[StageMemory] = []
     for r in range(p):
         n_params = params_layer * sum(layers[s] for s in schedule.stages_of(r))
-        peak = _peak_activations(schedule, r, unit, act.embedding, act.head, wg_unit, transient)
+        peak = _rank_peak(schedule, r, layers, act, transient)
         emb_state = embed_params * state_bytes if r == schedule.rank_of(0) else 0.0
         head_state = head_params * state_bytes if r == schedule.rank_of(schedule.num_stages - 1) else 0.0
         out.append(StageMemory(

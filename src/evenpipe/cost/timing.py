@@ -182,10 +182,29 @@ def _bpipe_partner(rank: int, p: int) -> int | None:
     return None if partner == rank else partner
 
 
+_SIM_COSTS_LIMIT = 1 << 14
+"""Stage costs remembered before the cache starts over (a planner search asks for a few thousand)."""
+_sim_costs: dict[tuple[object, ...], SimCosts] = {}
+
+
 def stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
                     efficiency: Efficiency | None = None) -> SimCosts:
-    """Per-stage durations and bytes (one tensor-parallel rank's share) and the links, for the simulator."""
+    """Per-stage durations and bytes (one tensor-parallel rank's share) and the links, for the simulator.
+
+    Remembered on the fields they depend on (configurations differing in data parallelism, the optimizer's
+    sharding or the schedule's order share one)."""
     eff = efficiency or Efficiency()
+    key = (model, hw, eff, cfg.pp, cfg.chunks, cfg.layout, cfg.microbatch_size, cfg.tp, cfg.sequence_parallel,
+           cfg.attention, cfg.recompute, cfg.uses_bpipe)
+    costs = _sim_costs.get(key)
+    if costs is None:
+        if len(_sim_costs) >= _SIM_COSTS_LIMIT:
+            _sim_costs.clear()
+        costs = _sim_costs[key] = _stage_sim_costs(model, hw, cfg, eff)
+    return costs
+
+
+def _stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency) -> SimCosts:
     num_stages = cfg.pp * cfg.chunks
     layers_of = stage_layers(model, cfg)
     lt = layer_times(model, hw, cfg, eff)

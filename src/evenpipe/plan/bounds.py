@@ -12,8 +12,6 @@ there; ``tests/unit/plan`` checks the result against ``estimate`` on many config
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass
 
 from evenpipe.cost import Efficiency, Hardware, ModelSpec, ParallelConfig, Recompute, stage_layers, stage_sim_costs
@@ -90,13 +88,33 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
                           first_rank_hideable=last_mb_backward0)
 
 
-@functools.lru_cache(maxsize=4096)
-def _pipeline_bounds_of(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency) -> PipelineBounds:
-    """Pipeline bounds, shared by configurations that differ only in optimizer sharding (it changes no stage)."""
-    costs = stage_sim_costs(model, hw, cfg, eff)
-    return pipeline_bounds(costs, stage_layout(cfg.schedule, cfg.pp, cfg.chunks), cfg.num_microbatches,
-                           recompute=cfg.recompute is Recompute.FULL,
-                           split_backward=cfg.schedule.traits.split_backward)
+_CACHE_LIMIT = 1 << 16
+"""Entries each bound cache holds before it starts over (one search makes a few thousand)."""
+_pipeline_cache: dict[tuple[object, ...], PipelineBounds] = {}
+_bound_cache: dict[tuple[object, ...], float] = {}
+
+
+def _pipeline_key(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency) -> tuple[object, ...]:
+    """What :func:`pipeline_bounds` of ``cfg`` depends on: the stage costs' fields (not the optimizer's sharding,
+    nor BPipe's transform, which adds links between partners only), the placement, m and the backward split.
+    Schedules with one placement share their bounds (1F1B and bpipe; interleaved with and without BPipe)."""
+    traits = cfg.schedule.traits
+    return (model, hw, eff, traits.placement, traits.split_backward, cfg.pp, cfg.chunks, cfg.layout,
+            cfg.microbatch_size, cfg.num_microbatches, cfg.tp, cfg.sequence_parallel, cfg.attention, cfg.recompute)
+
+
+def _pipeline_bounds_of(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency,
+                        key: tuple[object, ...]) -> PipelineBounds:
+    """Pipeline bounds, shared by the configurations with one :func:`_pipeline_key`."""
+    bounds = _pipeline_cache.get(key)
+    if bounds is None:
+        if len(_pipeline_cache) >= _CACHE_LIMIT:
+            _pipeline_cache.clear()
+        costs = stage_sim_costs(model, hw, cfg, eff)
+        bounds = _pipeline_cache[key] = pipeline_bounds(
+            costs, stage_layout(cfg.schedule, cfg.pp, cfg.chunks), cfg.num_microbatches,
+            recompute=cfg.recompute is Recompute.FULL, split_backward=cfg.schedule.traits.split_backward)
+    return bounds
 
 
 def step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
@@ -104,10 +122,23 @@ def step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
     """A lower bound on ``estimate(model, hw, cfg).step_time_s`` from stage costs alone (no schedule, no simulation).
 
     ``max(makespan, rank 0's end + its exposed data-parallel reduction) + optimizer step``, where the reduction and
-    the optimizer step count the transformer layers' parameters only (not embedding or head).
+    the optimizer step count the transformer layers' parameters only (not embedding or head). Remembered per
+    :func:`_pipeline_key`, data parallelism and the optimizer's sharding (all it depends on).
     """
     eff = efficiency or Efficiency()
-    b = _pipeline_bounds_of(model, hw, dataclasses.replace(cfg, distributed_optimizer=False), eff)
+    pipeline_key = _pipeline_key(model, hw, cfg, eff)
+    key = (pipeline_key, cfg.dp, cfg.distributed_optimizer)
+    bound = _bound_cache.get(key)
+    if bound is None:
+        if len(_bound_cache) >= _CACHE_LIMIT:
+            _bound_cache.clear()
+        bound = _bound_cache[key] = _step_time_lower_bound(model, hw, cfg, eff,
+                                                           _pipeline_bounds_of(model, hw, cfg, eff, pipeline_key))
+    return bound
+
+
+def _step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency,
+                           b: PipelineBounds) -> float:
     placement = stage_layout(cfg.schedule, cfg.pp, cfg.chunks)
     layers = stage_layers(model, cfg)
     rank0_layers = sum(n for n, r in zip(layers, placement) if r == 0)  # estimate's rank 0 holds these and more

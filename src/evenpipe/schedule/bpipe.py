@@ -292,10 +292,15 @@ def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int, earl
     room, which keeps the acceptor's hosting window one slot shorter. Micro-batches in ``forced`` are evicted
     right after their ``F`` whether or not room is needed.
     """
+    kinds = [a.kind for a in acts]
+    keys = [(a.stage, a.microbatch) for a in acts]
+    using = [k is _R or k is _B or k is _I for k in kinds]
     first_use: dict[tuple[int, int], int] = {}
-    for i, a in enumerate(acts):
-        if a.kind in (_R, _B, _I):
-            first_use.setdefault(a.key, i)
+    for i, key in enumerate(keys):
+        if using[i]:
+            first_use.setdefault(key, i)
+    count = len(acts)
+    units = _UNITS
     held = 0
     away: set[tuple[int, int]] = set()
     evictable: set[tuple[int, int]] = set()  # own units forwarded, not yet used, never evicted
@@ -303,53 +308,58 @@ def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int, earl
     evict_after_forward: dict[tuple[int, int], Action] = {}
     markers_before: dict[int, list[Action]] = {}  # placed right before compute i
     deferred: list[tuple[int, int]] = []
-    for i, a in enumerate(acts):
-        uses = a.kind in (_R, _B, _I)
-        must = [k for k in deferred if k in away]
-        if uses and a.key in away and a.key not in must:
-            must.append(a.key)
-        nxt = acts[i + 1] if i + 1 < len(acts) else None
-        ahead = [nxt.key] if (nxt is not None and nxt.kind in (_R, _B, _I) and nxt.key in away
-                              and nxt.key not in must) else []
-        if a.kind is not _F and held + len(must) + len(ahead) > budget:
-            deferred, ahead = ahead, []  # load after this compute instead: a backward frees a unit
-        else:
-            deferred = []
-        loads = must + ahead
-        grows = 1 if a.kind is _F else 0
-        victims = _pick_victims(farthest, evictable, set(loads) | {a.key},
-                                max(0, held + len(loads) + grows - budget))
+    for i, kind in enumerate(kinds):
+        key = keys[i]
+        uses = using[i]
+        forward = kind is _F
+        if away:
+            must = [k for k in deferred if k in away] if deferred else []
+            if uses and key in away and key not in must:
+                must.append(key)
+            j = i + 1
+            ahead = [keys[j]] if (j < count and using[j] and keys[j] in away and keys[j] not in must) else []
+            if not forward and held + len(must) + len(ahead) > budget:
+                deferred, ahead = ahead, []
+            else:
+                deferred = []
+            loads = must + ahead
+        else:  # nothing away: nothing to load
+            deferred = loads = []
+        need = held + len(loads) + (1 if forward else 0) - budget
+        victims = _pick_victims(farthest, evictable, set(loads) | {key}, need) if need > 0 else []
         if victims is None:
             return None
-        evicts = [Action(ActionKind.EVICT, k[0], k[1], partner) for k in victims]
-        if early:
-            evict_after_forward.update(zip(victims, evicts))
-            evicts = []
-        first = max(0, held + len(loads) - budget) if evicts else 0  # these must leave before the loads land
-        markers = evicts[:first] + [Action(ActionKind.LOAD, k[0], k[1], partner) for k in loads] + evicts[first:]
-        if markers:
-            markers_before[i] = markers
-        evictable.difference_update(victims)
-        away.update(victims)
-        away.difference_update(loads)
-        held += len(loads) - len(victims) + _UNITS[a.kind.code]
-        if a.kind is _F and a.key in forced:
-            evict_after_forward[a.key] = Action(ActionKind.EVICT, a.stage, a.microbatch, partner)
-            away.add(a.key)
+        if victims or loads:
+            evicts = [Action(ActionKind.EVICT, k[0], k[1], partner) for k in victims]
+            if early:
+                evict_after_forward.update(zip(victims, evicts))
+                evicts = []
+            first = max(0, held + len(loads) - budget) if evicts else 0  # these must leave before the loads land
+            markers = evicts[:first] + [Action(ActionKind.LOAD, k[0], k[1], partner) for k in loads] + evicts[first:]
+            if markers:
+                markers_before[i] = markers
+            evictable.difference_update(victims)
+            away.update(victims)
+            away.difference_update(loads)
+        held += len(loads) - len(victims) + units[kind.code]
+        if forward and key in forced:
+            evict_after_forward[key] = Action(ActionKind.EVICT, key[0], key[1], partner)
+            away.add(key)
             held -= 1
-        elif a.kind is _F:
-            evictable.add(a.key)
-            heapq.heappush(farthest, (-first_use.get(a.key, len(acts)), a.key))
+        elif forward:
+            evictable.add(key)
+            heapq.heappush(farthest, (-first_use.get(key, count), key))
         elif uses:
-            evictable.discard(a.key)
+            evictable.discard(key)
         if held > budget:
             return None
     out: list[Action] = []
     for i, a in enumerate(acts):
-        out.extend(markers_before.get(i, ()))
+        if i in markers_before:
+            out.extend(markers_before[i])
         out.append(a)
-        if a.kind is _F and a.key in evict_after_forward:
-            out.append(evict_after_forward[a.key])
+        if keys[i] in evict_after_forward and kinds[i] is _F:
+            out.append(evict_after_forward[keys[i]])
     return out
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
 from evenpipe.cost import (GIB, Arch, Attention, ModelSpec, ParallelConfig, Recompute, ScheduleFamily,
                            activation_bytes, hardware_preset, memory_per_stage, model_preset)
-from evenpipe.cost.memory import _peak_activations, counting_schedule
+from evenpipe.cost.memory import ActivationBytes, _peak_activations, _rank_peak, counting_schedule
 from evenpipe.schedule import bpipe_transform, compute_order
 
 A100 = hardware_preset("a100-80gb")
@@ -201,3 +202,29 @@ def trace_free_embedding_state(cfg: ParallelConfig) -> float:
 
 def head_state(cfg: ParallelConfig) -> float:
     return (-(-GPT3.vocab // cfg.tp) * GPT3.hidden + 2 * GPT3.hidden) * 18.0
+
+
+@pytest.mark.parametrize("family,v,bpipe", [
+    (ScheduleFamily.ONE_F_ONE_B, 1, False), (ScheduleFamily.INTERLEAVED, 3, True), (ScheduleFamily.ZB_H1, 1, True),
+    (ScheduleFamily.BPIPE, 1, False), (ScheduleFamily.ZB_V, 2, False), (ScheduleFamily.GPIPE, 1, False)])
+def test_counted_peak_is_the_walk_exactly(family: ScheduleFamily, v: int, bpipe: bool) -> None:
+    # the peak from counted states is the program-order walk's, float for float and component by component:
+    # whole byte counts, eighths, tiny integers (many equal totals: the first maximum must win) and arbitrary
+    # floats (inexact sums: the walk itself answers)
+    rng = random.Random(7)
+    draws = [lambda: float(rng.randint(0, 10 ** 10)), lambda: rng.randint(0, 10 ** 6) / 8,
+             lambda: float(rng.choice([0, 1, 2])), lambda: rng.uniform(0.0, 1e9)]
+    for p in (3, 4, 6):
+        cfg = ParallelConfig(pp=p, chunks=v, global_batch=p * rng.randint(1, 4), schedule=family, bpipe=bpipe)
+        sched = counting_schedule(cfg, (2, 2, 1) if family.traits.plans_with_durations else None)
+        for trial in range(12):
+            draw = draws[trial % len(draws)]
+            layers = tuple(rng.randint(1, 4) for _ in range(p * v))
+            saved = draw()
+            act = ActivationBytes(layer_full=saved + draw(), layer_saved=saved, layer_weight_grad=min(saved, draw()),
+                                  embedding=draw(), head=draw())
+            transient = draw() if trial % 2 else 0.0
+            for r in range(p):
+                walked = _peak_activations(sched, r, [n * act.layer_saved for n in layers], act.embedding, act.head,
+                                           [n * act.layer_weight_grad for n in layers], transient)
+                assert _rank_peak(sched, r, layers, act, transient) == walked, (p, r, trial)
