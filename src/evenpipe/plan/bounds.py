@@ -59,26 +59,40 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
     work_to_last_i = [0.0] * num_ranks
     lowest = [len(stage_to_rank)] * num_ranks
     last_mb_backward0 = 0.0
+    seen: dict[int, tuple[float, float, float, float, float]] = {}  # equal stages are often one object
+    rows = []
+    for st in costs.stages:
+        row = seen.get(id(st))
+        if row is None:
+            row = seen[id(st)] = (st.forward, st.backward, st.backward_input,
+                                  st.recompute_time if recompute else 0.0, st.output_bytes)
+        rows.append(row)
     for s, r in enumerate(stage_to_rank):
-        st = costs.stages[s]
-        extra = st.recompute_time if recompute else 0.0
-        work[r] += st.forward + st.backward + extra
-        work_to_last_i[r] += st.forward + extra + (st.backward_input if split_backward else st.backward)
-        lowest[r] = min(lowest[r], s)
+        forward, backward, backward_input, extra, _ = rows[s]
+        work[r] += forward + backward + extra
+        work_to_last_i[r] += forward + extra + (backward_input if split_backward else backward)
+        if s < lowest[r]:
+            lowest[r] = s
         if r == 0:
-            last_mb_backward0 += st.backward + extra
+            last_mb_backward0 += backward + extra
     # prefix_f[s]: forwards of stages 0..s-1 plus the activation messages between them up to stage s;
     # prefix_i[s]: input gradients of stages s-1..0 plus the gradient messages from stage s down to stage 0
     prefix_f, prefix_i = [0.0], [0.0]
-    for k, st in enumerate(costs.stages):
+    times: dict[tuple[int, int, float], float] = {}
+    num_stages = len(rows)
+    for k, (forward, _, backward_input, _, output_bytes) in enumerate(rows):
         fwd_msg = bwd_msg = 0.0
-        if k + 1 < len(costs.stages) and stage_to_rank[k] != stage_to_rank[k + 1]:
+        if k + 1 < num_stages and stage_to_rank[k] != stage_to_rank[k + 1]:
             src, dst = stage_to_rank[k], stage_to_rank[k + 1]
-            size = min(st.output_bytes, costs.stages[k + 1].output_bytes)
-            fwd_msg = costs.link(src, dst).transfer_time(size)
-            bwd_msg = costs.link(dst, src).transfer_time(size)
-        prefix_f.append(prefix_f[-1] + st.forward + fwd_msg)
-        prefix_i.append(prefix_i[-1] + st.backward_input + bwd_msg)
+            size = min(output_bytes, rows[k + 1][4])
+            fwd_msg = times.get((src, dst, size), -1.0)
+            if fwd_msg < 0.0:
+                fwd_msg = times[(src, dst, size)] = costs.link(src, dst).transfer_time(size)
+            bwd_msg = times.get((dst, src, size), -1.0)
+            if bwd_msg < 0.0:
+                bwd_msg = times[(dst, src, size)] = costs.link(dst, src).transfer_time(size)
+        prefix_f.append(prefix_f[-1] + forward + fwd_msg)
+        prefix_i.append(prefix_i[-1] + backward_input + bwd_msg)
     # rank r's own work ends no earlier than its start plus all of it; its last input gradient, no earlier than its
     # start plus all work up to it, and that micro-batch's input gradient then reaches stage 0 on rank 0
     own_end = max(prefix_f[lowest[r]] + m * work[r] for r in range(num_ranks))
