@@ -177,11 +177,25 @@ def build_cost_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | Non
                             cfg.recompute is Recompute.FULL, cfg.bpipe, plan_durations)
 
 
-@functools.lru_cache(maxsize=8)  # full schedules of big pipelines hold 10^5-10^6 actions each
+_SCHEDULE_ACTIONS = 1_500_000
+"""Actions the full-schedule cache may hold (full schedules of big pipelines hold 10^5-10^6 actions each; the
+planner estimates configurations sharing one schedule -- optimizer sharding, layouts -- far apart)."""
+_schedules: dict[tuple[object, ...], tuple[Schedule, int]] = {}  # least recently used first
+
+
 def _cached_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int | None,
                      recompute: bool, bpipe: bool, plan_durations: PlanDurations | None) -> Schedule:
-    return build_schedule(family, num_ranks=p, num_microbatches=m, num_chunks=v, bpipe_budget=budget,
-                          recompute=recompute, bpipe=bpipe, plan_durations=plan_durations)
+    key = (family, p, m, v, budget, recompute, bpipe, plan_durations)
+    hit = _schedules.pop(key, None)
+    if hit is None:
+        sched = build_schedule(family, num_ranks=p, num_microbatches=m, num_chunks=v, bpipe_budget=budget,
+                               recompute=recompute, bpipe=bpipe, plan_durations=plan_durations)
+        hit = (sched, sum(map(len, sched.columns.kinds)))
+    _schedules[key] = hit
+    held = sum(size for _, size in _schedules.values())
+    while held > _SCHEDULE_ACTIONS and len(_schedules) > 1:
+        held -= _schedules.pop(next(iter(_schedules)))[1]
+    return hit[0]
 
 
 def counting_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None = None) -> Schedule:

@@ -114,6 +114,24 @@ def bpipe_transform(schedule: Schedule, *, budget: int | None = None, balance: b
     The schedule's transfers are ignored and derived again. Raises ``ConfigError`` naming the smallest budget
     that works when ``budget`` cannot be met.
     """
+    key = (id(schedule), budget, balance)
+    for sched, k, result in _TRANSFORMED:
+        if sched is schedule and k == key:
+            return result
+    result = _transform(schedule, budget=budget, balance=balance)
+    _TRANSFORMED.insert(0, (schedule, key, result))
+    del _TRANSFORMED[_TRANSFORMED_SIZE:]
+    return result
+
+
+_TRANSFORMED: list[tuple[Schedule, tuple[int, int | None, bool], Schedule]] = []
+"""The last few (input, (its id, budget, balance), result) of :func:`bpipe_transform`: schedules are immutable, so
+the same input object gets the same answer (the planner counts memory on the schedule it then estimates)."""
+_TRANSFORMED_SIZE = 4
+
+
+def _transform(schedule: Schedule, *, budget: int | None, balance: bool) -> Schedule:
+    """:func:`bpipe_transform` itself."""
     P = schedule.num_ranks
     local = [s for s in range(schedule.num_stages - 1) if schedule.rank_of(s) == schedule.rank_of(s + 1)]
     if local and P > 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import warnings
 from typing import Callable, Iterator
@@ -91,9 +92,12 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
     return full
 
 
+@functools.lru_cache(maxsize=16)  # schedules are immutable: the planner's memory count and its estimate, a
+# configuration and its BPipe twin, build on one compute order (and so share its BPipe transform)
 def compute_order(family: ScheduleFamily, *, num_ranks: int, num_microbatches: int,
                   num_chunks: int | None = None, plan_durations: tuple[int, int, int] | None = None) -> Schedule:
-    """The compute-only schedule of ``family`` after checking the sizes (``ConfigError`` when out of range)."""
+    """The compute-only schedule of ``family`` after checking the sizes (``ConfigError`` when out of range);
+    the same object for the same arguments while it is among the last few asked for."""
     P, M = num_ranks, num_microbatches
     V = family.traits.chunks.chunks(num_chunks) if num_chunks is None else num_chunks
     if P < 1:

@@ -47,6 +47,8 @@ _KINDS = tuple(ActionKind)
               _ref._KACCEPT, _ref._KRETURN, _ref._KLOAD, _ref._KOFFLOAD, _ref._KRELOAD)
 _EXACT_LIMIT = 2 ** 53
 _CACHE_SIZE = 4  # a shape of 4*10^5 actions holds tens of MB
+_CACHE_ACTIONS = 1_000_000
+"""Beyond ``_CACHE_SIZE`` shapes, more are kept while their schedules hold this many actions in all."""
 
 
 class _Fallback(Exception):
@@ -123,7 +125,12 @@ def compile_shape(schedule: Schedule) -> Shape:
             return shape
     shape = _Compiler(schedule).run()
     _cache.insert(0, (schedule, shape))
-    del _cache[_CACHE_SIZE:]
+    held = 0
+    for k, (sched, _) in enumerate(_cache):  # keep the most recent ones up to a total size
+        held += sum(map(len, sched.columns.kinds))
+        if k >= _CACHE_SIZE and held > _CACHE_ACTIONS:
+            del _cache[k:]
+            break
     return shape
 
 
