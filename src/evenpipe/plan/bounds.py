@@ -78,19 +78,21 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
     # prefix_f[s]: forwards of stages 0..s-1 plus the activation messages between them up to stage s;
     # prefix_i[s]: input gradients of stages s-1..0 plus the gradient messages from stage s down to stage 0
     prefix_f, prefix_i = [0.0], [0.0]
-    times: dict[tuple[int, int, float], float] = {}
+    times: dict[tuple[int, float], float] = {}  # (link object, bytes) -> transfer time: few links are distinct
     num_stages = len(rows)
+    link = costs.link
     for k, (forward, _, backward_input, _, output_bytes) in enumerate(rows):
         fwd_msg = bwd_msg = 0.0
         if k + 1 < num_stages and stage_to_rank[k] != stage_to_rank[k + 1]:
             src, dst = stage_to_rank[k], stage_to_rank[k + 1]
             size = min(output_bytes, rows[k + 1][4])
-            fwd_msg = times.get((src, dst, size), -1.0)
+            there, back = link(src, dst), link(dst, src)
+            fwd_msg = times.get((id(there), size), -1.0)
             if fwd_msg < 0.0:
-                fwd_msg = times[(src, dst, size)] = costs.link(src, dst).transfer_time(size)
-            bwd_msg = times.get((dst, src, size), -1.0)
+                fwd_msg = times[(id(there), size)] = there.transfer_time(size)
+            bwd_msg = times.get((id(back), size), -1.0)
             if bwd_msg < 0.0:
-                bwd_msg = times[(dst, src, size)] = costs.link(dst, src).transfer_time(size)
+                bwd_msg = times[(id(back), size)] = back.transfer_time(size)
         prefix_f.append(prefix_f[-1] + forward + fwd_msg)
         prefix_i.append(prefix_i[-1] + backward_input + bwd_msg)
     # rank r's own work ends no earlier than its start plus all of it; its last input gradient, no earlier than its
