@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 from evenpipe.cost import Efficiency, Hardware, ModelSpec, ParallelConfig, Recompute, stage_layers, stage_sim_costs
 from evenpipe.cost.memory import layer_params_per_rank
-from evenpipe.cost.timing import dp_allreduce_time, optimizer_step_time
+from evenpipe.cost.timing import dp_allreduce_time, layer_times, optimizer_step_time
 from evenpipe.schedule import ScheduleFamily
 from evenpipe.sim.costs import SimCosts
 
-__all__ = ["PipelineBounds", "pipeline_bounds", "step_time_lower_bound", "stage_layout"]
+__all__ = ["PipelineBounds", "pipeline_bounds", "step_time_lower_bound", "stage_layout", "work_lower_bound"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineBounds:
@@ -163,3 +163,39 @@ def _step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, 
     hidden = b.first_rank_hideable if eff.dp_overlap else 0.0
     pipeline = max(b.makespan, b.first_rank_end + max(0.0, dp - hidden))
     return pipeline + optimizer_step_time(layer_params, cfg, hw, eff)
+
+
+_WORK_MARGIN = 1.0 - 1e-9
+"""Shrinks :func:`work_lower_bound` below the rounding of the sums it stands for."""
+_layer_work: dict[tuple[object, ...], float] = {}
+_busiest_layers: dict[tuple[object, ...], int] = {}
+
+
+def work_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, efficiency: Efficiency | None = None) -> float:
+    """A cheap value no larger than :func:`step_time_lower_bound` (no stage costs, no links): the busiest rank
+    runs the forward and backward (and the recomputation) of each of its layers for every micro-batch.
+
+    It is ``m·work_r`` of :func:`pipeline_bounds` for that rank without the embedding and the head, and so at most
+    its makespan; the margin keeps it below whatever rounding the exact sums take. A search may skip a
+    configuration on it, without the exact bound, whenever it already cannot win.
+    """
+    eff = efficiency or Efficiency()
+    key = (model, hw, eff, cfg.tp, cfg.microbatch_size, cfg.sequence_parallel, cfg.attention, cfg.recompute)
+    per_layer = _layer_work.get(key)
+    if per_layer is None:
+        if len(_layer_work) >= _CACHE_LIMIT:
+            _layer_work.clear()
+        lt = layer_times(model, hw, cfg, eff)
+        per_layer = _layer_work[key] = (lt.forward + lt.backward_input + lt.backward_weight_compute
+                                        + (lt.forward if cfg.recompute is Recompute.FULL else 0.0))
+    traits = cfg.schedule.traits
+    where = (model.num_layers, traits.placement, cfg.pp, cfg.chunks, cfg.layout)
+    busiest = _busiest_layers.get(where)
+    if busiest is None:
+        if len(_busiest_layers) >= _CACHE_LIMIT:
+            _busiest_layers.clear()
+        per_rank = [0] * cfg.pp
+        for n, r in zip(stage_layers(model, cfg), stage_layout(cfg.schedule, cfg.pp, cfg.chunks)):
+            per_rank[r] += n
+        busiest = _busiest_layers[where] = max(per_rank)
+    return cfg.num_microbatches * busiest * per_layer * _WORK_MARGIN

@@ -7,7 +7,8 @@ The search is branch and bound over a finite space:
 2. **prune whole (tp, pp, dp) groups** whose model states alone overflow a rank (one ``memory_per_stage`` call
    per group);
 3. **bound** every remaining configuration from its stage costs (:mod:`evenpipe.plan.bounds`: no schedule, no
-   simulation) and visit them in increasing bound order; a configuration whose bound cannot beat the ``k``-th best
+   simulation; a cheaper work bound first, which often suffices to skip it) and visit them in increasing bound
+   order; a configuration whose bound cannot beat the ``k``-th best
    estimate so far is skipped, so the kept top ``k`` are exactly the top ``k`` of the whole space;
 4. for the others, skip it if **dominated** (a fitting twin with lighter recomputation), check **memory** with
    :func:`evenpipe.cost.memory_per_stage` (closed form), and **estimate** it with :func:`evenpipe.cost.estimate`
@@ -42,7 +43,7 @@ from evenpipe.cost import (
 )
 from evenpipe.cost.memory import layer_states_per_rank_gib
 from evenpipe.errors import ConfigError, EvenpipeError
-from evenpipe.plan.bounds import step_time_lower_bound
+from evenpipe.plan.bounds import step_time_lower_bound, work_lower_bound
 from evenpipe.schedule import ScheduleFamily
 from evenpipe.schedule.family import Transform
 
@@ -313,6 +314,8 @@ class _Pending:
     bound: float
     order: int
     config: ParallelConfig = field(compare=False)
+    exact: bool = field(default=False, compare=False)
+    """Whether ``bound`` is the step-time lower bound itself, not the cheaper work bound below it."""
 
 
 class Searcher:
@@ -417,7 +420,9 @@ class Searcher:
             if not states_fit[group]:
                 counts.over_memory += 1
                 continue
-            pending.append(_Pending(self.lower_bound(cfg), len(pending), cfg))
+            exact = self._bounds.get(cfg)
+            pending.append(_Pending(work_lower_bound(self.model, self.hw, cfg, self.efficiency) if exact is None
+                                    else exact, len(pending), cfg, exact is not None))
         return pending
 
     def _dominated(self, cfg: ParallelConfig, fitting: set[ParallelConfig]) -> bool:
@@ -452,6 +457,9 @@ class Searcher:
         """Visit configurations in increasing bound order; check memory, then estimate, only those that could
         still enter the top ``k`` (or beat their family's best).
 
+        Items enter with the cheap :func:`~evenpipe.plan.bounds.work_lower_bound` (no stage costs): one that cannot
+        win on it is skipped as the exact bound would skip it later; otherwise it goes back in under its exact
+        bound, so configurations are visited in exact-bound order all the same.
         Memory is checked lazily, so configurations skipped by the bound never cost a ``memory_per_stage`` call.
         A configuration whose lighter-recomputation twin fits is dominated: recomputation adds time and saves only
         memory (under BPipe only when the twin also evicts no more bytes); the twin's bound is no
@@ -473,6 +481,11 @@ class Searcher:
             if item.bound > kth and (not per_family or item.bound > fam_best):
                 counts.bounded += 1
                 continue
+            if not item.exact:  # the work bound could not skip it: its place is that of its exact bound
+                bound = self.lower_bound(cfg)
+                if bound != item.bound:
+                    heapq.heappush(pending, _Pending(bound, item.order, cfg, True))
+                    continue
             if self._dominated(cfg, fitting):
                 counts.dominated += 1
                 continue

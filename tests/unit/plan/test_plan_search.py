@@ -20,6 +20,7 @@ from evenpipe.cost import (
 )
 from evenpipe.errors import ConfigError, EvenpipeError
 from evenpipe.plan import Searcher, SearchSpace, enumerate_configs, plan_configs, step_time_lower_bound
+from evenpipe.plan.bounds import work_lower_bound
 from evenpipe.schedule import ScheduleFamily
 
 A100 = hardware_preset("a100-80gb")
@@ -111,6 +112,24 @@ def test_lower_bound_never_exceeds_the_estimate(name: str, hw: Hardware, gpus: i
             assert bound >= 0.8 * est.step_time_s, cfg.describe()
         checked += 1
     assert checked > 10
+
+
+@pytest.mark.parametrize("name,hw,gpus,batch", [("gpt3-175b", A100, 1024, 1536), ("llama2-70b", A100, 64, 256)])
+def test_work_bound_never_exceeds_the_lower_bound(name: str, hw: Hardware, gpus: int, batch: int) -> None:
+    # the search skips on the cheap work bound only what the exact bound would skip: it must never exceed it,
+    # and it should often be close (that is what makes it pay)
+    model = model_preset(name)
+    ratios = []
+    for cfg in enumerate_configs(model, hw, num_gpus=gpus, global_batch=batch, space=SearchSpace()):
+        try:
+            check_config(model, hw, cfg, gpus)
+        except EvenpipeError:
+            continue
+        exact = step_time_lower_bound(model, hw, cfg)
+        work = work_lower_bound(model, hw, cfg)
+        assert 0.0 < work <= exact, cfg.describe()
+        ratios.append(work / exact)
+    assert len(ratios) > 1000 and sorted(ratios)[len(ratios) // 2] > 0.5
 
 
 def test_candidates_fit_and_are_sorted() -> None:
