@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from evenpipe.errors import ConfigError
 from evenpipe.schedule.build import plan_durations_for
+from evenpipe.schedule.memo import Memo
 from evenpipe.sim.costs import Link, SimCosts, StageCosts
 
 from evenpipe.cost.flops import attention_core_flops, head_gemm, layer_gemms, Gemm
@@ -184,7 +185,7 @@ def _bpipe_partner(rank: int, p: int) -> int | None:
 
 _SIM_COSTS_LIMIT = 1 << 14
 """Stage costs remembered before the cache starts over (a planner search asks for a few thousand)."""
-_sim_costs: dict[tuple[object, ...], SimCosts] = {}
+_sim_costs: Memo[SimCosts] = Memo(_SIM_COSTS_LIMIT)
 
 
 def stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
@@ -196,12 +197,7 @@ def stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
     eff = efficiency or Efficiency()
     key = (model, hw, eff, cfg.pp, cfg.chunks, cfg.layout, cfg.microbatch_size, cfg.tp, cfg.sequence_parallel,
            cfg.attention, cfg.recompute, cfg.uses_bpipe)
-    costs = _sim_costs.get(key)
-    if costs is None:
-        if len(_sim_costs) >= _SIM_COSTS_LIMIT:
-            _sim_costs.clear()
-        costs = _sim_costs[key] = _stage_sim_costs(model, hw, cfg, eff)
-    return costs
+    return _sim_costs.get(key, lambda: _stage_sim_costs(model, hw, cfg, eff))
 
 
 def _stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency) -> SimCosts:

@@ -18,6 +18,7 @@ from evenpipe.cost import Efficiency, Hardware, ModelSpec, ParallelConfig, Recom
 from evenpipe.cost.memory import layer_params_per_rank
 from evenpipe.cost.timing import dp_allreduce_time, layer_times, optimizer_step_time
 from evenpipe.schedule import ScheduleFamily
+from evenpipe.schedule.memo import Memo
 from evenpipe.sim.costs import SimCosts
 
 __all__ = ["PipelineBounds", "pipeline_bounds", "step_time_lower_bound", "stage_layout", "work_lower_bound"]
@@ -106,8 +107,8 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
 
 _CACHE_LIMIT = 1 << 16
 """Entries each bound cache holds before it starts over (one search makes a few thousand)."""
-_pipeline_cache: dict[tuple[object, ...], PipelineBounds] = {}
-_bound_cache: dict[tuple[object, ...], float] = {}
+_pipeline_cache: Memo[PipelineBounds] = Memo(_CACHE_LIMIT)
+_bound_cache: Memo[float] = Memo(_CACHE_LIMIT)
 
 
 def _pipeline_key(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency) -> tuple[object, ...]:
@@ -122,15 +123,9 @@ def _pipeline_key(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Effi
 def _pipeline_bounds_of(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency,
                         key: tuple[object, ...]) -> PipelineBounds:
     """Pipeline bounds, shared by the configurations with one :func:`_pipeline_key`."""
-    bounds = _pipeline_cache.get(key)
-    if bounds is None:
-        if len(_pipeline_cache) >= _CACHE_LIMIT:
-            _pipeline_cache.clear()
-        costs = stage_sim_costs(model, hw, cfg, eff)
-        bounds = _pipeline_cache[key] = pipeline_bounds(
-            costs, stage_layout(cfg.schedule, cfg.pp, cfg.chunks), cfg.num_microbatches,
-            recompute=cfg.recompute is Recompute.FULL, split_backward=cfg.schedule.traits.split_backward)
-    return bounds
+    return _pipeline_cache.get(key, lambda: pipeline_bounds(
+        stage_sim_costs(model, hw, cfg, eff), stage_layout(cfg.schedule, cfg.pp, cfg.chunks), cfg.num_microbatches,
+        recompute=cfg.recompute is Recompute.FULL, split_backward=cfg.schedule.traits.split_backward))
 
 
 def step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
@@ -144,13 +139,8 @@ def step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
     eff = efficiency or Efficiency()
     pipeline_key = _pipeline_key(model, hw, cfg, eff)
     key = (pipeline_key, cfg.dp, cfg.distributed_optimizer)
-    bound = _bound_cache.get(key)
-    if bound is None:
-        if len(_bound_cache) >= _CACHE_LIMIT:
-            _bound_cache.clear()
-        bound = _bound_cache[key] = _step_time_lower_bound(model, hw, cfg, eff,
-                                                           _pipeline_bounds_of(model, hw, cfg, eff, pipeline_key))
-    return bound
+    return _bound_cache.get(key, lambda: _step_time_lower_bound(
+        model, hw, cfg, eff, _pipeline_bounds_of(model, hw, cfg, eff, pipeline_key)))
 
 
 def _step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency,
@@ -167,8 +157,8 @@ def _step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, 
 
 _WORK_MARGIN = 1.0 - 1e-9
 """Shrinks :func:`work_lower_bound` below the rounding of the sums it stands for."""
-_layer_work: dict[tuple[object, ...], float] = {}
-_busiest_layers: dict[tuple[object, ...], int] = {}
+_layer_work: Memo[float] = Memo(_CACHE_LIMIT)
+_busiest_layers: Memo[int] = Memo(_CACHE_LIMIT)
 
 
 def work_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, efficiency: Efficiency | None = None) -> float:
@@ -181,21 +171,16 @@ def work_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, effici
     """
     eff = efficiency or Efficiency()
     key = (model, hw, eff, cfg.tp, cfg.microbatch_size, cfg.sequence_parallel, cfg.attention, cfg.recompute)
-    per_layer = _layer_work.get(key)
-    if per_layer is None:
-        if len(_layer_work) >= _CACHE_LIMIT:
-            _layer_work.clear()
+    def layer_work() -> float:
         lt = layer_times(model, hw, cfg, eff)
-        per_layer = _layer_work[key] = (lt.forward + lt.backward_input + lt.backward_weight_compute
-                                        + (lt.forward if cfg.recompute is Recompute.FULL else 0.0))
-    traits = cfg.schedule.traits
-    where = (model.num_layers, traits.placement, cfg.pp, cfg.chunks, cfg.layout)
-    busiest = _busiest_layers.get(where)
-    if busiest is None:
-        if len(_busiest_layers) >= _CACHE_LIMIT:
-            _busiest_layers.clear()
+        return (lt.forward + lt.backward_input + lt.backward_weight_compute
+                + (lt.forward if cfg.recompute is Recompute.FULL else 0.0))
+
+    def busiest_layers() -> int:
         per_rank = [0] * cfg.pp
         for n, r in zip(stage_layers(model, cfg), stage_layout(cfg.schedule, cfg.pp, cfg.chunks)):
             per_rank[r] += n
-        busiest = _busiest_layers[where] = max(per_rank)
-    return cfg.num_microbatches * busiest * per_layer * _WORK_MARGIN
+        return max(per_rank)
+    per_layer = _layer_work.get(key, layer_work)
+    where = (model.num_layers, cfg.schedule.traits.placement, cfg.pp, cfg.chunks, cfg.layout)
+    return cfg.num_microbatches * _busiest_layers.get(where, busiest_layers) * per_layer * _WORK_MARGIN

@@ -98,8 +98,7 @@ allocates on the receiving rank."""
 _Dep = tuple[Hashable, float, int]
 """(signal, delay after it, transfer id or -1): a compute waits until ``signal`` time + delay."""
 
-_by_end = operator.attrgetter("end")
-by_end = _by_end
+by_end = operator.attrgetter("end")
 """Sort key of transfer records: their end."""
 _by_time = operator.itemgetter(0)
 
@@ -627,7 +626,7 @@ class _Engine:
             t = self.avail[key] + delay
             if t > base:
                 base = t
-        for x in sorted((self.xfers[tid] for tid in self.gates[r][i]), key=_by_end):
+        for x in sorted((self.xfers[tid] for tid in self.gates[r][i]), key=by_end):
             end = x.end if x.end < start else start
             if end > base:
                 x.exposed += end - base
@@ -694,7 +693,7 @@ def make_trace(sched: Schedule, costs: SimCosts, starts: list[list[float]], ends
                transfers: list[TransferRecord], mem: list[list[tuple[float, float]]]) -> Trace:
     """The trace of a finished run: per-action times, transfers (in creation order, sorted here by arrival) and
     each rank's memory changes (time, bytes delta) in the order they were decided."""
-    transfers.sort(key=_by_end)
+    transfers.sort(key=by_end)
     step = max([max(e, default=0.0) for e in ends] + [t.end for t in transfers], default=0.0)
     unit = unit_bytes(sched, costs)
     memory = tuple(timeline(r, mem[r], unit[r]) for r in range(sched.num_ranks))
