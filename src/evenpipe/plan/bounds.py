@@ -34,6 +34,11 @@ class PipelineBounds:
     first_rank_hideable: float
     """An upper bound on what an overlapped gradient reduction can hide behind on rank 0: the backward (and
     recomputation) work of one micro-batch over all of rank 0's stages."""
+    rank_ends: tuple[float, ...] = ()
+    """Per rank, a bound on the end of its last compute: its start (``prefix_f`` of its lowest stage) plus all
+    its work."""
+    rank_hideable: tuple[float, ...] = ()
+    """Per rank, what :attr:`first_rank_hideable` is for rank 0."""
 
 
 def stage_layout(family: ScheduleFamily, pp: int, chunks: int) -> tuple[int, ...]:
@@ -68,6 +73,7 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
             row = seen[id(st)] = (st.forward, st.backward, st.backward_input,
                                   st.recompute_time if recompute else 0.0, st.output_bytes)
         rows.append(row)
+    hideable = [0.0] * num_ranks
     for s, r in enumerate(stage_to_rank):
         forward, backward, backward_input, extra, _ = rows[s]
         work[r] += forward + backward + extra
@@ -76,6 +82,8 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
             lowest[r] = s
         if r == 0:
             last_mb_backward0 += backward + extra
+        st = costs.stages[s]
+        hideable[r] += max(backward, st.backward_input + st.backward_weight) + extra
     # prefix_f[s]: forwards of stages 0..s-1 plus the activation messages between them up to stage s;
     # prefix_i[s]: input gradients of stages s-1..0 plus the gradient messages from stage s down to stage 0
     prefix_f, prefix_i = [0.0], [0.0]
@@ -98,11 +106,12 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
         prefix_i.append(prefix_i[-1] + backward_input + bwd_msg)
     # rank r's own work ends no earlier than its start plus all of it; its last input gradient, no earlier than its
     # start plus all work up to it, and that micro-batch's input gradient then reaches stage 0 on rank 0
-    own_end = max(prefix_f[lowest[r]] + m * work[r] for r in range(num_ranks))
+    rank_ends = tuple(prefix_f[lowest[r]] + m * work[r] for r in range(num_ranks))
+    own_end = max(rank_ends)
     first_end = max(m * work[0], max(prefix_f[lowest[r]] + m * work_to_last_i[r] + prefix_i[lowest[r]]
                                      for r in range(num_ranks)))
     return PipelineBounds(makespan=max(own_end, first_end), first_rank_end=first_end,
-                          first_rank_hideable=last_mb_backward0)
+                          first_rank_hideable=last_mb_backward0, rank_ends=rank_ends, rank_hideable=tuple(hideable))
 
 
 _CACHE_LIMIT = 1 << 16
@@ -132,8 +141,10 @@ def step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
                           efficiency: Efficiency | None = None) -> float:
     """A lower bound on ``estimate(model, hw, cfg).step_time_s`` from stage costs alone (no schedule, no simulation).
 
-    ``max(makespan, rank 0's end + its exposed data-parallel reduction) + optimizer step``, where the reduction and
-    the optimizer step count the transformer layers' parameters only (not embedding or head). Remembered per
+    ``max(makespan, rank 0's end + its exposed data-parallel reduction, each rank's own end + its exposed
+    reduction) + optimizer step``, where the reductions and the optimizer step count the transformer layers'
+    parameters only (not embedding or head), and a reduction hides behind at most one micro-batch's backward work
+    of its rank (``estimate`` hides it behind the last one's). Remembered per
     :func:`_pipeline_key`, data parallelism and the optimizer's sharding (all it depends on).
     """
     eff = efficiency or Efficiency()
@@ -147,11 +158,18 @@ def _step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, 
                            b: PipelineBounds) -> float:
     placement = stage_layout(cfg.schedule, cfg.pp, cfg.chunks)
     layers = stage_layers(model, cfg)
-    rank0_layers = sum(n for n, r in zip(layers, placement) if r == 0)  # estimate's rank 0 holds these and more
-    layer_params = layer_params_per_rank(model, cfg.tp) * rank0_layers
+    per_layer = layer_params_per_rank(model, cfg.tp)
+    layers_on = [0] * len(b.rank_ends)  # estimate's ranks hold these and more (embedding, head)
+    for n, r in zip(layers, placement):
+        layers_on[r] += n
+    layer_params = per_layer * layers_on[0]
     dp = dp_allreduce_time(layer_params, cfg, hw, eff)
     hidden = b.first_rank_hideable if eff.dp_overlap else 0.0
     pipeline = max(b.makespan, b.first_rank_end + max(0.0, dp - hidden))
+    # every rank reduces its own gradients after its last compute, hiding at most one micro-batch's backward
+    for r, end in enumerate(b.rank_ends):
+        dp_r = dp_allreduce_time(per_layer * layers_on[r], cfg, hw, eff)
+        pipeline = max(pipeline, end + max(0.0, dp_r - (b.rank_hideable[r] if eff.dp_overlap else 0.0)))
     return pipeline + optimizer_step_time(layer_params, cfg, hw, eff)
 
 

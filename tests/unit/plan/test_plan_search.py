@@ -278,3 +278,28 @@ def test_memory_capped_families_plan_with_the_cost_models_durations() -> None:
     est = estimate(SMALL, A100, cfg)
     assert est.activation_peak_simulated_gib == pytest.approx(tuple(b / 2**30 for b in trace.peak_activation_bytes))
     assert counting_schedule(cfg, plan).meta["plan_durations"] == list(plan)
+
+
+def test_the_bound_counts_every_ranks_own_gradient_reduction() -> None:
+    """Zero-bubble's rank 0 ends on weight gradients while the last rank, busiest with the head, may end last;
+    each rank reduces its own gradients after its last compute, so the bound takes the latest of those ends plus
+    that rank's exposed reduction: tighter than rank 0's alone, and still below the estimate."""
+    from evenpipe.cost import stage_sim_costs
+    from evenpipe.cost.memory import layer_params_per_rank
+    from evenpipe.cost.timing import Efficiency, dp_allreduce_time
+    from evenpipe.plan.bounds import pipeline_bounds, stage_layout
+
+    model = model_preset("gpt3-175b")
+    cfg = ParallelConfig(tp=4, pp=8, dp=32, chunks=1, microbatch_size=1, global_batch=1536,
+                         recompute=Recompute.NONE, sequence_parallel=True, attention=Attention.FLASH,
+                         schedule=ScheduleFamily.ZB_H1, distributed_optimizer=False)
+    eff = Efficiency()
+    b = pipeline_bounds(stage_sim_costs(model, A100, cfg, eff), stage_layout(cfg.schedule, cfg.pp, cfg.chunks),
+                        cfg.num_microbatches, recompute=False, split_backward=True)
+    last = cfg.pp - 1
+    layers = model.num_layers // cfg.pp
+    exposed = dp_allreduce_time(layer_params_per_rank(model, cfg.tp) * layers, cfg, A100, eff) - b.rank_hideable[last]
+    assert exposed > 0 and b.rank_ends[last] == max(b.rank_ends)
+    bound = step_time_lower_bound(model, A100, cfg)
+    assert bound >= b.rank_ends[last] + exposed > b.makespan
+    assert bound <= estimate(model, A100, cfg).step_time_s
