@@ -161,6 +161,22 @@ class PendingBatch:
         if not self.done:
             wait_all([self])
 
+    def wait_for(self, buffer: torch.Tensor) -> None:
+        """Wait for the receive into ``buffer`` only (gloo: one work per transfer), not for the batch's other
+        messages: a receive batched with one for a later compute must not wait for that one's sender. A
+        coalesced batch (NCCL: one work for all) is waited whole. The batch's observers still fire once it is
+        seen complete as a whole."""
+        if self.done:
+            return
+        at = next((k for k, t in enumerate(self.transfers) if t.tensor is buffer), None)
+        if at is None or len(self.works) != len(self.transfers):
+            wait_all([self])
+            return
+        t = self.transfers[at]
+        _wait_works([(self.works[at], t.what, t.peer)], self.timeout_s, self.transfers)
+        if self.observers:
+            self.is_completed()
+
     def is_completed(self) -> bool:
         if self.done:
             return True
@@ -277,22 +293,28 @@ def wait_all(batches: Sequence[PendingBatch]) -> None:
         if b.done:
             continue
         wait_start = time.perf_counter()
-        obs = _observer
-        try:
-            for w, what, peer in _named_works(b):
-                if obs is not None:
-                    obs.begin_wait(what, peer)
-                w.wait(datetime.timedelta(seconds=b.timeout_s))  # type: ignore[attr-defined]
-                if obs is not None:
-                    obs.end_wait()
-        except RuntimeError as e:
-            names = ", ".join(f"{t.what} (rank {t.peer})" for t in b.transfers)
-            raise PeerFailure(f"rank {dist.get_rank()}: waiting for {names} failed, a peer probably failed or "
-                              f"timed out: {_first_line(e)}") from e
+        _wait_works(_named_works(b), b.timeout_s, b.transfers)
         b.done = True
         b.works = []
         if b.observers:
             b._notify(wait_start)
+
+
+def _wait_works(works: Sequence[tuple[Any, str, int]], timeout_s: float, transfers: Sequence[Transfer]) -> None:
+    """Wait for each ``(work, name, peer)``, telling the watchdog; a timeout or a dead peer becomes a
+    :class:`PeerFailure` naming ``transfers``."""
+    obs = _observer
+    try:
+        for w, what, peer in works:
+            if obs is not None:
+                obs.begin_wait(what, peer)
+            w.wait(datetime.timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+            if obs is not None:
+                obs.end_wait()
+    except RuntimeError as e:
+        names = ", ".join(f"{t.what} (rank {t.peer})" for t in transfers)
+        raise PeerFailure(f"rank {dist.get_rank()}: waiting for {names} failed, a peer probably failed or "
+                          f"timed out: {_first_line(e)}") from e
 
 
 def _first_line(e: BaseException) -> str:

@@ -509,7 +509,7 @@ class _StepRun:
         if item is None:
             return None
         batch, buf = item
-        batch.wait()
+        batch.wait_for(buf)
         return buf
 
     # -- compute ---------------------------------------------------------------------------------------------

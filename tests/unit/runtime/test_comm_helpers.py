@@ -62,3 +62,50 @@ def test_collective_names_the_failed_call_and_reports_its_wait() -> None:
         comm.observe_waits(None)
     assert events[:2] == [("begin", "the loss broadcast", 3), ("end", "", -1)]
     assert events[2] == ("begin", "the loss broadcast", 3)
+
+
+class _Work:
+    """A gloo-like work: completes when waited, or when told it arrived."""
+
+    def __init__(self, name: str, log: list[str], *, arrived: bool = False) -> None:
+        self.name, self.log, self.arrived = name, log, arrived
+
+    def wait(self, timeout: object = None) -> bool:
+        self.log.append(self.name)
+        self.arrived = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.arrived
+
+
+def _batch(log: list[str]) -> tuple[comm.PendingBatch, torch.Tensor, torch.Tensor]:
+    now, later = torch.empty(2), torch.empty(2)
+    transfers = [comm.Transfer(send=False, tensor=now, peer=1, group=None, what="RECV_B stage 1 mb 0"),
+                 comm.Transfer(send=False, tensor=later, peer=1, group=None, what="RECV_F stage 1 mb 3")]
+    return comm.PendingBatch([_Work("now", log), _Work("later", log)], transfers, 60.0), now, later
+
+
+def test_a_receive_waits_for_itself_not_for_the_batch_it_was_posted_in() -> None:
+    """Two receives posted together (one for the next compute, one for a later one): taking the first must not
+    wait for the second's sender; the batch reports completion once both have arrived."""
+    log: list[str] = []
+    batch, now, later = _batch(log)
+    stamps: list[tuple[float, float]] = []
+    batch.observe(lambda start, end: stamps.append((start, end)))
+    batch.wait_for(now)
+    assert log == ["now"] and not batch.done and stamps == []
+    batch.works[1].arrived = True  # the later message lands; the next poll sees the batch complete
+    batch.wait_for(later)
+    assert log == ["now", "later"] and len(stamps) == 1
+
+
+def test_a_coalesced_batch_or_an_unknown_buffer_is_waited_whole() -> None:
+    log: list[str] = []
+    batch, now, _ = _batch(log)
+    batch.wait_for(torch.empty(2))  # not one of its buffers
+    assert log == ["now", "later"] and batch.done
+    log2: list[str] = []
+    one = comm.PendingBatch([_Work("all", log2)], _batch([])[0].transfers, 60.0)  # NCCL: one work for all
+    one.wait_for(one.transfers[0].tensor)
+    assert log2 == ["all"] and one.done
