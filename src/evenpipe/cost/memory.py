@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 from evenpipe.errors import ConfigError
 from evenpipe.schedule import ActionKind, Schedule, bpipe_transform, build_schedule, compute_order
+from evenpipe.schedule.memo import ObjectMemo
 from evenpipe.schedule.semantics import SEMANTICS, MemoryEffect, kind_table
 
 from evenpipe.cost.hardware import GIB, Hardware
@@ -295,7 +296,7 @@ _State = tuple[int, int, int, int, int, int]
 hosted layer units, own micro-batches of the first stage, of the last stage, a transient layer or not)."""
 _EXACT = 1 << 53
 _STATES_LIMIT = 4096
-_states_cache: dict[tuple[int, int, tuple[int, ...]], tuple[Schedule, tuple[_State, ...], _State, bool]] = {}
+_states_cache: "ObjectMemo[tuple[tuple[_State, ...], _State, bool]]" = ObjectMemo(_STATES_LIMIT)
 
 
 def _rank_states(schedule: Schedule, rank: int, layers: tuple[int, ...]) -> tuple[tuple[_State, ...], _State, bool]:
@@ -303,10 +304,11 @@ def _rank_states(schedule: Schedule, rank: int, layers: tuple[int, ...]) -> tupl
     ones that can hold a first maximum (a state no earlier state covers component by component) in program
     order, each component's largest magnitude over all states, and whether every component stays >= 0.
     Remembered per schedule object, rank and layers."""
-    key = (id(schedule), rank, layers)
-    hit = _states_cache.get(key)
-    if hit is not None and hit[0] is schedule:
-        return hit[1], hit[2], hit[3]
+    return _states_cache.get(schedule, (rank, layers), lambda: _count_states(schedule, rank, layers))
+
+
+def _count_states(schedule: Schedule, rank: int, layers: tuple[int, ...]) -> tuple[tuple[_State, ...], _State, bool]:
+    """:func:`_rank_states` itself."""
     last = schedule.num_stages - 1
     cols = schedule.columns
     own = kept = hosted = first = final = 0
@@ -345,11 +347,7 @@ def _rank_states(schedule: Schedule, rank: int, layers: tuple[int, ...]) -> tupl
     tops = [max(abs(state[k]) for state in seen) if seen else 0 for k in range(6)]
     top = (tops[0], tops[1], tops[2], tops[3], tops[4], tops[5])
     nonneg = all(x >= 0 for state in seen for x in state)
-    if len(_states_cache) >= _STATES_LIMIT:
-        _states_cache.clear()
-    out = (tuple(kept_states), top, nonneg)
-    _states_cache[key] = (schedule, *out)
-    return out
+    return tuple(kept_states), top, nonneg
 
 
 def _rank_peak(schedule: Schedule, rank: int, layers: tuple[int, ...], act: ActivationBytes,

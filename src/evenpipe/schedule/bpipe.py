@@ -33,6 +33,7 @@ from itertools import accumulate
 from evenpipe.errors import ConfigError
 from evenpipe.schedule.comm import derive_communication
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
+from evenpipe.schedule.memo import ObjectMemo
 from evenpipe.schedule.semantics import TABLES
 from evenpipe.schedule.witness import WitnessTiming, witness_timing
 
@@ -114,20 +115,13 @@ def bpipe_transform(schedule: Schedule, *, budget: int | None = None, balance: b
     The schedule's transfers are ignored and derived again. Raises ``ConfigError`` naming the smallest budget
     that works when ``budget`` cannot be met.
     """
-    key = (id(schedule), budget, balance)
-    for sched, k, result in _TRANSFORMED:
-        if sched is schedule and k == key:
-            return result
-    result = _transform(schedule, budget=budget, balance=balance)
-    _TRANSFORMED.insert(0, (schedule, key, result))
-    del _TRANSFORMED[_TRANSFORMED_SIZE:]
-    return result
+    return _TRANSFORMED.get(schedule, (budget, balance),
+                            lambda: _transform(schedule, budget=budget, balance=balance))
 
 
-_TRANSFORMED: list[tuple[Schedule, tuple[int, int | None, bool], Schedule]] = []
-"""The last few (input, (its id, budget, balance), result) of :func:`bpipe_transform`: schedules are immutable, so
-the same input object gets the same answer (the planner counts memory on the schedule it then estimates)."""
-_TRANSFORMED_SIZE = 4
+_TRANSFORMED: ObjectMemo[Schedule] = ObjectMemo(4)
+"""The last few results of :func:`bpipe_transform` by input object, budget and balance: schedules are immutable,
+so the same input object gets the same answer (the planner counts memory on the schedule it then estimates)."""
 
 
 def _transform(schedule: Schedule, *, budget: int | None, balance: bool) -> Schedule:
@@ -181,10 +175,9 @@ def _plan(compute: Schedule, timing: WitnessTiming, budget: int, pairs: tuple[tu
     return lists
 
 
-_PAIR_PLANS: dict[tuple[int, int, int], tuple[list[Action], int] | None] = {}
-"""(budget, evictor, acceptor) -> :func:`_pair_plan`'s answer, for the compute order in :data:`_PAIR_PLANS_OF`
-(the budget search and the final transform ask the same questions of one order)."""
-_PAIR_PLANS_OF: list[Schedule] = []
+_PAIR_PLANS: ObjectMemo[dict[tuple[int, int, int], "tuple[list[Action], int] | None"]] = ObjectMemo(1)
+"""For the last compute order asked about: (budget, evictor, acceptor) -> :func:`_pair_plan`'s answer (the budget
+search and the final transform ask the same questions of one order)."""
 
 
 def _pair_plan(compute: Schedule, timing: WitnessTiming, budget: int, rank: int, partner: int
@@ -192,11 +185,9 @@ def _pair_plan(compute: Schedule, timing: WitnessTiming, budget: int, rank: int,
     """The evictor's marked list and the acceptor's peak, or ``None`` when no placement meets ``budget``:
     evictions right after their forwards if the acceptor then fits, else right before the computes that need
     the room. Remembered for the last compute order asked about (callers never mutate the list)."""
-    if not _PAIR_PLANS_OF or _PAIR_PLANS_OF[0] is not compute:
-        _PAIR_PLANS.clear()
-        _PAIR_PLANS_OF[:] = [compute]
+    plans = _PAIR_PLANS.get(compute, None, dict)
     key = (budget, rank, partner)
-    if key not in _PAIR_PLANS:
+    if key not in plans:
         answer = None
         for early in (True, False):  # prefer overlapping the eviction with compute; fall back for the acceptor
             marked = _evict_and_load(compute.actions[rank], budget, partner=partner, early=early)
@@ -206,8 +197,8 @@ def _pair_plan(compute: Schedule, timing: WitnessTiming, budget: int, rank: int,
             if peak <= budget:
                 answer = (marked, peak)
                 break
-        _PAIR_PLANS[key] = answer
-    return _PAIR_PLANS[key]
+        plans[key] = answer
+    return plans[key]
 
 
 _BALANCE_TRIES = 4

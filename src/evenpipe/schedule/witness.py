@@ -11,6 +11,7 @@ from typing import Mapping
 from evenpipe.errors import ScheduleValidationError
 from evenpipe.schedule.grid import format_grid
 from evenpipe.schedule.ir import ActionKind, Schedule
+from evenpipe.schedule.memo import ObjectMemo
 from evenpipe.schedule.semantics import SEMANTICS, TABLES, Requirement, kind_table
 
 __all__ = ["WITNESS_DURATIONS", "WitnessTiming", "witness_timing"]
@@ -55,15 +56,11 @@ def witness_timing(schedule: Schedule, durations: Mapping[ActionKind, int] = WIT
     Data dependencies: ``F(s,m)`` needs ``F(s-1,m)``; ``B``/``I(s,m)`` need ``F(s,m)`` and ``B``/``I(s+1,m)``;
     ``W`` needs ``I``; ``R`` needs ``F``. A rank runs its list in order, one compute at a time.
     """
-    if _LAST and _LAST[0] is schedule and _LAST[1] == durations:
-        return _LAST[2]
-    timing = _witness_timing(schedule, durations)
-    _LAST[:] = [schedule, durations, timing]
-    return timing
+    return _LAST.get(schedule, frozenset(durations.items()), lambda: _witness_timing(schedule, durations))
 
 
-_LAST: list = []  # type: ignore[type-arg]
-"""The last (schedule, durations, timing): the BPipe transform and the communication derivation time the same
+_LAST: ObjectMemo[WitnessTiming] = ObjectMemo(1)
+"""The last (schedule, durations) timed: the BPipe transform and the communication derivation time the same
 compute order in turn (schedules are immutable, so the identity of the object is the key)."""
 
 

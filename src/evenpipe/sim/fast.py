@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from itertools import repeat
 
 from evenpipe.schedule.ir import ActionKind, Schedule
+from evenpipe.schedule.memo import ObjectMemo
 from evenpipe.sim import engine as _ref
 from evenpipe.sim.costs import SimCosts
 from evenpipe.sim.trace import TransferRecord, Trace
@@ -113,25 +114,13 @@ class Shape:
         return self.link_order, self.x_linkpos
 
 
-_cache: list[tuple[Schedule, Shape]] = []
+_cache: ObjectMemo[Shape] = ObjectMemo(_CACHE_SIZE, weight=lambda s: sum(map(len, s.columns.kinds)),
+                                      budget=_CACHE_ACTIONS)
 
 
 def compile_shape(schedule: Schedule) -> Shape:
     """The cost-independent part of a simulation (raises ``_Fallback`` for schedules the engine must judge)."""
-    for i, (sched, shape) in enumerate(_cache):
-        if sched is schedule:
-            if i:
-                _cache.insert(0, _cache.pop(i))
-            return shape
-    shape = _Compiler(schedule).run()
-    _cache.insert(0, (schedule, shape))
-    held = 0
-    for k, (sched, _) in enumerate(_cache):  # keep the most recent ones up to a total size
-        held += sum(map(len, sched.columns.kinds))
-        if k >= _CACHE_SIZE and held > _CACHE_ACTIONS:
-            del _cache[k:]
-            break
-    return shape
+    return _cache.get(schedule, None, lambda: _Compiler(schedule).run())
 
 
 class _Compiler:
