@@ -87,6 +87,7 @@ def test_a_failed_rank_ends_the_job_with_one_line_per_rank(tmp_path: pathlib.Pat
     victim = lines[VICTIM]
     assert ("SIGKILL" in victim) if sig is signal.SIGKILL else ("stopped" in victim), victim
     others = [ln for i, ln in enumerate(lines) if i != VICTIM]
-    action = re.compile(r"waited \d+ s for (SEND|RECV)_[FB] stage \d mb \d (to|from) rank \d|waited \d+ s for the ")
+    action = re.compile(r"(waited \d+ s for|posting) (SEND|RECV)_[FB] stage \d mb \d (to|from) rank \d|"
+                        r"waited \d+ s for the ")
     assert all(action.search(ln) for ln in others), "\n".join(lines)
     assert "Traceback" not in err, err

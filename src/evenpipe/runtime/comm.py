@@ -47,6 +47,11 @@ DEFAULT_TIMEOUT_S = 300.0
 class PeerFailure(RuntimeError):
     """A transfer or collective did not complete: a peer failed, exited or timed out."""
 
+    def __init__(self, message: str, *, posting: str = "") -> None:
+        super().__init__(message)
+        self.posting = posting
+        """The transfers being posted when it failed (``SEND_F stage 1 mb 0 to rank 2``), "" when waiting."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelGroups:
@@ -218,7 +223,8 @@ def post_batch(transfers: Sequence[Transfer], *, timeout_s: float = DEFAULT_TIME
     try:
         works = list(dist.batch_isend_irecv(ops)) if ops else []
     except RuntimeError as e:
-        raise PeerFailure(f"posting {', '.join(t.what for t in transfers)} failed: {_first_line(e)}") from e
+        what = ", ".join(f"{t.what} {'to' if t.send else 'from'} rank {t.peer}" for t in transfers)
+        raise PeerFailure(f"posting {what} failed: {_first_line(e)}", posting=what) from e
     return PendingBatch(works, transfers, timeout_s)
 
 

@@ -105,6 +105,9 @@ class Watchdog:
         """The cause of a failed transfer or collective: the pending wait and the transport's reason."""
         if self._wait is not None:
             return f"{self.describe()} ({short_reason(error)})"
+        posting = getattr(error, "posting", "")
+        if posting:  # a send to a peer that is gone fails as it is posted, before any wait
+            return f"posting {posting} failed ({short_reason(error)})"
         return short_reason(error)
 
     # -- the training loop -------------------------------------------------------------------------------------
