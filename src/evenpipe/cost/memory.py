@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from evenpipe.errors import ConfigError
 from evenpipe.schedule import ActionKind, Schedule, bpipe_transform, build_schedule, compute_order
-from evenpipe.schedule.memo import ObjectMemo
+from evenpipe.schedule.memo import ObjectMemo, RecentMemo
 from evenpipe.schedule.semantics import SEMANTICS, MemoryEffect, kind_table
 
 from evenpipe.cost.hardware import GIB, Hardware
@@ -181,22 +181,15 @@ def build_cost_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | Non
 _SCHEDULE_ACTIONS = 1_500_000
 """Actions the full-schedule cache may hold (full schedules of big pipelines hold 10^5-10^6 actions each; the
 planner estimates configurations sharing one schedule -- optimizer sharding, layouts -- far apart)."""
-_schedules: dict[tuple[object, ...], tuple[Schedule, int]] = {}  # least recently used first
+_schedules: RecentMemo[Schedule] = RecentMemo(1, weight=lambda s: sum(map(len, s.columns.kinds)),
+                                              budget=_SCHEDULE_ACTIONS)
 
 
 def _cached_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int | None,
                      recompute: bool, bpipe: bool, plan_durations: PlanDurations | None) -> Schedule:
-    key = (family, p, m, v, budget, recompute, bpipe, plan_durations)
-    hit = _schedules.pop(key, None)
-    if hit is None:
-        sched = build_schedule(family, num_ranks=p, num_microbatches=m, num_chunks=v, bpipe_budget=budget,
-                               recompute=recompute, bpipe=bpipe, plan_durations=plan_durations)
-        hit = (sched, sum(map(len, sched.columns.kinds)))
-    _schedules[key] = hit
-    held = sum(size for _, size in _schedules.values())
-    while held > _SCHEDULE_ACTIONS and len(_schedules) > 1:
-        held -= _schedules.pop(next(iter(_schedules)))[1]
-    return hit[0]
+    return _schedules.get((family, p, m, v, budget, recompute, bpipe, plan_durations), lambda: build_schedule(
+        family, num_ranks=p, num_microbatches=m, num_chunks=v, bpipe_budget=budget, recompute=recompute,
+        bpipe=bpipe, plan_durations=plan_durations))
 
 
 def counting_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None = None) -> Schedule:

@@ -65,32 +65,32 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
     work_to_last_i = [0.0] * num_ranks
     lowest = [len(stage_to_rank)] * num_ranks
     last_mb_backward0 = 0.0
-    seen: dict[int, tuple[float, float, float, float, float]] = {}  # equal stages are often one object
+    seen: dict[int, tuple[float, float, float, float, float, float]] = {}  # equal stages are often one object
     rows = []
     for st in costs.stages:
         row = seen.get(id(st))
         if row is None:
             row = seen[id(st)] = (st.forward, st.backward, st.backward_input,
-                                  st.recompute_time if recompute else 0.0, st.output_bytes)
+                                  st.recompute_time if recompute else 0.0, st.output_bytes,
+                                  max(st.backward, st.backward_input + st.backward_weight))
         rows.append(row)
     hideable = [0.0] * num_ranks
     for s, r in enumerate(stage_to_rank):
-        forward, backward, backward_input, extra, _ = rows[s]
+        forward, backward, backward_input, extra, _, any_backward = rows[s]
         work[r] += forward + backward + extra
         work_to_last_i[r] += forward + extra + (backward_input if split_backward else backward)
         if s < lowest[r]:
             lowest[r] = s
         if r == 0:
             last_mb_backward0 += backward + extra
-        st = costs.stages[s]
-        hideable[r] += max(backward, st.backward_input + st.backward_weight) + extra
+        hideable[r] += any_backward + extra
     # prefix_f[s]: forwards of stages 0..s-1 plus the activation messages between them up to stage s;
     # prefix_i[s]: input gradients of stages s-1..0 plus the gradient messages from stage s down to stage 0
     prefix_f, prefix_i = [0.0], [0.0]
     times: dict[tuple[int, float], float] = {}  # (link object, bytes) -> transfer time: few links are distinct
     num_stages = len(rows)
     link = costs.link
-    for k, (forward, _, backward_input, _, output_bytes) in enumerate(rows):
+    for k, (forward, _, backward_input, _, output_bytes, _) in enumerate(rows):
         fwd_msg = bwd_msg = 0.0
         if k + 1 < num_stages and stage_to_rank[k] != stage_to_rank[k + 1]:
             src, dst = stage_to_rank[k], stage_to_rank[k + 1]
@@ -163,13 +163,12 @@ def _step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, 
     for n, r in zip(layers, placement):
         layers_on[r] += n
     layer_params = per_layer * layers_on[0]
-    dp = dp_allreduce_time(layer_params, cfg, hw, eff)
+    dps = [dp_allreduce_time(per_layer * n, cfg, hw, eff) for n in layers_on]
     hidden = b.first_rank_hideable if eff.dp_overlap else 0.0
-    pipeline = max(b.makespan, b.first_rank_end + max(0.0, dp - hidden))
+    pipeline = max(b.makespan, b.first_rank_end + max(0.0, dps[0] - hidden))
     # every rank reduces its own gradients after its last compute, hiding at most one micro-batch's backward
-    for r, end in enumerate(b.rank_ends):
-        dp_r = dp_allreduce_time(per_layer * layers_on[r], cfg, hw, eff)
-        pipeline = max(pipeline, end + max(0.0, dp_r - (b.rank_hideable[r] if eff.dp_overlap else 0.0)))
+    for end, dp_r, hide in zip(b.rank_ends, dps, b.rank_hideable):
+        pipeline = max(pipeline, end + max(0.0, dp_r - (hide if eff.dp_overlap else 0.0)))
     return pipeline + optimizer_step_time(layer_params, cfg, hw, eff)
 
 
