@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_probe import concurrent_slowdown, host_line  # noqa: E402
+from host_probe import concurrent_slowdown, host_line, steal_seconds  # noqa: E402
 
 CASES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("bpipe", 1))
 """(schedule, chunks V) of the acceptance table."""
@@ -97,12 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     cases += [("1f1b", 1, int(b)) for b in args.unprofiled.split(",") if b]
     rows = []
     for schedule, chunks, b in cases:
-        t0 = time.perf_counter()
+        t0, stolen = time.perf_counter(), steal_seconds()
         pred = train(args, out, prof, schedule, chunks, b)
         rows.append((schedule, chunks, b, pred))
+        wall, stolen = time.perf_counter() - t0, steal_seconds() - stolen
         host = concurrent_slowdown(1.0, args.stages)
-        print(f"  {schedule:12s} b={b} done in {time.perf_counter() - t0:5.1f} s (load {_load()}; host probe after: "
-              f"{host[0]:.2f}x median, {host[1]:.2f}x p90)", flush=True)
+        print(f"  {schedule:12s} b={b} done in {wall:5.1f} s (load {_load()}; vCPU time stolen by the host during "
+              f"the run {stolen:.1f} s; host probe after: {host[0]:.2f}x median, {host[1]:.2f}x p90)", flush=True)
     print(f"\nP={args.stages} M={args.microbatches}, {args.steps} steps per run (median of the steps after the first)")
     head = (f"{'schedule':12s} {'V':>2s} {'b':>2s} {'pred step':>10s} {'meas step':>10s} {'error':>7s}   "
             + "   ".join(f"{'r' + str(r) + ' pred MiB':>12s} {'meas MiB':>9s} {'error':>7s}" for r in range(args.stages)))

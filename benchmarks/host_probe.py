@@ -17,7 +17,19 @@ import multiprocessing as mp
 import statistics
 import time
 
-__all__ = ["host_line", "concurrent_slowdown"]
+__all__ = ["host_line", "concurrent_slowdown", "steal_seconds"]
+
+
+def steal_seconds() -> float:
+    """CPU seconds the hypervisor has taken from this VM's vCPUs since boot (``steal`` in /proc/stat; 0 where
+    not reported). The difference over a run is time the run's processes were ready but not running."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        import os
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else 0.0
+    except (OSError, ValueError):
+        return 0.0
 
 
 def _blocks(seconds: float, out: "mp.Queue[list[float]] | None" = None) -> list[float]:

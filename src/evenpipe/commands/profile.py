@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequence length(s) to measure (default: the model's)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per median (default 5)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per mean (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
     p.add_argument("--processes", type=int, default=2,
                    help="processes measuring at once on CPU, one per pipeline rank you will train with (default 2)")
@@ -102,6 +102,9 @@ def fit_report(profile: Profile, predict_sizes: tuple[int, ...] = ()) -> str:
         lines.append(f"point-to-point ({profile.machine.backend}): latency {link.latency_s * 1e6:.0f} us, "
                      f"bandwidth {bw / 1e9:.2f} GB/s (fit over {len(profile.link)} sizes, "
                      f"{profile.link[0].num_bytes} B .. {profile.link[-1].num_bytes / 2**20:.0f} MiB)")
+    if profile.transfer_cpu_s_per_byte > 0:
+        lines.append(f"a transfer's cost to the computes at both ends: {profile.transfer_cpu_s_per_byte * 2**20 * 1e3:.3f} "
+                     "ms per MiB sent or received")
     lines.append(f"fixed per step (loss broadcast): {profile.step_overhead_s * 1e6:.0f} us")
     eff = model.efficiency(sorted(set(sizes) | set(extra)))
     lines += ["", "achieved FLOP/s of one block (forward):"]
@@ -117,6 +120,16 @@ def _default_predict_sizes(sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(between[:3]) + (2 * sizes[-1],)
 
 
+def _check_writable(out: pathlib.Path) -> None:
+    """Create ``out``'s folder if missing; ConfigError (one line) when it cannot hold the file."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {str(out)!r}: cannot create its folder ({e.strerror})") from None
+    if out.is_dir() or not os.access(out.parent, os.W_OK):
+        raise ConfigError(f"--out {str(out)!r} must be a file path in a writable folder")
+
+
 def run(args: argparse.Namespace) -> int:
     from evenpipe.commands.profile_args import load_profile
     if args.analyze:
@@ -130,8 +143,9 @@ def run(args: argparse.Namespace) -> int:
         options = ProfileOptions(model_name=name, model_config=cfg, hf_config=args.hf_config,
                                  microbatch_sizes=sizes, seq_lens=seq_lens, dtype=args.dtype, device=args.device,
                                  repeats=args.repeats, warmup=args.warmup, num_processes=args.processes)
-        profile = profile_model(options, show_progress=not args.no_progress and sys.stderr.isatty())
         out = pathlib.Path(args.out)
+        _check_writable(out)  # before minutes of measuring, not after
+        profile = profile_model(options, show_progress=not args.no_progress and sys.stderr.isatty())
         out.write_text(profile.to_json())
         print(f"wrote {out}")
     predict = parse_int_list(args.predict_sizes, "--predict-sizes") if args.predict_sizes else \

@@ -19,7 +19,8 @@ holds one :class:`LayerSample`:
 - ``forward_flops``: the layer's forward FLOPs (matrix products and attention), for achieved FLOP/s.
 
 Besides the layers: the optimizer step's time per kind (its parameters), point-to-point message times between two
-processes over the runtime's backend, and the machine (device, threads, torch version, dtype).
+processes over the runtime's backend, on a CPU host what moving bytes costs the computes running meanwhile
+(``transfer_cpu_s_per_byte``), and the machine (device, threads, torch version, dtype).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class LayerSample:
     seq_len: int
     """Tokens per sequence."""
     forward_s: float
-    """Forward seconds (median of repeats)."""
+    """Forward seconds (mean of repeats)."""
     backward_s: float
     """Full backward seconds."""
     backward_input_s: float
@@ -182,8 +183,11 @@ class Profile:
     """Point-to-point message times, ascending size (empty when not measured)."""
     step_overhead_s: float = 0.0
     """Fixed seconds per training step outside the schedule's actions (sharing the loss, clearing gradients)."""
+    transfer_cpu_s_per_byte: float = 0.0
+    """Seconds of compute each of two processes loses per byte it sends or receives meanwhile (a CPU host, where
+    the backend's threads copy on the computing cores; 0 where not measured). Read by :class:`Link`."""
     repeats: int = 0
-    """Timed repeats per median."""
+    """Timed repeats per mean."""
     warmup: int = 0
     """Untimed warm-up runs before timing."""
 
@@ -208,6 +212,7 @@ class Profile:
             "layers": {k.value: [asdict(s) for s in v] for k, v in self.layers.items()},
             "optimizer_s": {k.value: v for k, v in self.optimizer_s.items()},
             "link": [asdict(s) for s in self.link], "step_overhead_s": self.step_overhead_s,
+            "transfer_cpu_s_per_byte": self.transfer_cpu_s_per_byte,
             "repeats": self.repeats, "warmup": self.warmup,
         }
 
@@ -230,7 +235,10 @@ class Profile:
             return cls(machine=Machine(**doc["machine"]), model=ModelInfo(**doc["model"]), layers=layers,
                        optimizer_s={LayerKind.parse(k): float(v) for k, v in doc["optimizer_s"].items()},
                        link=tuple(LinkSample(**s) for s in doc.get("link", [])),
-                       step_overhead_s=float(doc.get("step_overhead_s", 0.0)), repeats=int(doc.get("repeats", 0)),
+                       step_overhead_s=float(doc.get("step_overhead_s", 0.0)),
+                       transfer_cpu_s_per_byte=_non_negative(doc.get("transfer_cpu_s_per_byte", 0.0),
+                                                             "transfer_cpu_s_per_byte"),
+                       repeats=int(doc.get("repeats", 0)),
                        warmup=int(doc.get("warmup", 0)))
         except ProfileError:
             raise
@@ -254,3 +262,11 @@ class Profile:
             raise ProfileError(f"the profile is of model {self.model.name!r}, not {name!r}"
                                + (f" ({', '.join(mismatch)})" if mismatch else "")
                                + "; profile this model with `evenpipe profile`")
+
+
+def _non_negative(value: Any, name: str) -> float:
+    """``value`` as a finite float >= 0, else ``ValueError`` naming ``name`` (reported as a damaged profile)."""
+    out = float(value)
+    if not (out >= 0 and math.isfinite(out)):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return out

@@ -268,17 +268,18 @@ def even_layout(num_blocks: int, num_stages: int) -> tuple[int, ...]:
 
 def link_from_profile(profile: Profile) -> Link:
     """Latency and bandwidth fitted to the profile's message times, relative residuals weighted alike from 4 B
-    to megabytes (a free link when none were measured)."""
+    to megabytes (a free link when none were measured), and the compute time a transfer takes from each end."""
+    cpu = profile.transfer_cpu_s_per_byte
     if not profile.link:
-        return Link()
+        return Link(cpu_s_per_byte=cpu)
     if len(profile.link) == 1:
-        return Link(latency_s=profile.link[0].seconds)
+        return Link(latency_s=profile.link[0].seconds, cpu_s_per_byte=cpu)
     fit = fit_least_squares(("1", "bytes"), [(1.0, float(s.num_bytes)) for s in profile.link],
                             [s.seconds for s in profile.link], relative=True)
     latency, per_byte = fit.coefficients
     if per_byte <= 0:
-        return Link(latency_s=max(0.0, latency))
-    return Link(latency_s=max(0.0, latency), bandwidth_bytes_per_s=1.0 / per_byte)
+        return Link(latency_s=max(0.0, latency), cpu_s_per_byte=cpu)
+    return Link(latency_s=max(0.0, latency), bandwidth_bytes_per_s=1.0 / per_byte, cpu_s_per_byte=cpu)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

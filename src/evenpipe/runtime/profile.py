@@ -4,14 +4,19 @@ Each layer kind (embedding, one transformer block, the head with its loss) is ru
 runs a stage: its forward inside the activation stash's capture (the stash's hooks cost time, and they are what
 counts the saved bytes), the full backward through the autograd engine, the zero-bubble split with the
 executor's own :func:`~evenpipe.runtime.split_backward.backward_input` / ``backward_weight``, and a recompute
-(another forward with graph). Every time is the median of ``repeats`` runs after ``warmup`` untimed ones; on CUDA
+(another forward with graph). Every time is the mean of ``repeats`` runs after ``warmup`` untimed ones (a training
+step adds up many actions, so their mean, slow outliers included, is what predicts it; the median was 5-12% below
+the mean of the same actions in training on a CPU host), taken in rounds that run every kind at every size once (a
+slow spell of a shared host then lands on all sizes alike rather than on one, where it would bend the fit); on CUDA
 with CUDA events, on CPU with ``time.perf_counter`` and one thread per process, as training uses.
 
 Concurrency: on a CPU host the pipeline's ranks share the machine, so ``num_processes`` processes measure the
-same layers at the same time (each time is the median over processes of their medians) and so include the
-contention training sees (shared caches and memory bandwidth). The same processes then time ping-pong messages between ranks 0 and 1 over
-the runtime's backend (gloo on CPU, NCCL with two GPUs), and one small broadcast: the per-step fixed cost of
-sharing the loss.
+same layers at the same time, in step (a barrier before every timed run: pipeline ranks compute at once most of a
+step, and two processes left to drift apart overlap only part of the time), and so include the contention
+training sees (shared caches and memory bandwidth); each time is the median over processes of their means. The
+same processes then time ping-pong messages between ranks 0 and 1 over the runtime's backend (gloo on CPU, NCCL
+with two GPUs), one small broadcast (the per-step fixed cost of sharing the loss) and, on a CPU host, how much a
+compute slows down while both processes send and receive 16 MiB (``Profile.transfer_cpu_s_per_byte``).
 """
 
 from __future__ import annotations
@@ -171,14 +176,16 @@ def _block_flops(block: nn.Module, cfg: Any, b: int, s: int) -> float:
     return 2.0 * _matrix_params(block) * b * s + 4.0 * b * s * s * cfg.hidden
 
 
+_TIMES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "recompute_s")
+"""The time fields of a :class:`LayerSample`."""
+
+
 class _LayerBench:
     """Runs one layer kind like the executor runs a stage, and measures it."""
 
-    def __init__(self, kind: LayerKind, module: nn.Module, *, device: torch.device, timer: _Timer,
-                 repeats: int, warmup: int) -> None:
+    def __init__(self, kind: LayerKind, module: nn.Module, *, device: torch.device, timer: _Timer) -> None:
         from evenpipe.runtime.stash import ActivationStash
         self.kind, self.module, self.device, self.timer = kind, module, device, timer
-        self.repeats, self.warmup = repeats, warmup
         self.stash = ActivationStash([module])
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.key = 0
@@ -207,42 +214,31 @@ class _LayerBench:
     def _grad_of(self, out: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
 
-    def run(self, x0: torch.Tensor, extra: Sequence[torch.Tensor]) -> dict[str, float]:
-        """Median times and the byte counts of one size."""
+    def once(self, x0: torch.Tensor, extra: Sequence[torch.Tensor], sizes: dict[str, float]) -> dict[str, float]:
+        """One run of every timed part at one size: F + B, then F (as recompute) + I + W; the byte counts go
+        into ``sizes`` on the first run (an empty dict)."""
         from evenpipe.runtime.executor import _run_backward
-        times: dict[str, list[float]] = {k: [] for k in ("forward_s", "backward_s", "backward_input_s",
-                                                         "backward_weight_s", "recompute_s")}
-        sizes: dict[str, float] = {}
-        for i in range(self.warmup + self.repeats):
-            keep = i >= self.warmup
-            # full backward
-            x = self._inputs(x0)
-            t_f, out, key = self._forward(x, extra, hold=True)
-            if keep:
-                times["forward_s"].append(t_f)
-            if not sizes:
-                sizes = self._bytes(x, out, extra, key)
-            g = self._grad_of(out)
-            t_b, _ = self.timer.time(lambda: _run_backward([out], [g], keep_graph=False))
-            self._done(key, x, True)
-            # zero-bubble split
-            x = self._inputs(x0)
-            t_r, out, key = self._forward(x, extra, hold=True)
-            g = self._grad_of(out)
-            xs = (x,) if x.is_floating_point() else ()
-            t_i, (_, state) = self.timer.time(lambda: backward_input([out], [g], xs, self.params))
-            if "weight_grad_bytes" not in sizes:
-                sizes["weight_grad_bytes"] = max(0.0, self.stash.bytes_of(key) - (_nbytes(x) if xs else 0))
-            t_w, _ = self.timer.time(lambda: backward_weight(state, self.params))
-            state = None  # drop the I -> W hand-off before the next run
-            self._done(key, x, True)
-            if keep:
-                times["backward_s"].append(t_b)
-                times["recompute_s"].append(t_r)
-                times["backward_input_s"].append(t_i)
-                times["backward_weight_s"].append(t_w)
-            out = g = None
-        return {**{k: statistics.median(v) for k, v in times.items()}, **sizes}
+        # full backward
+        x = self._inputs(x0)
+        t_f, out, key = self._forward(x, extra, hold=True)
+        if not sizes:
+            sizes.update(self._bytes(x, out, extra, key))
+        g = self._grad_of(out)
+        t_b, _ = self.timer.time(lambda: _run_backward([out], [g], keep_graph=False))
+        self._done(key, x, True)
+        # zero-bubble split
+        x = self._inputs(x0)
+        t_r, out, key = self._forward(x, extra, hold=True)
+        g = self._grad_of(out)
+        xs = (x,) if x.is_floating_point() else ()
+        t_i, (_, state) = self.timer.time(lambda: backward_input([out], [g], xs, self.params))
+        if "weight_grad_bytes" not in sizes:
+            sizes["weight_grad_bytes"] = max(0.0, self.stash.bytes_of(key) - (_nbytes(x) if xs else 0))
+        t_w, _ = self.timer.time(lambda: backward_weight(state, self.params))
+        state = None  # drop the I -> W hand-off before the next run
+        self._done(key, x, True)
+        return {"forward_s": t_f, "backward_s": t_b, "recompute_s": t_r, "backward_input_s": t_i,
+                "backward_weight_s": t_w}
 
     def _bytes(self, x: torch.Tensor, out: torch.Tensor, extra: Sequence[torch.Tensor],
                held_key: tuple) -> dict[str, float]:
@@ -260,8 +256,11 @@ class _LayerBench:
                 "output_bytes": float(_nbytes(out) if out.dim() > 0 else 0)}
 
 
-def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None) -> dict[LayerKind, list[LayerSample]]:
-    """Samples of every layer kind at every (micro-batch size, sequence length)."""
+def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None,
+                   sync: Callable[[], None] = lambda: None) -> dict[LayerKind, list[LayerSample]]:
+    """Samples of every layer kind at every (micro-batch size, sequence length): ``warmup + repeats`` rounds,
+    each running every kind at every size once, so a slow spell of the host spreads over all of them instead of
+    bending the fit; ``sync`` before every timed run (a barrier of the processes measuring together)."""
     cfg = options.model_config
     device = torch.device(options.device)
     dtype = DTYPES[options.dtype]
@@ -269,32 +268,41 @@ def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None
     built = _build(options, device, dtype)
     parts = built.parts
     timer = _Timer(device)
-    benches = {LayerKind.EMBEDDING: _LayerBench(LayerKind.EMBEDDING, parts.first, device=device, timer=timer,
-                                                repeats=options.repeats, warmup=options.warmup),
-               LayerKind.BLOCK: _LayerBench(LayerKind.BLOCK, parts.blocks[0], device=device, timer=timer,
-                                            repeats=options.repeats, warmup=options.warmup),
-               LayerKind.HEAD: _LayerBench(LayerKind.HEAD, _Head(parts.last, built.loss), device=device, timer=timer,
-                                           repeats=options.repeats, warmup=options.warmup)}
-    out: dict[LayerKind, list[LayerSample]] = {k: [] for k in LayerKind}
+    benches = {LayerKind.EMBEDDING: _LayerBench(LayerKind.EMBEDDING, parts.first, device=device, timer=timer),
+               LayerKind.BLOCK: _LayerBench(LayerKind.BLOCK, parts.blocks[0], device=device, timer=timer),
+               LayerKind.HEAD: _LayerBench(LayerKind.HEAD, _Head(parts.last, built.loss), device=device, timer=timer)}
+    cases = []  # (kind, b, s, input, extra inputs, byte counts, timed runs)
     for s in options.seq_lens or (cfg.seq_len,):
         for b in options.microbatch_sizes:
             gen = torch.Generator().manual_seed(options.seed + 1000 * b + s)
             tokens = torch.randint(0, cfg.vocab, (b, s), generator=gen).to(device)
             hidden = (torch.randn(b, s, cfg.hidden, generator=gen) * 0.5).to(device=device, dtype=dtype)
-            for kind, bench in benches.items():
+            for kind in benches:
                 x, extra = (tokens, ()) if kind is LayerKind.EMBEDDING else \
                     (hidden, (tokens,) if kind is LayerKind.HEAD else ())
-                vals = bench.run(x, extra)
-                flops = _block_flops(parts.blocks[0], cfg, b, s) if kind is LayerKind.BLOCK else \
-                    2.0 * _matrix_params(parts.last) * b * s if kind is LayerKind.HEAD else 0.0
-                out[kind].append(LayerSample(microbatch_size=b, seq_len=s, forward_flops=flops, **vals))
-                if progress is not None:
-                    progress.step(f"{kind.value} b={b} s={s}")
+                cases.append((kind, b, s, x, extra, {}, {q: [] for q in _TIMES}))
+    rounds = options.warmup + options.repeats
+    for i in range(rounds):
+        for kind, b, s, x, extra, sizes, times in cases:
+            sync()
+            run = benches[kind].once(x, extra, sizes)
+            if i >= options.warmup:
+                for q, t in run.items():
+                    times[q].append(t)
+        if progress is not None:
+            progress.step(f"layers, round {i + 1}/{rounds}")
+    out: dict[LayerKind, list[LayerSample]] = {k: [] for k in LayerKind}
+    for kind, b, s, _, _, sizes, times in cases:
+        flops = _block_flops(parts.blocks[0], cfg, b, s) if kind is LayerKind.BLOCK else \
+            2.0 * _matrix_params(parts.last) * b * s if kind is LayerKind.HEAD else 0.0
+        out[kind].append(LayerSample(microbatch_size=b, seq_len=s, forward_flops=flops, **sizes,
+                                     **{q: statistics.fmean(v) for q, v in times.items()}))
     return out
 
 
-def _optimizer_times(options: ProfileOptions, *, repeats: int) -> dict[LayerKind, float]:
-    """Median AdamW step seconds over one layer's parameters, per kind (gradients present, as in training)."""
+def _optimizer_times(options: ProfileOptions, *, repeats: int,
+                     sync: Callable[[], None] = lambda: None) -> dict[LayerKind, float]:
+    """Mean AdamW step seconds over one layer's parameters, per kind (gradients present, as in training)."""
     device, dtype = torch.device(options.device), DTYPES[options.dtype]
     parts = _build(options, device, dtype).parts
     timer = _Timer(device)
@@ -305,8 +313,12 @@ def _optimizer_times(options: ProfileOptions, *, repeats: int) -> dict[LayerKind
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
         opt = torch.optim.AdamW(params, lr=1e-4)
-        ts = [timer.time(opt.step)[0] for _ in range(repeats + 2)][2:]
-        out[kind] = statistics.median(ts)
+        ts = []
+        for _ in range(repeats + 2):
+            sync()
+            ts.append(timer.time(opt.step)[0])
+        ts = ts[2:]
+        out[kind] = statistics.fmean(ts)
     return out
 
 
@@ -333,6 +345,50 @@ def _ping_pong(rank: int, sizes: Sequence[int], repeats: int, device: torch.devi
         if rank == 0:
             out.append(LinkSample(num_bytes=_nbytes(buf), seconds=statistics.median(trips) / 2))
     return out
+
+
+_CONTENTION_BYTES = 16 * 2**20
+"""Bytes each process sends (and receives) while it computes, to measure what a transfer costs a compute."""
+
+
+def _contention_compute() -> Callable[[], float]:
+    """A fixed single-thread compute (an MLP's forward and backward, tens of milliseconds on a CPU core, longer
+    than moving :data:`_CONTENTION_BYTES`); returns its seconds when called."""
+    gen = torch.Generator().manual_seed(0)
+    w1 = torch.randn(256, 1024, generator=gen, requires_grad=True)
+    w2 = torch.randn(1024, 256, generator=gen, requires_grad=True)
+    x = torch.randn(256, 256, generator=gen)
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for _ in range(2):
+            (torch.nn.functional.gelu(x @ w1) @ w2).sum().backward()
+        w1.grad = w2.grad = None
+        return time.perf_counter() - t0
+    return run
+
+
+def _transfer_cpu_cost(rank: int, repeats: int, num_bytes: int = _CONTENTION_BYTES) -> float:
+    """Ranks 0 and 1 time a compute alone and while both send and receive ``num_bytes`` (alternating, median
+    of each); the slowdown per byte this rank moved (``2 * num_bytes``), 0 if the transfer cost nothing. CPU and
+    gloo only: there the backend's threads copy on the cores that compute."""
+    compute = _contention_compute()
+    peer = 1 - rank
+    out = torch.ones(max(1, num_bytes // 4))
+    into = torch.empty_like(out)
+    alone, busy = [], []
+    for i in range(2 * repeats + 2):
+        dist.barrier()
+        t_alone = compute()
+        dist.barrier()
+        works = [dist.isend(out, peer, tag=7), dist.irecv(into, peer, tag=7)]
+        t_busy = compute()
+        for w in works:
+            w.wait()
+        if i >= 2:
+            alone.append(t_alone)
+            busy.append(t_busy)
+    return max(0.0, statistics.median(busy) - statistics.median(alone)) / (2 * _nbytes(out))
 
 
 def _broadcast_time(repeats: int, device: torch.device) -> float:
@@ -367,20 +423,26 @@ def _worker(rank: int, world: int, port: int, options: ProfileOptions, show: boo
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=600))
         measuring = options.device == "cpu" or rank == 0  # one GPU: only rank 0 measures layers on it
-        steps = len(options.microbatch_sizes) * len(options.seq_lens or (0,)) * len(LayerKind) + 2
+        steps = options.warmup + options.repeats + 2
         progress = _Progress(steps, enabled=show and rank == 0)
-        layers = measure_layers(options, progress=progress) if measuring else {}
-        opt = _optimizer_times(options, repeats=options.repeats) if measuring else {}
+        sync = dist.barrier if world > 1 and options.device == "cpu" else (lambda: None)
+        layers = measure_layers(options, progress=progress, sync=sync) if measuring else {}
+        opt = _optimizer_times(options, repeats=options.repeats, sync=sync) if measuring else {}
         progress.step("optimizer step")
         link: list[LinkSample] = []
-        overhead = 0.0
+        overhead = cpu_per_byte = 0.0
         if world > 1 and (backend == "nccl" or device.type == "cpu"):
             dist.barrier()
             link = _ping_pong(rank, options.link_sizes, options.repeats, device if backend == "nccl"
                               else torch.device("cpu"))
             overhead = _broadcast_time(options.repeats, device if backend == "nccl" else torch.device("cpu"))
+            if device.type == "cpu":
+                dist.barrier()
+                if rank < 2:
+                    cpu_per_byte = _transfer_cpu_cost(rank, options.repeats)
+                dist.barrier()
         progress.step("point-to-point messages")
-        queue.put(("ok", rank, layers, opt, link, overhead, backend))
+        queue.put(("ok", rank, layers, opt, link, overhead, backend, cpu_per_byte))
         if world > 1:
             dist.barrier()
             dist.destroy_process_group()
@@ -455,16 +517,18 @@ def profile_model(options: ProfileOptions, *, show_progress: bool = True, timeou
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = env_threads
-    layers, opt, link, overhead, backend = results[0]
+    layers, opt, link, overhead, backend, _ = results[0]
     measured = [r for r in results.values() if r[0]]
+    pair = [results[r][5] for r in (0, 1) if r in results]  # the two processes that exchanged
     return Profile(machine=_machine(options, backend, world), model=_model_info(options),
                    layers=_merge_layers([r[0] for r in measured]),
                    optimizer_s={k: statistics.median(r[1][k] for r in measured) for k in opt}, link=tuple(link),
-                   step_overhead_s=overhead, repeats=options.repeats, warmup=options.warmup)
+                   step_overhead_s=overhead, transfer_cpu_s_per_byte=statistics.mean(pair) if world > 1 else 0.0,
+                   repeats=options.repeats, warmup=options.warmup)
 
 
 def _merge_layers(per_process: list[dict[LayerKind, list[LayerSample]]]) -> dict[LayerKind, tuple[LayerSample, ...]]:
-    """Every process's samples in one: times are the median over processes of their medians (the processes
+    """Every process's samples in one: times are the median over processes of their means (the processes
     measured the same layers at the same time), bytes are rank 0's (they are the same everywhere)."""
     import dataclasses
     first = per_process[0]
@@ -472,8 +536,7 @@ def _merge_layers(per_process: list[dict[LayerKind, list[LayerSample]]]) -> dict
     for kind, samples in first.items():
         merged = []
         for i, s in enumerate(samples):
-            times = {q: statistics.median(p[kind][i].value(q) for p in per_process)
-                     for q in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "recompute_s")}
+            times = {q: statistics.median(p[kind][i].value(q) for p in per_process) for q in _TIMES}
             merged.append(dataclasses.replace(s, **times))
         out[kind] = tuple(merged)
     return out

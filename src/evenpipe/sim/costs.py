@@ -9,7 +9,10 @@ Conventions (shared by the simulator, the cost model and the runtime's profiler)
   ``RECOMPUTE`` action rebuilds the full ``activation_bytes``);
 - after ``I``, ``weight_grad_bytes`` of them stay alive until ``W``;
 - ``output_bytes`` is the size of the activation sent to the next stage (the gradient sent back has the same size);
-- BPipe evicts and loads ``activation_bytes`` (or ``checkpoint_bytes`` when recomputing).
+- BPipe evicts and loads ``activation_bytes`` (or ``checkpoint_bytes`` when recomputing);
+- a link's ``cpu_s_per_byte`` is CPU time that each end of a transfer spends per byte moved, taken from that
+  rank's computes (a CPU host, where the backend's threads copy the bytes on the cores that compute); 0 for
+  devices whose copies do not compete with compute (and by default).
 """
 
 from __future__ import annotations
@@ -31,12 +34,20 @@ class Link:
     """Seconds before the first byte arrives."""
     bandwidth_bytes_per_s: float = math.inf
     """Sustained bytes per second; ``inf`` makes transfers free of size cost."""
+    cpu_s_per_byte: float = 0.0
+    """Seconds of each endpoint rank's compute that one byte moved takes (see the module docstring)."""
 
     def __post_init__(self) -> None:
         if self.latency_s < 0:
             raise ConfigError(f"link latency must be >= 0 s, got {self.latency_s}")
         if not self.bandwidth_bytes_per_s > 0:
             raise ConfigError(f"link bandwidth must be > 0 bytes/s, got {self.bandwidth_bytes_per_s}")
+        if not self.cpu_s_per_byte >= 0 or math.isinf(self.cpu_s_per_byte):
+            raise ConfigError(f"link cpu_s_per_byte must be a finite number >= 0, got {self.cpu_s_per_byte}")
+
+    def cpu_time(self, num_bytes: float) -> float:
+        """Seconds of compute each endpoint loses to moving ``num_bytes``."""
+        return self.cpu_s_per_byte * num_bytes if num_bytes > 0 else 0.0
 
     def transfer_time(self, num_bytes: float) -> float:
         if num_bytes <= 0:
@@ -98,6 +109,11 @@ class SimCosts:
 
     def link(self, src: int, dst: int) -> Link:
         return self.links.get((src, dst), self.default_link)
+
+    @property
+    def charges_cpu(self) -> bool:
+        """Whether any link takes compute time from its endpoints (``Link.cpu_s_per_byte`` > 0)."""
+        return self.default_link.cpu_s_per_byte > 0 or any(k.cpu_s_per_byte > 0 for k in self.links.values())
 
     @classmethod
     def uniform(cls, *, num_stages: int, num_chunks: int = 1, forward: float = 1.0, backward: float = 2.0,

@@ -14,7 +14,11 @@ Execution model (the runtime's as well):
   ``RETURN`` (and ``ACCEPT``) its rank posted before it. The wait beyond a compute's other inputs counts as
   those transfers' exposed time. An acceptor's own ``F`` does not wait for its ``RETURN``s (that would stall
   it for a slow link; the BPipe transform bounds the overlap instead, see below);
-- host offload/reload use the rank's host link, ``costs.link(rank, rank)``, one transfer per direction at a time.
+- host offload/reload use the rank's host link, ``costs.link(rank, rank)``, one transfer per direction at a time;
+- a link with ``cpu_s_per_byte`` (a CPU host, where the backend's threads copy on the cores that compute) gives
+  each endpoint rank ``cpu_s_per_byte * bytes`` of work when the transfer starts; it runs once the rank's
+  current compute ends (or at once on an idle rank), and the rank's next compute starts after it. Transfers
+  themselves keep their link time; the work is no action, so the trace counts it as the rank's idle time.
 
 Memory per rank counts activation bytes saved for backward, own plus hosted (BPipe). ``F`` allocates
 ``activation_bytes`` (``checkpoint_bytes`` if that micro-batch is recomputed), ``R`` adds the difference, ``B``
@@ -130,6 +134,8 @@ class _Xfer:
     """Whether arrival frees the sender's copy (EVICT, RETURN, OFFLOAD)."""
     allocs: bool = False
     """Whether the start allocates on the receiver (ACCEPT, LOAD, RELOAD)."""
+    cpu: float = 0.0
+    """Seconds of compute each endpoint rank gives to this transfer (``Link.cpu_s_per_byte``)."""
 
 
 def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
@@ -147,7 +153,7 @@ def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
 
     trace = simulate_free(schedule, costs)
     if trace is None:
-        trace = simulate_fast(schedule, costs)
+        trace = simulate_fast(schedule, costs)  # both answer None when a link charges CPU
     return trace if trace is not None else simulate_events(schedule, costs)
 
 
@@ -190,8 +196,8 @@ class _Engine:
     schedule: Schedule
     costs: SimCosts
     xfers: list[_Xfer] = field(default_factory=list)
-    time_of: dict[tuple[tuple[int, int], float], float] = field(default_factory=dict)
-    """Transfer time per (directed pair, bytes), computed once."""
+    time_of: dict[tuple[tuple[int, int], float], tuple[float, float]] = field(default_factory=dict)
+    """Transfer time and endpoint CPU time per (directed pair, bytes), computed once."""
     duration: list[list[float]] = field(default_factory=list)
     """Per compute code (F, B, I, W, R) and stage, the action's duration."""
     codes: list[list[int]] = field(default_factory=list)
@@ -219,6 +225,8 @@ class _Engine:
     seq: int = 0
     pc: list[int] = field(default_factory=list)
     t_free: list[float] = field(default_factory=list)
+    cpu_free: list[float] = field(default_factory=list)
+    """Per rank, when the transfer work charged to it (``Link.cpu_s_per_byte``) is done."""
     starts: list[list[float]] = field(default_factory=list)
     ends: list[list[float]] = field(default_factory=list)
     held: list[dict[tuple[int, int], float]] = field(default_factory=list)
@@ -236,16 +244,16 @@ class _Engine:
                   send_pos: tuple[int, int] | None, recv_pos: tuple[int, int] | None,
                   link: tuple[int, int], signal: Hashable | None = None) -> int:
         tid = len(self.xfers)
-        duration = self.time_of.get((link, num_bytes))
-        if duration is None:
+        times = self.time_of.get((link, num_bytes))
+        if times is None:
             host_side = max(src, dst)  # a host transfer uses the rank's own pair (rank, rank)
             timing = self.costs.link(src, dst) if src != _HOST and dst != _HOST else \
                 self.costs.link(host_side, host_side)
-            duration = self.time_of[(link, num_bytes)] = timing.transfer_time(num_bytes)
-        self.xfers.append(_Xfer(src, dst, kind, stage, mb, num_bytes, duration, link,
+            times = self.time_of[(link, num_bytes)] = (timing.transfer_time(num_bytes), timing.cpu_time(num_bytes))
+        self.xfers.append(_Xfer(src, dst, kind, stage, mb, num_bytes, times[0], link,
                                 send_pos, recv_pos, tid if signal is None else signal,
                                 (send_pos is not None) + (recv_pos is not None), 0.0, -1.0, -1.0, 0.0,
-                                _FREES[kind.code], _ALLOCS[kind.code]))
+                                _FREES[kind.code], _ALLOCS[kind.code], times[1]))
         if send_pos is not None:
             self.xfer_at[send_pos[0]][send_pos[1]] = tid
         if recv_pos is not None:
@@ -467,9 +475,23 @@ class _Engine:
         else:
             queue.append(tid)
 
+    def _charge_cpu(self, x: _Xfer, now: float) -> None:
+        """Queue a starting transfer's CPU work on both endpoint ranks (after their current compute)."""
+        cpu_free, t_free = self.cpu_free, self.t_free
+        for r in (x.src, x.dst):
+            if r != _HOST:
+                base = cpu_free[r]
+                if now > base:
+                    base = now
+                if t_free[r] > base:
+                    base = t_free[r]
+                cpu_free[r] = base + x.cpu
+
     def _start_xfer(self, tid: int, now: float) -> None:
         x = self.xfers[tid]
         x.start = now
+        if x.cpu:
+            self._charge_cpu(x, now)
         if x.allocs:
             self._alloc(x.dst, (x.stage, x.microbatch), now, x.num_bytes)
         x.end = end = now + x.duration
@@ -550,6 +572,8 @@ class _Engine:
                             return
                         if t > start:
                             start = t
+                if self.cpu_free[r] > start:  # transfer work charged to this rank comes first
+                    start = self.cpu_free[r]
                 self._run_compute(r, i, c, acts[i], start)
                 return
             tid = xfer_at[i]
@@ -561,6 +585,8 @@ class _Engine:
             if not x.pending:
                 if x.duration == 0.0 and self.links_free.get(x.link, 0.0) <= now and not self.link_queue.get(x.link):
                     x.start = x.end = now  # instant on a free link: arrives now, link stays free
+                    if x.cpu:
+                        self._charge_cpu(x, now)
                     if x.allocs:
                         self._alloc(x.dst, (x.stage, x.microbatch), now, x.num_bytes)
                     self.soon.append(-(tid + 1))
@@ -635,7 +661,7 @@ class _Engine:
     def run(self) -> Trace:
         sched = self.schedule
         n = sched.num_ranks
-        self.pc, self.t_free = [0] * n, [0.0] * n
+        self.pc, self.t_free, self.cpu_free = [0] * n, [0.0] * n, [0.0] * n
         self.starts = [[0.0] * len(a) for a in sched.actions]
         self.ends = [[0.0] * len(a) for a in sched.actions]
         self.held = [{} for _ in range(n)]

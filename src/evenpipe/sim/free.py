@@ -43,6 +43,8 @@ class _NotFree(Exception):
 
 def simulate_free(schedule: Schedule, costs: SimCosts) -> Trace | None:
     """The trace the event engine would return, or ``None`` where the instant-link rules do not apply."""
+    if costs.charges_cpu:
+        return None
     try:
         return _FreeRun(schedule, costs).run()
     except _NotFree:

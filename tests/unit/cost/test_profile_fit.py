@@ -176,3 +176,29 @@ def test_bpipe_pays_when_its_memory_buys_a_more_efficient_microbatch() -> None:
     assert ans.with_bpipe.config.microbatch_size > ans.without.config.microbatch_size
     assert ans.blocked is not None and ans.blocked.config.microbatch_size == 4
     assert "BPipe pays" in ans.text and "balanced memory fits b=4" in ans.text and "memory is the limit" in ans.text
+
+
+def test_transfer_cpu_cost_round_trips_and_reaches_the_link() -> None:
+    p = dataclasses.replace(make_profile(), transfer_cpu_s_per_byte=3e-10)
+    back = Profile.from_json(p.to_json())
+    assert back.transfer_cpu_s_per_byte == 3e-10
+    assert link_from_profile(back).cpu_s_per_byte == 3e-10
+    old = make_profile().to_dict()
+    old.pop("transfer_cpu_s_per_byte")  # a profile written before it was measured: no charge
+    assert link_from_profile(Profile.from_dict(old)).cpu_s_per_byte == 0.0
+    bad = p.to_dict()
+    bad["transfer_cpu_s_per_byte"] = -1
+    with pytest.raises(ProfileError, match="damaged.*transfer_cpu_s_per_byte") as info:
+        Profile.from_dict(bad)
+    assert "\n" not in str(info.value)
+
+
+def test_transfer_cpu_cost_lengthens_a_bpipe_prediction() -> None:
+    # the evicted unit (saved bytes of the stage) is moved twice; charging its copies to both ends of each move
+    # can only delay computes, and here it does
+    sched = build_schedule("bpipe", num_ranks=2, num_microbatches=8)
+    base = predict_step(ProfileModel(make_profile()), sched, microbatch_size=4)
+    charged = predict_step(ProfileModel(dataclasses.replace(make_profile(), transfer_cpu_s_per_byte=1e-6)), sched,
+                           microbatch_size=4)
+    assert charged.step_time > base.step_time
+    assert charged.peak_activation_bytes == base.peak_activation_bytes

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from evenpipe.cost.profile import LayerKind, Profile
-from evenpipe.cost.profile_fit import ProfileModel
+from evenpipe.cost.profile_fit import ProfileModel, link_from_profile
 from evenpipe.models import model_config
 from evenpipe.runtime.profile import ProfileOptions, measure_layers, profile_model
 from evenpipe.runtime.stages import build_stage_modules
@@ -104,4 +104,7 @@ def test_two_processes_measure_the_link() -> None:
     assert all(s.seconds > 0 for s in profile.link)
     assert profile.machine.num_processes == 2 and profile.machine.backend == "gloo"
     assert set(profile.optimizer_s) == set(LayerKind) and profile.step_overhead_s > 0
+    # what a 16 MiB exchange costs the computes: measured on a CPU host, >= 0, carried to the simulator's link
+    assert 0 <= profile.transfer_cpu_s_per_byte < 1e-6
+    assert link_from_profile(profile).cpu_s_per_byte == profile.transfer_cpu_s_per_byte
     assert Profile.from_json(profile.to_json()) == profile

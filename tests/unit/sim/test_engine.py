@@ -320,3 +320,57 @@ def test_recompute_waits_for_the_eviction_before_it() -> None:
     assert (evict.start, evict.end) == pytest.approx((2.0, 10.0))  # the checkpoint: 8 bytes at 1 B/s
     assert recs["0R0"].start == pytest.approx(10.0)  # ready at 2 (R needs no message); waited for the eviction
     assert evict.exposed_s == pytest.approx(8.0)
+
+
+_CHAIN = ("# t ranks=2 microbatches=1 layout=0,1\n0: 0F0 0SEND_F0@1 0RECV_B0@1 0B0\n"
+          "1: 1RECV_F0@0 1F0 1B0 1SEND_B0@0")
+
+
+@pytest.mark.parametrize("work", [0.0, 0.25, 1.0])
+def test_transfer_cpu_work_delays_the_next_compute_on_both_ends(work: float) -> None:
+    # a free link, but each end spends ``work`` seconds on the 100 bytes: F0 [0,1], the message charges both
+    # ranks at 1, so 1F0 starts at 1 + work; the gradient at 1 + work + 3 charges both again before 0B0
+    stage = StageCosts(forward=1, backward_input=2, output_bytes=100)
+    costs = SimCosts.from_stages([stage, stage], default_link=Link(cpu_s_per_byte=work / 100))
+    trace = simulate(Schedule.from_text(_CHAIN), costs)
+    starts = {(rec.rank, rec.action.kind): rec.start for r in range(2) for rec in trace.records(r)}
+    assert starts[(1, K.FORWARD)] == pytest.approx(1 + work)
+    assert starts[(0, K.BACKWARD)] == pytest.approx(4 + 2 * work)
+    assert trace.step_time == pytest.approx(6 + 2 * work)
+    assert costs.charges_cpu == (work > 0)
+
+
+def test_transfer_cpu_work_waits_for_the_running_compute() -> None:
+    # rank 1's forward takes 3 s; the second message lands at 2.5 while 1F0 runs [1.5, 4.5]: its 0.5 s of
+    # copying on rank 1 comes after 1F0, so 1F1 starts at 5.0 (at 4.0 with a link that charges nothing)
+    text = ("# t ranks=2 microbatches=2 layout=0,1\n"
+            "0: 0F0 0SEND_F0@1 0F1 0SEND_F1@1 0RECV_B1@1 0B1 0RECV_B0@1 0B0\n"
+            "1: 1RECV_F0@0 1F0 1RECV_F1@0 1F1 1B1 1SEND_B1@0 1B0 1SEND_B0@0")
+    stages = [StageCosts(forward=1, backward_input=2, output_bytes=100),
+              StageCosts(forward=3, backward_input=2, output_bytes=100)]
+
+    def f1_start(link: Link) -> float:
+        trace = simulate(Schedule.from_text(text), SimCosts.from_stages(stages, default_link=link))
+        recs = [rec for rec in trace.records(1) if rec.action.kind is K.FORWARD]
+        assert recs[0].start == pytest.approx(1.5 if link.cpu_s_per_byte else 1.0)
+        return recs[1].start
+    assert f1_start(Link()) == pytest.approx(4.0)  # 1F0 [1, 4], the second message arrived at 2
+    assert f1_start(Link(cpu_s_per_byte=0.005)) == pytest.approx(5.0)
+
+
+def test_cpu_charging_links_are_simulated_by_the_engine() -> None:
+    sched = one_f_one_b(3, 5)
+    costs = SimCosts.uniform(num_stages=3, output_bytes=10, link=Link(latency_s=0.1, cpu_s_per_byte=0.02))
+    from evenpipe.sim.engine import simulate_events
+    from evenpipe.sim.fast import simulate_fast
+    from evenpipe.sim.free import simulate_free
+    assert simulate_fast(sched, costs) is None and simulate_free(sched, costs) is None
+    assert simulate(sched, costs).step_time == simulate_events(sched, costs).step_time
+    free = simulate(sched, SimCosts.uniform(num_stages=3, output_bytes=10, link=Link(latency_s=0.1)))
+    assert simulate(sched, costs).step_time > free.step_time
+
+
+@pytest.mark.parametrize("bad", [-1e-9, float("inf"), float("nan")])
+def test_bad_cpu_charge_is_refused(bad: float) -> None:
+    with pytest.raises(ConfigError, match="cpu_s_per_byte"):
+        Link(cpu_s_per_byte=bad)
