@@ -86,11 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="bench_predict_out")
+    ap.add_argument("--no-host-probe", action="store_true",
+                    help="skip the CPU host probe (GPU runs, where it measures nothing that matters, and dry runs)")
     args = ap.parse_args(argv)
+    probe = (lambda: print(host_line(), flush=True)) if not args.no_host_probe else (lambda: None)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"load average (1 min) at start: {_load()}")
-    print(host_line(), flush=True)
+    probe()
     prof = pathlib.Path(args.profile) if args.profile else profile(args, out)
     wanted = args.schedules.split(",")
     cases = [(s, v, int(b)) for b in args.sizes.split(",") if b for s, v in CASES if s in wanted]
@@ -101,9 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         pred = train(args, out, prof, schedule, chunks, b)
         rows.append((schedule, chunks, b, pred))
         wall, stolen = time.perf_counter() - t0, steal_seconds() - stolen
-        host = concurrent_slowdown(1.0, args.stages)
+        after = ""
+        if not args.no_host_probe:
+            host = concurrent_slowdown(1.0, args.stages)
+            after = f"; host probe after: {host[0]:.2f}x median, {host[1]:.2f}x p90"
         print(f"  {schedule:12s} b={b} done in {wall:5.1f} s (load {_load()}; vCPU time stolen by the host during "
-              f"the run {stolen:.1f} s; host probe after: {host[0]:.2f}x median, {host[1]:.2f}x p90)", flush=True)
+              f"the run {stolen:.1f} s{after})", flush=True)
     print(f"\nP={args.stages} M={args.microbatches}, {args.steps} steps per run (median of the steps after the first)")
     head = (f"{'schedule':12s} {'V':>2s} {'b':>2s} {'pred step':>10s} {'meas step':>10s} {'error':>7s}   "
             + "   ".join(f"{'r' + str(r) + ' pred MiB':>12s} {'meas MiB':>9s} {'error':>7s}" for r in range(args.stages)))
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(f"\nworst |error|: step time {worst_t:.1%}, peak activation bytes {worst_m:.1%}")
     print(f"load average (1 min) at end: {_load()}")
-    print(host_line(), flush=True)
+    probe()
     return 0
 
 

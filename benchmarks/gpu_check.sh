@@ -37,5 +37,5 @@ if [ "$NGPU" -ge 2 ]; then P=2; SCHEDULES=1f1b,bpipe; else P=1; SCHEDULES=1f1b
 echo "== profile $MODEL on $DEVICE ($DTYPE), then train P=$P M=$M with $SCHEDULES"
 $PY benchmarks/bench_predict.py --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --profile-sizes "$PSIZES" \
   --sizes "$SIZES" --unprofiled "$UNPROF" --schedules "$SCHEDULES" --stages "$P" --microbatches "$M" \
-  --steps "$STEPS" --repeats "$REPEATS" --out "$OUT"
+  --steps "$STEPS" --repeats "$REPEATS" --out "$OUT" --no-host-probe
 echo "gpu_check.sh took $(( $(date +%s) - start )) s"

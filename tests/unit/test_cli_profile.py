@@ -142,3 +142,21 @@ def test_profile_and_train_name_a_relative_hf_config_alike(monkeypatch: pytest.M
     train_cmd.add_arguments(parser)
     config = train_cmd.build_config(parser.parse_args(["--hf-config", rel, "--stages", "2"]))
     assert name == config.model.name == str(root / rel)
+
+
+def test_unwritable_out_is_refused_before_measuring(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import evenpipe.runtime.profile as rp
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured although --out cannot be written")
+    monkeypatch.setattr(rp, "profile_model", never)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code = main(["profile", "--model", "gpt-tiny", "--out", str(blocker / "sub" / "profile.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--out" in err and len(err.strip().splitlines()) == 1
+    created = tmp_path / "new" / "deeper" / "profile.json"  # a missing folder is made, as `--out DIR/x` expects
+    from evenpipe.commands.profile import _check_writable
+    _check_writable(created)
+    assert created.parent.is_dir()
