@@ -31,14 +31,12 @@ class PipelineBounds:
     """On the simulated step time (the last compute of any rank)."""
     first_rank_end: float
     """On the end of rank 0's last compute."""
-    first_rank_hideable: float
-    """An upper bound on what an overlapped gradient reduction can hide behind on rank 0: the backward (and
-    recomputation) work of one micro-batch over all of rank 0's stages."""
     rank_ends: tuple[float, ...] = ()
     """Per rank, a bound on the end of its last compute: its start (``prefix_f`` of its lowest stage) plus all
     its work."""
     rank_hideable: tuple[float, ...] = ()
-    """Per rank, what :attr:`first_rank_hideable` is for rank 0."""
+    """Per rank, an upper bound on what an overlapped gradient reduction can hide behind: the backward (and
+    recomputation) work of one micro-batch over all of the rank's stages."""
 
 
 def stage_layout(family: ScheduleFamily, pp: int, chunks: int) -> tuple[int, ...]:
@@ -64,33 +62,29 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
     work = [0.0] * num_ranks
     work_to_last_i = [0.0] * num_ranks
     lowest = [len(stage_to_rank)] * num_ranks
-    last_mb_backward0 = 0.0
-    seen: dict[int, tuple[float, float, float, float, float, float]] = {}  # equal stages are often one object
+    seen: dict[int, tuple[float, float, float, float, float]] = {}  # equal stages are often one object
     rows = []
     for st in costs.stages:
         row = seen.get(id(st))
         if row is None:
             row = seen[id(st)] = (st.forward, st.backward, st.backward_input,
-                                  st.recompute_time if recompute else 0.0, st.output_bytes,
-                                  max(st.backward, st.backward_input + st.backward_weight))
+                                  st.recompute_time if recompute else 0.0, st.output_bytes)
         rows.append(row)
     hideable = [0.0] * num_ranks
     for s, r in enumerate(stage_to_rank):
-        forward, backward, backward_input, extra, _, any_backward = rows[s]
+        forward, backward, backward_input, extra, _ = rows[s]
         work[r] += forward + backward + extra
         work_to_last_i[r] += forward + extra + (backward_input if split_backward else backward)
         if s < lowest[r]:
             lowest[r] = s
-        if r == 0:
-            last_mb_backward0 += backward + extra
-        hideable[r] += any_backward + extra
+        hideable[r] += backward + extra  # B, or I + W: the same sum
     # prefix_f[s]: forwards of stages 0..s-1 plus the activation messages between them up to stage s;
     # prefix_i[s]: input gradients of stages s-1..0 plus the gradient messages from stage s down to stage 0
     prefix_f, prefix_i = [0.0], [0.0]
     times: dict[tuple[int, float], float] = {}  # (link object, bytes) -> transfer time: few links are distinct
     num_stages = len(rows)
     link = costs.link
-    for k, (forward, _, backward_input, _, output_bytes, _) in enumerate(rows):
+    for k, (forward, _, backward_input, _, output_bytes) in enumerate(rows):
         fwd_msg = bwd_msg = 0.0
         if k + 1 < num_stages and stage_to_rank[k] != stage_to_rank[k + 1]:
             src, dst = stage_to_rank[k], stage_to_rank[k + 1]
@@ -110,8 +104,8 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
     own_end = max(rank_ends)
     first_end = max(m * work[0], max(prefix_f[lowest[r]] + m * work_to_last_i[r] + prefix_i[lowest[r]]
                                      for r in range(num_ranks)))
-    return PipelineBounds(makespan=max(own_end, first_end), first_rank_end=first_end,
-                          first_rank_hideable=last_mb_backward0, rank_ends=rank_ends, rank_hideable=tuple(hideable))
+    return PipelineBounds(makespan=max(own_end, first_end), first_rank_end=first_end, rank_ends=rank_ends,
+                          rank_hideable=tuple(hideable))
 
 
 _CACHE_LIMIT = 1 << 16
@@ -164,7 +158,7 @@ def _step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, 
         layers_on[r] += n
     layer_params = per_layer * layers_on[0]
     dps = [dp_allreduce_time(per_layer * n, cfg, hw, eff) for n in layers_on]
-    hidden = b.first_rank_hideable if eff.dp_overlap else 0.0
+    hidden = b.rank_hideable[0] if eff.dp_overlap else 0.0
     pipeline = max(b.makespan, b.first_rank_end + max(0.0, dps[0] - hidden))
     # every rank reduces its own gradients after its last compute, hiding at most one micro-batch's backward
     for end, dp_r, hide in zip(b.rank_ends, dps, b.rank_hideable):

@@ -81,7 +81,7 @@ def test_makespan_bound_is_exact_for_uniform_1f1b() -> None:
     b = _bounds(SimCosts.uniform(num_stages=p, forward=1.0, backward=2.0), tuple(range(p)), m)
     assert b.makespan == pytest.approx((m + p - 1) * 3.0)
     assert b.first_rank_end == pytest.approx(b.makespan)  # rank 0 finishes last in 1F1B
-    assert b.first_rank_hideable == pytest.approx(2.0)
+    assert b.rank_hideable == pytest.approx((2.0,) * p)
 
 
 def test_bounds_count_recompute_weight_grad_and_chunks() -> None:
