@@ -5,8 +5,9 @@ per-action CPU. Both orders are imported into the IR here (torch's through its s
 ``evenpipe.runtime.torch_orders``), given the same stage costs and simulated, so the difference in the orders
 themselves is seen without the host's noise. Costs per stage: forward ``f``, input gradient ``i``, weight
 gradient ``w``; with ``--first-stage-i0`` stage 0's ``I`` is empty and its ``W`` the whole backward, as the
-runtime runs the stage whose input is tokens. evenpipe's order is built with its default plan durations
-(1, 1, 1) and with durations matched to the costs (``plan_durations_for``).
+runtime runs the stage whose input is tokens. Until 2026-12-02 evenpipe's zb-v was a unit-time list schedule
+planned with durations (1, 1, 1) (up to 42% longer than torch's order here); it is now ZB-V's fixed pattern
+(:mod:`evenpipe.schedule.generate.zb_v`), and the last column is v-min's matched-duration plan for reference.
 
     .venv/bin/python benchmarks/bench_zbv_orders.py
     .venv/bin/python benchmarks/bench_zbv_orders.py --profile profile.json   # also the profile's own costs
@@ -18,7 +19,7 @@ import argparse
 import sys
 
 from evenpipe.schedule import derive_communication
-from evenpipe.schedule.build import build_schedule, plan_durations_for
+from evenpipe.schedule.build import build_schedule
 from evenpipe.schedule.ir import Schedule
 from evenpipe.schedule.validate import validate
 from evenpipe.sim import SimCosts, StageCosts, simulate
@@ -52,16 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default="2,4,8", help="pipeline sizes P (M = 4P)")
     ap.add_argument("--profile", default=None, help="also simulate with this profile's costs (P=2, M=8, b=1)")
     args = ap.parse_args(argv)
-    print(f"{'P':>2s} {'M':>3s}  {'costs':26s} {'torch':>8s} {'ours(1,1,1)':>12s} {'ours(matched)':>14s}   "
-          "torch/ours (default, matched)")
+    print(f"{'P':>2s} {'M':>3s}  {'costs':26s} {'torch zbv':>9s} {'evenpipe zb-v':>14s} {'torch/ours':>11s}")
     for p in (int(x) for x in args.stages.split(",")):
         m = 4 * p
         theirs = _torch_order(p, m)
         default = build_schedule("zb-v", num_ranks=p, num_microbatches=m)
         for label, f, i, w, first_i0 in CASES:
-            matched = build_schedule("zb-v", num_ranks=p, num_microbatches=m, plan_durations=plan_durations_for(f, i, w))
-            t, d, mt = (simulate(s, _costs(s, f, i, w, first_i0)).step_time for s in (theirs, default, matched))
-            print(f"{p:2d} {m:3d}  {label:26s} {t:8.2f} {d:12.2f} {mt:14.2f}   {t / d:.3f}, {t / mt:.3f}")
+            t, d = (simulate(s, _costs(s, f, i, w, first_i0)).step_time for s in (theirs, default))
+            print(f"{p:2d} {m:3d}  {label:26s} {t:9.2f} {d:14.2f} {t / d:11.3f}")
     if args.profile:
         from evenpipe.cost.profile import Profile
         from evenpipe.cost.profile_fit import ProfileModel, predict_step

@@ -246,7 +246,7 @@ def _stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: E
 
 def cost_plan_durations(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
                         efficiency: Efficiency | None = None) -> tuple[int, int, int] | None:
-    """The integer F, I, W durations a memory-capped family (zb-h2, zb-v, v-half, v-min) plans its order with:
+    """The integer F, I, W durations a memory-capped family (zb-h2, v-half, v-min) plans its order with:
     the ratio of one layer's forward, input-gradient and weight-gradient times; ``None`` for the other families,
     whose order does not depend on durations."""
     if not cfg.schedule.traits.plans_with_durations:

@@ -16,6 +16,7 @@ from evenpipe.schedule.generate import gpipe, interleaved, looped_bfs, one_f_one
 from evenpipe.schedule.generate.capped import capped_zero_bubble
 from evenpipe.schedule.generate.building_block import building_block_v
 from evenpipe.schedule.generate.dualpipe_v import dualpipe_v
+from evenpipe.schedule.generate.zb_v import zb_v
 from evenpipe.schedule.columns import Columns
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.schedule.validate import validate
@@ -34,7 +35,7 @@ def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbat
     Megatron's schedule exactly). ``bpipe_budget`` is the
     activation units a rank may hold under BPipe (default ``ceil((P+1)/2)``). ``recompute`` inserts ``R`` right
     before every backward (``B`` or ``I``). ``plan_durations`` are the relative integer durations of ``F``, ``I``
-    and ``W`` that zb-h2, zb-v, v-half and v-min plan their order with (default 1, 1, 1;
+    and ``W`` that zb-h2, v-half and v-min plan their order with (default 1, 1, 1;
     :func:`plan_durations_for` turns measured or modelled times into them). ``bpipe`` applies the BPipe
     transform to any family that allows it (``bpipe`` itself is 1F1B with it); ``bpipe_budget`` is then in
     activation units of one stage (a chunk when interleaved), default the lowest balanced peak the pairing
@@ -143,6 +144,8 @@ _GENERATORS: dict[ScheduleFamily, Callable[[int, int, int], Schedule]] = {
     ScheduleFamily.INTERLEAVED: lambda P, M, V: interleaved(num_ranks=P, num_microbatches=M, num_chunks=V),
     ScheduleFamily.LOOPED_BFS: lambda P, M, V: looped_bfs(num_ranks=P, num_microbatches=M, num_chunks=V),
     ScheduleFamily.ZB_H1: lambda P, M, V: zb_h1(num_ranks=P, num_microbatches=M),
+    ScheduleFamily.ZB_V: lambda P, M, V: zb_v(num_ranks=P, num_microbatches=M,
+                                             stage_to_rank=ScheduleFamily.ZB_V.traits.stage_to_rank(P, 2)),
     ScheduleFamily.DUALPIPE_V: lambda P, M, V: dualpipe_v(num_ranks=P, num_microbatches=M),
     ScheduleFamily.BPIPE: lambda P, M, V: one_f_one_b(num_ranks=P, num_microbatches=M),  # transformed later
 }

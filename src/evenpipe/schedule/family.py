@@ -103,6 +103,7 @@ class Ordering(enum.Enum):
     BREADTH_FIRST = "each chunk forwards every micro-batch before the next"
     ZERO_BUBBLE_H1 = "1F1B's order with W deferred into the bubbles"
     MEMORY_CAPPED = "unit-time greedy: I, then F within a per-rank activation cap, then W"
+    V_PATTERN = "ZB-V's fixed warm-up and F-I-W steady state on the V, then input gradients first"
     BUILDING_BLOCK = "one micro-batch's shortest-lived V block, repeated (Qi et al. 2024b)"
     DUALPIPE = "DualPipeV's eight phases around a paired forward/backward steady state"
 
@@ -180,8 +181,8 @@ TRAITS: dict[ScheduleFamily, FamilyTraits] = {
                                        ordering=Ordering.MEMORY_CAPPED, split_backward=True,
                                        transforms=_RECOMPUTE_ONLY, activation_cap=lambda P: 2 * P - 1),
     ScheduleFamily.ZB_V: FamilyTraits(placement=Placement.V_SHAPE, chunks=ChunkRule.TWO,
-                                      ordering=Ordering.MEMORY_CAPPED, split_backward=True,
-                                      transforms=_RECOMPUTE_ONLY, activation_cap=lambda P: 2 * P),
+                                      ordering=Ordering.V_PATTERN, split_backward=True,
+                                      transforms=_RECOMPUTE_ONLY),
     ScheduleFamily.V_HALF: FamilyTraits(placement=Placement.V_SHAPE, chunks=ChunkRule.TWO,
                                         ordering=Ordering.MEMORY_CAPPED, split_backward=True,
                                         transforms=_RECOMPUTE_ONLY, activation_cap=lambda P: P + 1),

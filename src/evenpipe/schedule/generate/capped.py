@@ -3,8 +3,8 @@
 Qi et al. (ICLR 2024, "Zero Bubble Pipeline Parallelism") fill the bubbles of a pipeline by splitting every
 backward into ``I`` (input gradient, on the critical path) and ``W`` (weight gradient, free to move) and by
 letting a rank run more forwards ahead when memory allows: ZB-H2 lets every rank hold up to ``2P - 1``
-micro-batches. Their V-shaped placement (ZB-V; Qi et al. 2024b, "Pipeline Parallelism with Controllable
-Memory", for V-Half and V-Min) puts two chunks on every rank, stage ``r`` and stage ``2P - 1 - r``, so the rank
+micro-batches. Their V-shaped placement (Qi et al. 2024b, "Pipeline Parallelism with Controllable Memory", for
+ZB-V, V-Half and V-Min; zb-v itself is a fixed pattern, see :mod:`.zb_v`) puts two chunks on every rank, stage ``r`` and stage ``2P - 1 - r``, so the rank
 that starts a micro-batch also finishes it, and the activation memory of every rank is set by one number: how
 many chunk-activations it may hold.
 
