@@ -14,6 +14,7 @@ fixed single-thread matmul block alone, then in ``processes`` concurrent copies,
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import statistics
 import time
 
@@ -26,7 +27,6 @@ def steal_seconds() -> float:
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
-        import os
         return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else 0.0
     except (OSError, ValueError):
         return 0.0

@@ -34,7 +34,7 @@ from typing import Any, Mapping
 from evenpipe.errors import ConfigError, parse_choice
 
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "LayerKind", "LayerSample", "LinkSample", "Machine", "ModelInfo",
-           "Profile", "ProfileError"]
+           "Profile", "ProfileError", "TIME_FIELDS", "QUANTITIES"]
 
 PROFILE_FORMAT = "evenpipe.profile"
 """``format`` field of a profile's JSON form."""
@@ -61,7 +61,8 @@ class LayerKind(enum.Enum):
         return parse_choice(cls, value, "layer kind")
 
 
-_TIME_FIELDS = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "recompute_s")
+TIME_FIELDS = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "recompute_s")
+"""The time fields of a :class:`LayerSample`."""
 _BYTE_FIELDS = ("saved_bytes", "input_saved_bytes", "output_bytes", "weight_grad_bytes")
 
 
@@ -98,7 +99,7 @@ class LayerSample:
         if self.microbatch_size < 1 or self.seq_len < 1:
             raise ProfileError(f"layer sample needs microbatch_size and seq_len >= 1, got {self.microbatch_size}, "
                                f"{self.seq_len}")
-        for name in _TIME_FIELDS + _BYTE_FIELDS + ("forward_flops",):
+        for name in TIME_FIELDS + _BYTE_FIELDS + ("forward_flops",):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ProfileError(f"layer sample field {name} must be a finite number >= 0, got {value!r}")
@@ -108,7 +109,7 @@ class LayerSample:
         return float(getattr(self, quantity))
 
 
-QUANTITIES = _TIME_FIELDS + _BYTE_FIELDS
+QUANTITIES = TIME_FIELDS + _BYTE_FIELDS
 """Every per-layer quantity the fit extrapolates."""
 
 

@@ -37,7 +37,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from evenpipe.cost.profile import LayerKind, LayerSample, LinkSample, Machine, ModelInfo, Profile, ProfileError
+from evenpipe.cost.profile import (
+    TIME_FIELDS,
+    LayerKind,
+    LayerSample,
+    LinkSample,
+    Machine,
+    ModelInfo,
+    Profile,
+    ProfileError,
+)
 from evenpipe.runtime.split_backward import backward_input, backward_weight
 
 __all__ = ["ProfileOptions", "profile_model", "measure_layers", "DTYPES"]
@@ -176,10 +185,6 @@ def _block_flops(block: nn.Module, cfg: Any, b: int, s: int) -> float:
     return 2.0 * _matrix_params(block) * b * s + 4.0 * b * s * s * cfg.hidden
 
 
-_TIMES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "recompute_s")
-"""The time fields of a :class:`LayerSample`."""
-
-
 class _LayerBench:
     """Runs one layer kind like the executor runs a stage, and measures it."""
 
@@ -280,7 +285,7 @@ def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None
             for kind in benches:
                 x, extra = (tokens, ()) if kind is LayerKind.EMBEDDING else \
                     (hidden, (tokens,) if kind is LayerKind.HEAD else ())
-                cases.append((kind, b, s, x, extra, {}, {q: [] for q in _TIMES}))
+                cases.append((kind, b, s, x, extra, {}, {q: [] for q in TIME_FIELDS}))
     rounds = options.warmup + options.repeats
     for i in range(rounds):
         for kind, b, s, x, extra, sizes, times in cases:
@@ -536,7 +541,7 @@ def _merge_layers(per_process: list[dict[LayerKind, list[LayerSample]]]) -> dict
     for kind, samples in first.items():
         merged = []
         for i, s in enumerate(samples):
-            times = {q: statistics.median(p[kind][i].value(q) for p in per_process) for q in _TIMES}
+            times = {q: statistics.median(p[kind][i].value(q) for p in per_process) for q in TIME_FIELDS}
             merged.append(dataclasses.replace(s, **times))
         out[kind] = tuple(merged)
     return out

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from evenpipe.schedule.columns import Columns
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 
-__all__ = ["Work", "linear_layout", "looped_layout", "warmup_then_alternate", "compute_schedule"]
+__all__ = ["Work", "linear_layout", "looped_layout", "warmup_then_alternate", "unit_time_order", "compute_schedule"]
 
 _CODE = {k: k.code for k in ActionKind}
 
@@ -43,6 +43,28 @@ def warmup_then_alternate(forwards: Sequence[tuple[int, int]], backwards: Sequen
     out += steady
     out.extend((bwd, s, m) for s, m in backwards[num_steady:])
     return out
+
+
+def unit_time_order(name: str, num_ranks: int, num_actions: int, start: Callable[[int, int], Work | None]
+                    ) -> list[list[Work]]:
+    """Per rank, the actions a unit-time list simulation starts: at every step ``t``, each rank in turn asks
+    ``start(rank, t)`` for the action it begins then (``None``: it idles; ``start`` keeps its own state, e.g. when
+    each action's result becomes ready, ``t + 1``), until ``num_actions`` have started. Every action takes one
+    step, so a step in which no rank starts anything can never be followed by progress: a cyclic wait."""
+    work: list[list[Work]] = [[] for _ in range(num_ranks)]
+    remaining = num_actions
+    t = 0
+    while remaining:
+        progressed = False
+        for r in range(num_ranks):
+            step = start(r, t)
+            if step is not None:
+                work[r].append(step)
+                remaining -= 1
+                progressed = True
+        assert progressed, f"{name}: unit simulation stalled at t={t}"
+        t += 1
+    return work
 
 
 def compute_schedule(name: str, *, num_ranks: int, num_microbatches: int, stage_to_rank: Sequence[int],

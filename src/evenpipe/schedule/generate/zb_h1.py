@@ -17,7 +17,13 @@ from __future__ import annotations
 from collections import deque
 
 from evenpipe.schedule.generate.one_f_one_b import one_f_one_b_warmup
-from evenpipe.schedule.generate.ordering import Work, compute_schedule, linear_layout, warmup_then_alternate
+from evenpipe.schedule.generate.ordering import (
+    Work,
+    compute_schedule,
+    linear_layout,
+    unit_time_order,
+    warmup_then_alternate,
+)
 from evenpipe.schedule.ir import ActionKind, Schedule
 
 __all__ = ["zb_h1"]
@@ -42,32 +48,25 @@ def zb_h1(*, num_ranks: int, num_microbatches: int) -> Schedule:
     pos = [0] * P
     pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(P)]
     in_flight = [0] * P
-    work: list[list[Work]] = [[] for _ in range(P)]
-    remaining = 3 * P * M
-    t = 0
-    while remaining:
-        progressed = False
-        for r in range(P):
-            step = _choose(r, t, skeleton[r], pos[r], pending_w[r], in_flight[r] >= limit[r], done_f, done_i, P)
-            if step is None:
-                continue
-            kind, s, m = step
-            work[r].append(step)
-            remaining -= 1
-            progressed = True
-            if kind is ActionKind.BACKWARD_WEIGHT:
-                pending_w[r].popleft()
-                in_flight[r] -= 1
-                continue
-            pos[r] += 1
-            if kind is ActionKind.FORWARD:
-                done_f[(s, m)] = t + 1
-                in_flight[r] += 1
-            else:
-                done_i[(s, m)] = t + 1
-                pending_w[r].append((s, m))
-        assert progressed, "zb-h1 unit simulation stalled"  # unit durations: an idle step means a cycle
-        t += 1
+
+    def start(r: int, t: int) -> Work | None:
+        step = _choose(r, t, skeleton[r], pos[r], pending_w[r], in_flight[r] >= limit[r], done_f, done_i, P)
+        if step is None:
+            return None
+        kind, s, m = step
+        if kind is ActionKind.BACKWARD_WEIGHT:
+            pending_w[r].popleft()
+            in_flight[r] -= 1
+            return step
+        pos[r] += 1
+        if kind is ActionKind.FORWARD:
+            done_f[(s, m)] = t + 1
+            in_flight[r] += 1
+        else:
+            done_i[(s, m)] = t + 1
+            pending_w[r].append((s, m))
+        return step
+    work = unit_time_order("zb-h1", P, 3 * P * M, start)
     return compute_schedule("zb-h1", num_ranks=P, num_microbatches=M, stage_to_rank=linear_layout(P), work=work)
 
 

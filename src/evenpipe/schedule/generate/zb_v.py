@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from evenpipe.schedule.generate.ordering import Work, compute_schedule
+from evenpipe.schedule.generate.ordering import Work, compute_schedule, unit_time_order
 from evenpipe.schedule.ir import ActionKind, Schedule
 
 __all__ = ["zb_v"]
@@ -86,25 +86,13 @@ def zb_v(*, num_ranks: int, num_microbatches: int, stage_to_rank: tuple[int, ...
     f_done = [[_NEVER] * M for _ in range(S)]
     i_done = [[_NEVER] * M for _ in range(S)]
     pos = [0] * P
-    work: list[list[Work]] = [[] for _ in range(P)]
-    remaining = 3 * S * M
-    t = 0
-    while remaining:  # unit time: each rank starts at most one action per step
-        progressed = False
-        for r in range(P):
-            step = _next(r, t, fixed[r], pos, left[r], pending_w[r], f_done, i_done, S)
-            if step is None:
-                continue
-            kind, s, m = step
-            work[r].append(step)
-            remaining -= 1
-            progressed = True
-            if kind is _F:
-                f_done[s][m] = t + 1
-            elif kind is _I:
-                i_done[s][m] = t + 1
-        assert progressed, f"zb-v: unit simulation stalled at t={t}"  # every action takes one step
-        t += 1
+
+    def start(r: int, t: int) -> Work | None:
+        step = _next(r, t, fixed[r], pos, left[r], pending_w[r], f_done, i_done, S)
+        if step is not None and step[0] is not _W:
+            (f_done if step[0] is _F else i_done)[step[1]][step[2]] = t + 1
+        return step
+    work = unit_time_order("zb-v", P, 3 * S * M, start)
     return compute_schedule("zb-v", num_ranks=P, num_microbatches=M, stage_to_rank=stage_to_rank, work=work,
                             meta={"chunks": 2})
 
