@@ -376,9 +376,10 @@ def _contention_compute() -> Callable[[], float]:
 def _transfer_cpu_cost(rank: int, repeats: int, num_bytes: int = _CONTENTION_BYTES) -> float:
     """Ranks 0 and 1 time a compute alone and while both send and receive ``num_bytes`` (alternating, median
     of each); the slowdown per byte this rank moved (``2 * num_bytes``), 0 if the transfer cost nothing. CPU and
-    gloo only: there the backend's threads copy on the cores that compute."""
+    gloo only: there the backend's threads copy on the cores that compute. Every rank of the group calls it (its
+    barriers are the group's); ranks beyond 1 compute alongside and return 0."""
     compute = _contention_compute()
-    peer = 1 - rank
+    peer = 1 - rank if rank < 2 else -1
     out = torch.ones(max(1, num_bytes // 4))
     into = torch.empty_like(out)
     alone, busy = [], []
@@ -386,13 +387,15 @@ def _transfer_cpu_cost(rank: int, repeats: int, num_bytes: int = _CONTENTION_BYT
         dist.barrier()
         t_alone = compute()
         dist.barrier()
-        works = [dist.isend(out, peer, tag=7), dist.irecv(into, peer, tag=7)]
+        works = [dist.isend(out, peer, tag=7), dist.irecv(into, peer, tag=7)] if peer >= 0 else []
         t_busy = compute()
         for w in works:
             w.wait()
         if i >= 2:
             alone.append(t_alone)
             busy.append(t_busy)
+    if peer < 0:
+        return 0.0
     return max(0.0, statistics.median(busy) - statistics.median(alone)) / (2 * _nbytes(out))
 
 
@@ -443,9 +446,7 @@ def _worker(rank: int, world: int, port: int, options: ProfileOptions, show: boo
             overhead = _broadcast_time(options.repeats, device if backend == "nccl" else torch.device("cpu"))
             if device.type == "cpu":
                 dist.barrier()
-                if rank < 2:
-                    cpu_per_byte = _transfer_cpu_cost(rank, options.repeats)
-                dist.barrier()
+                cpu_per_byte = _transfer_cpu_cost(rank, options.repeats)
         progress.step("point-to-point messages")
         queue.put(("ok", rank, layers, opt, link, overhead, backend, cpu_per_byte))
         if world > 1:

@@ -108,3 +108,14 @@ def test_two_processes_measure_the_link() -> None:
     assert 0 <= profile.transfer_cpu_s_per_byte < 1e-6
     assert link_from_profile(profile).cpu_s_per_byte == profile.transfer_cpu_s_per_byte
     assert Profile.from_json(profile.to_json()) == profile
+
+
+def test_three_processes_finish_and_the_pair_measures_the_transfer_cost() -> None:
+    """Ranks beyond the measuring pair join every barrier of the transfer-cost measurement (they used to skip it
+    and leave ranks 0 and 1 waiting on a barrier that never completed)."""
+    cfg = model_config("gpt-tiny")
+    opts = ProfileOptions(model_name="gpt-tiny", model_config=cfg, microbatch_sizes=(1,), repeats=1, warmup=0,
+                          num_processes=3, link_sizes=(4,))
+    profile = profile_model(opts, show_progress=False, timeout_s=300)
+    assert profile.machine.num_processes == 3
+    assert 0 <= profile.transfer_cpu_s_per_byte < 1e-6
