@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import TYPE_CHECKING
 
-from evenpipe.cost import Arch, Hardware, ModelSpec, from_hf_config, hardware_preset, load_hardware, model_preset
-from evenpipe.cost.specs import swiglu_ffn_hidden
 from evenpipe.errors import ConfigError
+
+if TYPE_CHECKING:  # the cost model is imported when a model is asked for (`simulate` without one never needs it)
+    from evenpipe.cost import Hardware, ModelSpec
 
 __all__ = ["add_model_arguments", "model_from_args", "parse_layout", "any_model_given", "hardware_from_arg"]
 
@@ -37,6 +39,7 @@ def parse_layout(text: str, flag: str = "--layout") -> tuple[int, ...]:
 
 def hardware_from_arg(text: str) -> Hardware:
     """``--gpu``: a preset name, or a profile ``FILE.json``."""
+    from evenpipe.cost import hardware_preset, load_hardware
     return load_hardware(text) if text.endswith(".json") else hardware_preset(text)
 
 
@@ -47,6 +50,8 @@ def any_model_given(args: argparse.Namespace) -> bool:
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     """The ModelSpec named by exactly one of --model, --hf-config, --arch (+ sizes); --seq-len overrides."""
+    from evenpipe.cost import Arch, ModelSpec, from_hf_config, model_preset
+    from evenpipe.cost.specs import swiglu_ffn_hidden
     chosen = [flag for flag, value in (("--model", args.model), ("--hf-config", args.hf_config),
                                        ("--arch", args.arch)) if value is not None]
     if len(chosen) != 1:

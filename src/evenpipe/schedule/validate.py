@@ -26,10 +26,11 @@ from __future__ import annotations
 from evenpipe.errors import ScheduleValidationError
 from evenpipe.schedule.grid import format_grid
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
+from evenpipe.schedule.memo import ObjectMemo
 from evenpipe.schedule.semantics import SEMANTICS, TABLES, Requirement, kind_table
 from evenpipe.schedule.validate_columns import columns_valid
 
-__all__ = ["validate", "validate_rules", "message_key"]
+__all__ = ["validate", "validate_rules", "message_key", "passed_validation"]
 
 _KINDS = TABLES.kinds
 _C = {k: k.code for k in _KINDS}
@@ -67,6 +68,17 @@ def validate(schedule: Schedule) -> None:
     if messages is None:
         messages = validate_rules(schedule)
     _dry_run(schedule, messages)
+    _PASSED.get(schedule, None, lambda: True)
+
+
+def passed_validation(schedule: Schedule) -> bool:
+    """Whether this very schedule object passed :func:`validate` recently (the last few are remembered), so a
+    consumer may rely on every rule: the simulator's instant-link path then skips its own checks of them."""
+    return _PASSED.holds(schedule, None)
+
+
+_PASSED: ObjectMemo[bool] = ObjectMemo(16)
+"""The schedules that passed most recently (immutable objects, held by the memo, so an id is never reused)."""
 
 
 def validate_rules(schedule: Schedule) -> list[list[int]]:

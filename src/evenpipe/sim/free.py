@@ -8,18 +8,21 @@ being reached (its receive comes earlier on its own rank, so it is never later).
 computes alone, from integer columns, and derives every send's and receive's times, every transfer record and
 the memory changes afterwards in bulk. Anything else -- a link that takes time, BPipe or host moves, a message
 whose ends are missing, out of order or on the wrong ranks, a deadlock -- answers ``None`` and the dataflow path
-(:mod:`evenpipe.sim.fast`) or the event engine decides. ``tests/unit/sim/test_fast_golden.py`` compares the
-traces with the event engine's, float for float.
+(:mod:`evenpipe.sim.fast`) or the event engine decides. A schedule that passed the validator skips the checks
+the validator already made and is timed, memory included, in one pass over its lists (:meth:`_FreeRun.run_validated`);
+``tests/unit/sim/test_fast_golden.py`` compares both paths' traces with the event engine's, float for float.
 """
 
 from __future__ import annotations
 
-from itertools import accumulate, repeat
+import gc
+from itertools import accumulate, compress, repeat
 from operator import sub
 
 from evenpipe.schedule.ir import ActionKind, Schedule
+from evenpipe.schedule.validate import passed_validation
 from evenpipe.sim import engine as _ref
-from evenpipe.sim.costs import SimCosts
+from evenpipe.sim.costs import SimCosts, StageCosts
 from evenpipe.sim.fast import compute_memory
 from evenpipe.sim.trace import TransferRecord, Trace
 
@@ -41,14 +44,34 @@ class _NotFree(Exception):
     """The schedule or the costs leave the instant-link rules: another path decides."""
 
 
-def simulate_free(schedule: Schedule, costs: SimCosts) -> Trace | None:
-    """The trace the event engine would return, or ``None`` where the instant-link rules do not apply."""
+def simulate_free(schedule: Schedule, costs: SimCosts, *, trust_validation: bool = True) -> Trace | None:
+    """The trace the event engine would return, or ``None`` where the instant-link rules do not apply.
+
+    A schedule that passed the validator (:func:`~evenpipe.schedule.validate.passed_validation`) is timed in one
+    pass over its lists that relies on the validator's rules; ``trust_validation=False`` (the golden tests) takes
+    the path that checks them itself, which every other schedule takes."""
     if costs.charges_cpu:
         return None
+    collecting = gc.isenabled()
+    gc.disable()  # ~10^5 acyclic objects: cyclic collections would only cost time
     try:
-        return _FreeRun(schedule, costs).run()
+        run = _FreeRun(schedule, costs)
+        return run.run_validated() if trust_validation and passed_validation(schedule) else run.run()
     except _NotFree:
         return None
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _stage_tables(stages: tuple[StageCosts, ...]) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Durations indexed by ``kind code * stages + stage`` (F, B, I, W, R), and per stage the activation,
+    checkpoint and weight-gradient bytes."""
+    table = ([st.forward for st in stages] + [st.backward for st in stages]
+             + [st.backward_input for st in stages] + [st.backward_weight for st in stages]
+             + [st.recompute_time for st in stages])
+    return (table, [st.activation_bytes for st in stages], [st.checkpoint_bytes for st in stages],  # type: ignore[misc]
+            [st.weight_grad_bytes for st in stages])
 
 
 class _FreeRun:
@@ -110,12 +133,7 @@ class _FreeRun:
         deps = self._compute_deps(cpos, before, offset, recvs, sends)
         recomputed = {(s, m) for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches) if _R in ks
                       for c, s, m in zip(ks, ss, ms) if c == _R}
-        table = ([st.forward for st in stages] + [st.backward for st in stages]
-                 + [st.backward_input for st in stages] + [st.backward_weight for st in stages]
-                 + [st.recompute_time for st in stages])
-        act = [st.activation_bytes for st in stages]
-        ckpt = [st.checkpoint_bytes for st in stages]
-        wgb = [st.weight_grad_bytes for st in stages]
+        table, act, ckpt, wgb = _stage_tables(stages)
         cstart: list[float] = [0.0] * num_computes
         cend: list[float | None] = [None] * num_computes
         waiters: dict[int, list[int]] = {}
@@ -179,6 +197,136 @@ class _FreeRun:
         return Trace.deferred(schedule=sched, memory=tuple(_ref.timeline(r, mem[r], unit[r]) for r in range(P)),
                               unit_bytes=unit, step_time=max(max(ends_of, default=0.0), 0.0), spans=spans,
                               num_transfers=len(sends), exposed_transfer_time=0.0,
+                              times_and_transfers=times_and_transfers)
+
+    def run_validated(self) -> Trace:
+        """:meth:`run` for a schedule that passed the validator, in one pass over each rank's list.
+
+        The validator guarantees what :meth:`run` checks: every message has both ends on the ranks of its
+        neighbouring stages (so the links to check follow from the layout), each compute lives on its stage's rank,
+        its input's receive comes earlier on its rank and a producer on its own rank earlier still, and sends
+        follow what they send. So a send, reached when the compute before it ends, writes that time into its
+        consumer's slot, and a compute whose input comes from another rank (the layout tells) waits, in evaluation
+        order, until that slot is written and starts at the later of its rank being free and that time --
+        :meth:`run`'s rule; receives add nothing and are skipped. Memory changes are recorded as each compute is
+        timed, in program order, by :func:`~evenpipe.sim.fast.compute_memory`'s rules."""
+        sched, costs, cols = self.schedule, self.costs, self.cols
+        P, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
+        layout, stages = sched.stage_to_rank, costs.stages
+        for s in range(S - 1):  # every cut between two ranks carries both directions' messages of every mb
+            a, b = layout[s], layout[s + 1]
+            nb = stages[s].output_bytes
+            if a != b and (costs.link(a, b).transfer_time(nb) or costs.link(b, a).transfer_time(nb)):
+                raise _NotFree
+        recomputed = {s * M + m for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches) if _R in ks
+                      for c, s, m in zip(ks, ss, ms) if c == _R}
+        table, act, ckpt, wgb = _stage_tables(stages)
+        slot = [0.0] * (2 * S * M)  # 2u: when F(u)'s input was sent; 2u + 1: B/I(u)'s output gradient
+        posted = bytearray(2 * S * M)
+        cross_in = [s > 0 and layout[s - 1] != layout[s] for s in range(S)]  # F's input comes from another rank
+        cross_grad = [s + 1 < S and layout[s + 1] != layout[s] for s in range(S)]  # so does B/I's gradient
+        # receives add nothing on instant links (the consumer waits for the send itself): drop them
+        lists = []
+        for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches):
+            keep = [c != _RF and c != _RB for c in ks]
+            lists.append((list(compress(ks, keep)), list(compress(ss, keep)), list(compress(ms, keep))))
+        waiters: dict[int, list[int]] = {}
+        pcs, t_free = [0] * P, [0.0] * P
+        starts: list[list[float]] = [[] for _ in range(P)]
+        ends: list[list[float]] = [[] for _ in range(P)]
+        mem: list[list[tuple[float, float]]] = [[] for _ in range(P)]
+        held: list[dict[int, float]] = [{} for _ in range(P)]
+        F, B, I, W, SF, SB = _F, _B, _I, _W, _SF, _SB
+        todo = list(range(P - 1, -1, -1))
+        while todo:
+            r = todo.pop()
+            ks, ss, ms = lists[r]
+            st_r, en_r, mem_r, held_r = starts[r], ends[r], mem[r], held[r]
+            i, n, now = pcs[r], len(ks), t_free[r]
+            while i < n:
+                c = ks[i]
+                s = ss[i]
+                u = s * M + ms[i]
+                if c == SF or c == SB:
+                    k = 2 * (u + M) if c == SF else 2 * (u - M) + 1
+                    slot[k] = now
+                    posted[k] = 1
+                    woken = waiters.pop(k, None)
+                    if woken:
+                        todo.extend(woken)
+                    i += 1
+                    continue
+                if c == F:
+                    start = now
+                    if cross_in[s]:
+                        k = 2 * u
+                        if not posted[k]:
+                            waiters.setdefault(k, []).append(r)
+                            break
+                        if slot[k] > now:
+                            start = slot[k]
+                    now = start + table[s]
+                    nb = ckpt[s] if u in recomputed else act[s]
+                    if nb:
+                        held_r[u] = held_r.get(u, 0.0) + nb
+                        mem_r.append((start, nb))
+                elif c == B or c == I:
+                    start = now
+                    if cross_grad[s]:
+                        k = 2 * u + 1
+                        if not posted[k]:
+                            waiters.setdefault(k, []).append(r)
+                            break
+                        if slot[k] > now:
+                            start = slot[k]
+                    now = start + table[c * S + s]
+                    if c == B:
+                        nb = held_r.pop(u, 0.0)
+                        if nb:
+                            mem_r.append((now, -nb))
+                    else:
+                        h = held_r.get(u, 0.0)
+                        nb = h - wgb[s]
+                        if nb > 0.0:
+                            held_r[u] = h - nb
+                            mem_r.append((now, -nb))
+                else:  # W or R: their inputs are on this rank, earlier
+                    start = now
+                    now = start + table[c * S + s]
+                    if c == W:
+                        nb = held_r.pop(u, 0.0)
+                        if nb:
+                            mem_r.append((now, -nb))
+                    else:
+                        nb = act[s] - ckpt[s]
+                        if nb > 0.0:
+                            held_r[u] = held_r.get(u, 0.0) + nb
+                            mem_r.append((start, nb))
+                st_r.append(start)
+                en_r.append(now)
+                i += 1
+            pcs[r], t_free[r] = i, now
+        if any(pc != len(ks) for pc, (ks, _, _) in zip(pcs, lists)):
+            raise _NotFree  # cannot happen after the dry run; the engine would report it
+        num_transfers = sum(ks.count(SF) + ks.count(SB) for ks in cols.kinds)
+
+        def times_and_transfers() -> tuple[tuple[list[list[float]], list[list[float]]], tuple[TransferRecord, ...]]:
+            sends, recvs = self._messages()
+            cpos = [[i for i, c in enumerate(ks) if _IS_COMPUTE[c]] for ks in cols.kinds]
+            offset = list(accumulate([0] + [len(c) for c in cpos]))
+            cstart = [t for row in starts for t in row]
+            cend = [t for row in ends for t in row]
+            times, finish, reach = self._action_times(cpos, offset, cstart, cend)
+            records = self._records(sends, recvs, reach, finish, (1 << 32) - 1)
+            records.sort(key=_ref.by_end)
+            return (times, finish), tuple(records)
+        unit = _ref.unit_bytes(sched, costs)
+        spans = [(sum(map(sub, en, st)), min(st, default=float("inf")), max(en, default=float("-inf")))
+                 for st, en in zip(starts, ends)]
+        return Trace.deferred(schedule=sched, memory=tuple(_ref.timeline(r, mem[r], unit[r]) for r in range(P)),
+                              unit_bytes=unit, step_time=max(max((max(en, default=0.0) for en in ends),
+                                                                 default=0.0), 0.0),
+                              spans=spans, num_transfers=num_transfers, exposed_transfer_time=0.0,
                               times_and_transfers=times_and_transfers)
 
     def _compute_deps(self, cpos: list[list[int]], before: list[list[int]], offset: list[int],

@@ -17,6 +17,7 @@ from evenpipe.schedule import ScheduleFamily, build_schedule
 from evenpipe.schedule.build import add_offload, compute_order
 from evenpipe.schedule.comm import derive_communication
 from evenpipe.schedule.ir import Schedule
+from evenpipe.schedule.validate import passed_validation
 from evenpipe.sim import Link, SimCosts, StageCosts, simulate
 from evenpipe.sim.engine import simulate_events
 from evenpipe.sim.fast import simulate_fast
@@ -91,7 +92,7 @@ def _costs(rng: random.Random, num_stages: int, num_ranks: int, integer: bool, l
 @pytest.mark.parametrize("seed", range(6))
 def test_dataflow_matches_event_engine_on_random_schedules(seed: int) -> None:
     rng = random.Random(seed)
-    taken = free_taken = 0
+    taken = free_taken = trusted = 0
     for case in range(40):
         sched = _schedule(rng)
         integer = rng.random() < 0.5
@@ -108,11 +109,14 @@ def test_dataflow_matches_event_engine_on_random_schedules(seed: int) -> None:
         free = simulate_free(sched, costs)
         if free is not None:
             free_taken += 1
+            trusted += passed_validation(sched)
             assert free == reference, f"case {case}: instant-link path, {sched.name} P={sched.num_ranks}"
+            # the path that checks the validator's rules itself gives the same trace
+            assert simulate_free(sched, costs, trust_validation=False) == reference
         elif link == "free" and _plain(sched):
             pytest.fail(f"case {case}: {sched.name} left the instant-link path on free links")
         assert simulate(sched, costs) == reference
-    assert taken >= 20 and free_taken >= 5  # the comparisons are not vacuous
+    assert taken >= 20 and free_taken >= 5 and trusted >= 3  # the comparisons are not vacuous
 
 
 def test_slow_links_and_cached_shape_reused() -> None:
@@ -165,3 +169,20 @@ def test_bpipe_on_slow_links_with_integer_costs_matches_engine(seed: int) -> Non
             taken += 1
             assert fast == simulate_events(sched, costs), f"{sched.name} P={p} M={m}"
     assert taken >= cases // 2
+
+
+def test_only_a_schedule_that_passed_the_validator_takes_the_trusted_instant_link_path() -> None:
+    from evenpipe.errors import ScheduleValidationError
+    from evenpipe.schedule.validate import validate
+
+    derived = derive_communication(compute_order(ScheduleFamily.ONE_F_ONE_B, num_ranks=3, num_microbatches=4))
+    assert not passed_validation(derived)  # derived, never validated: the checking path
+    validate(derived)
+    assert passed_validation(derived)
+    costs = SimCosts.uniform(num_stages=3, output_bytes=2.0)
+    assert simulate_free(derived, costs) == simulate_free(derived, costs, trust_validation=False) \
+        == simulate_events(derived, costs)
+    broken = derived.with_actions([acts[::-1] for acts in derived.actions])  # every rank backwards
+    with pytest.raises(ScheduleValidationError):
+        validate(broken)
+    assert not passed_validation(broken)
