@@ -169,7 +169,8 @@ class Schedule:
     equality compares name, sizes, layout and actions (not ``meta``).
     """
 
-    __slots__ = ("name", "num_ranks", "num_microbatches", "stage_to_rank", "meta", "_actions", "_columns")
+    __slots__ = ("name", "num_ranks", "num_microbatches", "stage_to_rank", "meta", "_actions", "_columns",
+                 "_validated")
 
     name: str
     """Schedule family, e.g. ``1f1b`` or ``bpipe``."""
@@ -183,6 +184,9 @@ class Schedule:
     """Free-form facts a generator wants to keep (e.g. the BPipe budget); JSON-serialisable."""
     _actions: tuple[tuple[Action, ...], ...] | None
     _columns: Columns | None
+    _validated: bool
+    """Set by :func:`evenpipe.schedule.validate.validate` once this object passed (a fact about immutable
+    contents, like the derived form; read it with :func:`~evenpipe.schedule.validate.passed_validation`)."""
 
     def __init__(self, *, name: str, num_ranks: int, num_microbatches: int, stage_to_rank: tuple[int, ...],
                  actions: tuple[tuple[Action, ...], ...] | None = None, meta: dict[str, object] | None = None,
@@ -197,6 +201,7 @@ class Schedule:
         init(self, "meta", {} if meta is None else meta)
         init(self, "_actions", actions)
         init(self, "_columns", columns)
+        init(self, "_validated", False)
         if num_ranks < 1:
             raise ScheduleFormatError(f"num_ranks must be >= 1, got {num_ranks}")
         if num_microbatches < 1:

@@ -92,11 +92,6 @@ class ObjectMemo(Generic[V]):
     def get(self, obj: object, key: Hashable, make: Callable[[], V]) -> V:
         return self.memo.get((id(obj), key), lambda: (obj, make()))[1]
 
-    def holds(self, obj: object, key: Hashable) -> bool:
-        """Whether a value for this very ``obj`` and ``key`` is remembered (without using or making it)."""
-        hit = self.memo.entries.get((id(obj), key))
-        return hit is not None and hit[0][0] is obj
-
     @property
     def entries(self) -> OrderedDict[Hashable, tuple[object, V, int]]:
         """(object, value, weight) of each entry, least recently used first (for inspection)."""

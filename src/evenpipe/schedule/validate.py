@@ -26,7 +26,6 @@ from __future__ import annotations
 from evenpipe.errors import ScheduleValidationError
 from evenpipe.schedule.grid import format_grid
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
-from evenpipe.schedule.memo import ObjectMemo
 from evenpipe.schedule.semantics import SEMANTICS, TABLES, Requirement, kind_table
 from evenpipe.schedule.validate_columns import columns_valid
 
@@ -68,17 +67,13 @@ def validate(schedule: Schedule) -> None:
     if messages is None:
         messages = validate_rules(schedule)
     _dry_run(schedule, messages)
-    _PASSED.get(schedule, None, lambda: True)
+    object.__setattr__(schedule, "_validated", True)  # the one mutable fact of a Schedule: it passed
 
 
 def passed_validation(schedule: Schedule) -> bool:
-    """Whether this very schedule object passed :func:`validate` recently (the last few are remembered), so a
-    consumer may rely on every rule: the simulator's instant-link path then skips its own checks of them."""
-    return _PASSED.holds(schedule, None)
-
-
-_PASSED: ObjectMemo[bool] = ObjectMemo(16)
-"""The schedules that passed most recently (immutable objects, held by the memo, so an id is never reused)."""
+    """Whether this very schedule object passed :func:`validate`, so a consumer may rely on every rule (the
+    simulator's one-pass paths skip their own checks of them)."""
+    return schedule._validated
 
 
 def validate_rules(schedule: Schedule) -> list[list[int]]:

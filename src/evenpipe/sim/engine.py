@@ -141,19 +141,23 @@ class _Xfer:
 def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
     """Simulate one step of ``schedule`` and return its :class:`~evenpipe.sim.trace.Trace`.
 
-    Runs the instant-link evaluation over computes (:mod:`evenpipe.sim.free`), else the dataflow evaluation
+    Runs the instant-link evaluation over computes (:mod:`evenpipe.sim.free`), else for a validated schedule of
+    plain messages the one-pass evaluation (:mod:`evenpipe.sim.links`), else the dataflow evaluation
     (:mod:`evenpipe.sim.fast`), and where neither can vouch for an identical answer this module's event engine
     (:func:`simulate_events`), which is the reference.
     Raises :class:`ScheduleValidationError` for unmatched transfers or a schedule that deadlocks, and
     :class:`ConfigError` when ``costs`` does not describe every stage.
     """
     _check_costs(schedule, costs)
-    from evenpipe.sim.fast import simulate_fast  # both import this module
+    from evenpipe.sim.fast import simulate_fast  # these import this module
     from evenpipe.sim.free import simulate_free
+    from evenpipe.sim.links import simulate_links
 
     trace = simulate_free(schedule, costs)
     if trace is None:
-        trace = simulate_fast(schedule, costs)  # both answer None when a link charges CPU
+        trace = simulate_links(schedule, costs)
+    if trace is None:
+        trace = simulate_fast(schedule, costs)  # all answer None when a link charges CPU
     return trace if trace is not None else simulate_events(schedule, costs)
 
 

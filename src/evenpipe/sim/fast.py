@@ -28,6 +28,7 @@ import gc
 from collections import Counter
 from dataclasses import dataclass
 from itertools import repeat
+from typing import Hashable, TypeVar
 
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.schedule.memo import ObjectMemo
@@ -50,6 +51,9 @@ _EXACT_LIMIT = 2 ** 53
 _CACHE_SIZE = 4  # a shape of 4*10^5 actions holds tens of MB
 _CACHE_ACTIONS = 1_000_000
 """Beyond ``_CACHE_SIZE`` shapes, more are kept while their schedules hold this many actions in all."""
+
+
+_Key = TypeVar("_Key", bound=Hashable)
 
 
 class _Fallback(Exception):
@@ -662,12 +666,13 @@ class _Run:
                 base = end
 
 
-def compute_memory(code: int, key: tuple[int, int], start: float, end: float, forward_bytes: float,
-                   rebuilt_bytes: float, weight_grad_bytes: float, held: dict[tuple[int, int], float],
+def compute_memory(code: int, key: _Key, start: float, end: float, forward_bytes: float,
+                   rebuilt_bytes: float, weight_grad_bytes: float, held: dict[_Key, float],
                    mem: list[tuple[float, float]]) -> None:
     """A compute's change to its rank's activation memory (the engine's rules): ``F`` saves ``forward_bytes``
     at its start, ``R`` adds ``rebuilt_bytes`` at its start, ``B``/``W`` free what the micro-batch holds at their
-    end, ``I`` keeps ``weight_grad_bytes`` of it. ``held`` maps (stage, mb) to bytes; ``mem`` gets (time, delta)."""
+    end, ``I`` keeps ``weight_grad_bytes`` of it. ``held`` maps (stage, mb), in any one encoding, to bytes;
+    ``mem`` gets (time, delta)."""
     if code == _F:
         if forward_bytes:
             held[key] = held.get(key, 0.0) + forward_bytes
