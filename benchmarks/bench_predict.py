@@ -3,6 +3,7 @@ prediction of step time and per-rank peak activation memory against the measurem
 
     .venv/bin/python benchmarks/bench_predict.py --out bench_predict_out            # profiles gpt-mini first
     .venv/bin/python benchmarks/bench_predict.py --profile profile.json             # reuse a profile
+    .venv/bin/python benchmarks/bench_predict.py --out DIR --reprofile              # and profile again after
 
 Each case is one ``evenpipe train ... --predict PROFILE --json-out`` run (P=2 local processes, one per core);
 the measured step is the median over the steps after the first of the slowest rank's step (pipeline plus
@@ -40,8 +41,8 @@ def _run(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def profile(args: argparse.Namespace, out: pathlib.Path) -> pathlib.Path:
-    path = out / "profile.json"
+def profile(args: argparse.Namespace, out: pathlib.Path, name: str = "profile.json") -> pathlib.Path:
+    path = out / name
     cmd = [sys.executable, "-m", "evenpipe", "profile", *(["--hf-config", args.hf_config] if args.hf_config else
                                                            ["--model", args.model]),
            "--microbatch-sizes", args.profile_sizes, "--processes", str(args.stages), "--repeats", str(args.repeats),
@@ -69,6 +70,32 @@ def train(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Path, sched
     return doc["prediction"]
 
 
+def predict_from(args: argparse.Namespace, prof: pathlib.Path, schedule: str, chunks: int, b: int) -> float:
+    """The step time ``evenpipe simulate --profile`` predicts for one case (what ``train --predict`` prints)."""
+    cmd = [sys.executable, "-m", "evenpipe", "simulate", "--profile", str(prof), "--schedule", schedule,
+           "--stages", str(args.stages), "--chunks", str(chunks), "--microbatches", str(args.microbatches),
+           "--microbatch-size", str(b), "--json"]
+    return float(json.loads(_run(cmd, 600).stdout)["step_time"])
+
+
+def drift_table(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Path,
+                rows: list[tuple[str, int, int, dict]]) -> None:
+    """Profile again after the runs and predict every case from both profiles: how far the host drifted while
+    it trained, next to each prediction's error (a miss the second profile shares is the host's, not the model's)."""
+    after = profile(args, out, "profile_after.json")
+    print(f"{'schedule':12s} {'V':>2s} {'b':>2s} {'meas step':>10s} {'pred before':>12s} {'error':>7s} "
+          f"{'pred after':>11s} {'error':>7s} {'drift':>7s}")
+    for schedule, chunks, b, p in rows:
+        meas, before = p["measured_step_s"], p["predicted_step_s"]
+        again = predict_from(args, prof, schedule, chunks, b)
+        if abs(again - before) > 1e-9 * before:
+            print(f"  (simulate --profile gives {again * 1e3:.3f} ms where train --predict gave {before * 1e3:.3f})")
+        late = predict_from(args, after, schedule, chunks, b)
+        print(f"{schedule:12s} {chunks:2d} {b:2d} {meas * 1e3:8.1f}ms {before * 1e3:10.1f}ms "
+              f"{(before - meas) / meas:+7.1%} {late * 1e3:9.1f}ms {(late - meas) / meas:+7.1%} "
+              f"{(late - before) / before:+7.1%}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt-mini")
@@ -86,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="bench_predict_out")
+    ap.add_argument("--reprofile", action="store_true",
+                    help="profile again after the runs and predict every case from both profiles (host drift)")
     ap.add_argument("--no-host-probe", action="store_true",
                     help="skip the CPU host probe (GPU runs, where it measures nothing that matters, and dry runs)")
     args = ap.parse_args(argv)
@@ -127,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             line += f"   {pb / 2**20:12.2f} {mb / 2**20:9.2f} {em:+7.1%}"
         print(line)
     print(f"\nworst |error|: step time {worst_t:.1%}, peak activation bytes {worst_m:.1%}")
+    if args.reprofile:
+        print("\nprofiled again after the runs (drift: the second profile's prediction against the first's):")
+        drift_table(args, out, prof, rows)
     print(f"load average (1 min) at end: {_load()}")
     probe()
     return 0
