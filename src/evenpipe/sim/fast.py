@@ -118,6 +118,27 @@ class Shape:
         return self.link_order, self.x_linkpos
 
 
+@dataclass(slots=True)
+class _PeerColumns:
+    """The peer-to-peer messages :meth:`_Compiler._match` numbers, as parallel lists in that order."""
+
+    src: list[int]
+    dst: list[int]
+    kind: list[int]
+    """The send's kind code."""
+    stage: list[int]
+    """The send's stage."""
+    mb: list[int]
+    moved: list[int]
+    """0: a stage output; 1: saved activations (BPipe)."""
+    bytes_stage: list[int]
+    """The stage whose bytes the message carries."""
+    send: list[tuple[int, int]]
+    """(rank, index) of the send."""
+    recv: list[tuple[int, int]]
+    """(rank, index) of the receive."""
+
+
 _cache: ObjectMemo[Shape] = ObjectMemo(_CACHE_SIZE, weight=lambda s: sum(map(len, s.columns.kinds)),
                                       budget=_CACHE_ACTIONS)
 
@@ -146,7 +167,7 @@ class _Compiler:
 
     def run(self) -> Shape:
         peers, hosts, recv_index = self._match()
-        num_peers = len(peers)
+        num_peers = len(peers.src)
         num_x = num_peers + len(hosts)
         for k, (r, i) in enumerate(hosts):
             self.xfer_at[r][i] = num_peers + k
@@ -174,13 +195,16 @@ class _Compiler:
             gate, announce, delayed = op[7] or ((), (), ())
             ops_all[q][at] = op[:7] + ((gate, announce, delayed + ((sig, slot),)),)
         kinds = _KINDS
-        x_rows = [(src, dst, kinds[kc], st, mb, sp, rp, (src, dst), moved, bst)
-                  for src, dst, kc, st, mb, moved, bst, sp, rp in peers]
-        x_rows += [(src, dst, kind, st, mb, (src, i) if dst == _HOST else None, None if dst == _HOST else (dst, i),
-                    (src, dst), 1, st) for (src, dst, kind, st, mb), (_, i) in zip(self.host_x, hosts)]
         if len(self.host_x) != len(hosts):
             raise _Fallback
-        cols = list(zip(*x_rows)) if x_rows else [()] * 10
+        host_rows = [(src, dst, kind, st, mb, (src, i) if dst == _HOST else None, None if dst == _HOST else (dst, i),
+                      (src, dst), 1, st) for (src, dst, kind, st, mb), (_, i) in zip(self.host_x, hosts)]
+        host_cols = list(zip(*host_rows)) if host_rows else [()] * 10
+        cols = [peers.src + list(host_cols[0]), peers.dst + list(host_cols[1]),
+                list(map(kinds.__getitem__, peers.kind)) + list(host_cols[2]), peers.stage + list(host_cols[3]),
+                peers.mb + list(host_cols[4]), peers.send + list(host_cols[5]), peers.recv + list(host_cols[6]),
+                list(zip(peers.src, peers.dst)) + list(host_cols[7]), peers.moved + list(host_cols[8]),
+                peers.bytes_stage + list(host_cols[9])]
         link_ids: dict[tuple[int, int], int] = {}
         x_link = [link_ids.setdefault(key, len(link_ids)) for key in cols[7]]
         spec_ids: dict[tuple[int, int, int, bool], int] = {}
@@ -193,7 +217,7 @@ class _Compiler:
                      x_link=x_link, link_order=None, x_linkpos=None, gated=self.gated,
                      data_waiters=self.data_waiters, mixed=frozenset(self.mixed))
 
-    def _match(self) -> tuple[list[tuple], list[tuple[int, int]], list[dict[tuple[int, int, int], int]]]:  # type: ignore[type-arg]
+    def _match(self) -> tuple["_PeerColumns", list[tuple[int, int]], list[dict[tuple[int, int, int], int]]]:
         """Pair every send with its receive, numbering the messages in the engine's order (when the later side
         is met, ranks in order); host moves are numbered after them, in rank and program order."""
         codes_all, kcodes, xfer_at = self.codes, self.kcodes, self.xfer_at
@@ -226,19 +250,23 @@ class _Compiler:
         # the engine numbers a message when it meets its later side, ranks in order
         later = list(map(max, send_at, map(recv_at.__getitem__, partner)))  # type: ignore[arg-type]
         low = (1 << 32) - 1
-        peers: list[tuple] = []  # type: ignore[type-arg]
-        for tid, k in enumerate(sorted(range(len(send_keys)), key=later.__getitem__)):
-            src, dst, _, recv_stage, mb = send_keys[k]
-            sp, rp = send_at[k], recv_at[partner[k]]  # type: ignore[index]
-            si, ri = sp & low, rp & low
-            xfer_at[src][si] = tid
-            xfer_at[dst][ri] = tid
-            send_stage = self.stages[src][si]
-            if codes_all[src][si] == _SEND:
-                peers.append((src, dst, kcodes[src][si], send_stage, mb, 0, min(send_stage, recv_stage), (src, si),
-                              (dst, ri)))
-            else:
-                peers.append((src, dst, kcodes[src][si], send_stage, mb, 1, recv_stage, (src, si), (dst, ri)))
+        order = sorted(range(len(send_keys)), key=later.__getitem__)
+        sp = [send_at[k] for k in order]
+        rp = [recv_at[partner[k]] for k in order]  # type: ignore[index]
+        src, si = [p >> 32 for p in sp], [p & low for p in sp]
+        dst, ri = [p >> 32 for p in rp], [p & low for p in rp]
+        for tid, a, i, b, j in zip(range(len(order)), src, si, dst, ri):
+            xfer_at[a][i] = tid
+            xfer_at[b][j] = tid
+        stages = self.stages
+        send_stage = [stages[a][i] for a, i in zip(src, si)]
+        recv_stage = [send_keys[k][3] for k in order]
+        moved = [0 if codes_all[a][i] == _SEND else 1 for a, i in zip(src, si)]  # 1: saved activations move
+        peers = _PeerColumns(
+            src=src, dst=dst, kind=[kcodes[a][i] for a, i in zip(src, si)], stage=send_stage,
+            mb=[send_keys[k][4] for k in order], moved=moved,
+            bytes_stage=[min(a, b) if m == 0 else b for a, b, m in zip(send_stage, recv_stage, moved)],
+            send=list(zip(src, si)), recv=list(zip(dst, ri)))
         return peers, hosts, recv_index
 
     def _signal(self) -> int:
