@@ -74,6 +74,21 @@ def _stage_tables(stages: tuple[StageCosts, ...]) -> tuple[list[float], list[flo
             [st.weight_grad_bytes for st in stages])
 
 
+def _recomputed_slots(schedule: Schedule) -> set[int]:
+    """``stage * M + mb`` of every (stage, micro-batch) the schedule recomputes."""
+    cols, M = schedule.columns, schedule.num_microbatches
+    return {s * M + m for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches) if _R in ks
+            for c, s, m in zip(ks, ss, ms) if c == _R}
+
+
+def _cross_rank_inputs(layout: tuple[int, ...]) -> tuple[list[bool], list[bool]]:
+    """Per stage: whether its forward's input comes from another rank, and whether its backward's output
+    gradient does (what a validated schedule then receives in a message)."""
+    S = len(layout)
+    return ([s > 0 and layout[s - 1] != layout[s] for s in range(S)],
+            [s + 1 < S and layout[s + 1] != layout[s] for s in range(S)])
+
+
 class _FreeRun:
     def __init__(self, schedule: Schedule, costs: SimCosts) -> None:
         self.schedule, self.costs = schedule, costs
@@ -209,7 +224,7 @@ class _FreeRun:
         consumer's slot, and a compute whose input comes from another rank (the layout tells) waits, in evaluation
         order, until that slot is written and starts at the later of its rank being free and that time --
         :meth:`run`'s rule; receives add nothing and are skipped. Memory changes are recorded as each compute is
-        timed, in program order, by :func:`~evenpipe.sim.fast.compute_memory`'s rules."""
+        timed, in program order, by :func:`~evenpipe.sim.fast.compute_memory`."""
         sched, costs, cols = self.schedule, self.costs, self.cols
         P, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
         layout, stages = sched.stage_to_rank, costs.stages
@@ -218,13 +233,11 @@ class _FreeRun:
             nb = stages[s].output_bytes
             if a != b and (costs.link(a, b).transfer_time(nb) or costs.link(b, a).transfer_time(nb)):
                 raise _NotFree
-        recomputed = {s * M + m for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches) if _R in ks
-                      for c, s, m in zip(ks, ss, ms) if c == _R}
+        recomputed = _recomputed_slots(sched)
         table, act, ckpt, wgb = _stage_tables(stages)
         slot = [0.0] * (2 * S * M)  # 2u: when F(u)'s input was sent; 2u + 1: B/I(u)'s output gradient
         posted = bytearray(2 * S * M)
-        cross_in = [s > 0 and layout[s - 1] != layout[s] for s in range(S)]  # F's input comes from another rank
-        cross_grad = [s + 1 < S and layout[s + 1] != layout[s] for s in range(S)]  # so does B/I's gradient
+        cross_in, cross_grad = _cross_rank_inputs(layout)
         # receives add nothing on instant links (the consumer waits for the send itself): drop them
         lists = []
         for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches):
@@ -236,7 +249,7 @@ class _FreeRun:
         ends: list[list[float]] = [[] for _ in range(P)]
         mem: list[list[tuple[float, float]]] = [[] for _ in range(P)]
         held: list[dict[int, float]] = [{} for _ in range(P)]
-        F, B, I, W, SF, SB = _F, _B, _I, _W, _SF, _SB
+        F, B, I, SF, SB = _F, _B, _I, _SF, _SB
         todo = list(range(P - 1, -1, -1))
         while todo:
             r = todo.pop()
@@ -256,52 +269,18 @@ class _FreeRun:
                         todo.extend(woken)
                     i += 1
                     continue
-                if c == F:
-                    start = now
-                    if cross_in[s]:
-                        k = 2 * u
+                start = now
+                if c == F or c == B or c == I:
+                    k = 2 * u if c == F else 2 * u + 1
+                    if cross_in[s] if c == F else cross_grad[s]:
                         if not posted[k]:
                             waiters.setdefault(k, []).append(r)
                             break
                         if slot[k] > now:
                             start = slot[k]
-                    now = start + table[s]
-                    nb = ckpt[s] if u in recomputed else act[s]
-                    if nb:
-                        held_r[u] = held_r.get(u, 0.0) + nb
-                        mem_r.append((start, nb))
-                elif c == B or c == I:
-                    start = now
-                    if cross_grad[s]:
-                        k = 2 * u + 1
-                        if not posted[k]:
-                            waiters.setdefault(k, []).append(r)
-                            break
-                        if slot[k] > now:
-                            start = slot[k]
-                    now = start + table[c * S + s]
-                    if c == B:
-                        nb = held_r.pop(u, 0.0)
-                        if nb:
-                            mem_r.append((now, -nb))
-                    else:
-                        h = held_r.get(u, 0.0)
-                        nb = h - wgb[s]
-                        if nb > 0.0:
-                            held_r[u] = h - nb
-                            mem_r.append((now, -nb))
-                else:  # W or R: their inputs are on this rank, earlier
-                    start = now
-                    now = start + table[c * S + s]
-                    if c == W:
-                        nb = held_r.pop(u, 0.0)
-                        if nb:
-                            mem_r.append((now, -nb))
-                    else:
-                        nb = act[s] - ckpt[s]
-                        if nb > 0.0:
-                            held_r[u] = held_r.get(u, 0.0) + nb
-                            mem_r.append((start, nb))
+                now = start + table[c * S + s]
+                compute_memory(c, u, start, now, ckpt[s] if u in recomputed else act[s], act[s] - ckpt[s], wgb[s],
+                               held_r, mem_r)
                 st_r.append(start)
                 en_r.append(now)
                 i += 1

@@ -26,7 +26,7 @@ from evenpipe.schedule.validate import passed_validation
 from evenpipe.sim import engine as _ref
 from evenpipe.sim.costs import SimCosts
 from evenpipe.sim.fast import _served_first, compute_memory
-from evenpipe.sim.free import _stage_tables
+from evenpipe.sim.free import _cross_rank_inputs, _recomputed_slots, _stage_tables
 from evenpipe.sim.trace import TransferRecord, Trace
 
 __all__ = ["simulate_links"]
@@ -91,10 +91,8 @@ class _LinkRun:
         layout = sched.stage_to_rank
         table, act, ckpt, wgb = _stage_tables(costs.stages)
         dur_f, dur_b, link_f, link_b, instant = self._cuts()
-        recomputed = {s * M + m for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches) if _R in ks
-                      for c, s, m in zip(ks, ss, ms) if c == _R}
-        cross_in = [s > 0 and layout[s - 1] != layout[s] for s in range(S)]
-        cross_grad = [s + 1 < S and layout[s + 1] != layout[s] for s in range(S)]
+        recomputed = _recomputed_slots(sched)
+        cross_in, cross_grad = _cross_rank_inputs(layout)
         NK = 2 * S * M  # message slots: 2u, the input of F(u); 2u + 1, the output gradient of B/I(u)
         sreach, rreach = [-1.0] * NK, [-1.0] * NK  # when each end was reached (-1: not yet)
         spos, rpos = [0] * NK, [0] * NK  # where: rank << 32 | index
