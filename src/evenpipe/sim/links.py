@@ -1,19 +1,27 @@
-"""The simulator's rules for a validated schedule of computes and plain messages on links that take time.
+"""The simulator's rules for a validated schedule of computes, plain messages and BPipe moves on links that take time.
 
 A schedule that passed the validator (:func:`~evenpipe.schedule.validate.passed_validation`) and holds only
-computes and activation / gradient messages (``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``) needs little of what the
-dataflow path (:mod:`evenpipe.sim.fast`) prepares: the validator guarantees that every message has both ends, on
-the ranks of its two neighbouring stages, that a receive comes before the compute that consumes it and a send after
-the compute that produces it. So one pass over each rank's list evaluates the event engine's rules directly,
-with one slot per message (the consumer's input: ``2u`` for ``F(u)``, ``2u + 1`` for ``B``/``I(u)``, ``u = stage *
-M + mb``): a send or receive records when its rank reaches it; a message is ready when both ends are reached (its
-data is ready when its send is, which follows the producer); a link serves its messages one at a time in the
-sender's program order, which is the engine's FIFO order when their ready times increase along it (ties: the
-dataflow path's rule, :func:`~evenpipe.sim.fast._served_first`), and is checked as each starts; a link whose
-messages all take no time never queues. A compute starts at the latest of its rank being free and its input
-message's end. Anything else -- a tie the rule cannot order, a message served out of order, an evaluation that
-stops -- answers ``None``, and the dataflow path or the event engine decides.
-``tests/unit/sim/test_fast_golden.py`` compares the traces with the event engine's, float for float.
+computes, activation / gradient messages (``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``) and BPipe moves
+(``EVICT``/``ACCEPT``, ``RETURN``/``LOAD``) needs little of what the dataflow path (:mod:`evenpipe.sim.fast`)
+prepares: the validator guarantees that every message has both ends, on the ranks its peers name, that a receive
+comes before the compute that consumes it and a send after the compute that produces it, that a micro-batch is
+moved at most once each way and its evicted activations are back before they are used. So one pass over each
+rank's list evaluates the event engine's rules directly, with one slot per message: ``2u`` for the input of
+``F(u)``, ``2u + 1`` for the output gradient of ``B``/``I(u)`` (``u = stage * M + mb``), and after those
+``NK + 2u`` for the eviction of ``u`` and ``NK + 2u + 1`` for its return. A send or receive records when its rank
+reaches it; a plain message is ready when both ends are reached (its data is ready when its send is, which
+follows the producer); a move also waits for what the engine makes it wait for -- an ``ACCEPT`` for the moves its
+rank's earlier ``RETURN``\\ s and ``ACCEPT`` started to land, a ``RETURN`` for its own eviction to land, a ``LOAD``
+for its rank's evictions since the last ``F``/``R``. A link serves its messages one at a time in the sender's
+program order, which is the engine's FIFO order when their ready times increase along it (ties: the dataflow
+path's rule, :func:`~evenpipe.sim.fast._served_first`; a tie made by a landing is left to the engine), checked as
+each starts; a link whose messages all take no time never queues. A compute starts at the latest of its rank
+being free, its input message's end, the return of its evicted activations (the first backward-side compute after
+a ``LOAD``) and, for an ``F``/``R``, the landing of its rank's evictions since the last ``F``/``R``; exposed times
+and memory changes follow the engine's rules. Anything else -- a tie the rule cannot order, a message served out
+of order, an evaluation that stops, memory changes whose sums depend on their order -- answers ``None``, and the
+dataflow path or the event engine decides. ``tests/unit/sim/test_fast_golden.py`` compares the traces with the
+event engine's, float for float.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.schedule.validate import passed_validation
 from evenpipe.sim import engine as _ref
 from evenpipe.sim.costs import SimCosts
-from evenpipe.sim.fast import _served_first, compute_memory
+from evenpipe.sim.fast import _served_first, _sums_exact, compute_memory
 from evenpipe.sim.free import _cross_rank_inputs, _recomputed_slots, _stage_tables
 from evenpipe.sim.trace import TransferRecord, Trace
 
@@ -35,7 +43,10 @@ _K = ActionKind
 _F, _B, _I, _W, _R = (k.code for k in (_K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT,
                                        _K.RECOMPUTE))
 _SF, _RF, _SB, _RB = (k.code for k in (_K.SEND_F, _K.RECV_F, _K.SEND_B, _K.RECV_B))
-_ALLOWED = frozenset({_F, _B, _I, _W, _R, _SF, _RF, _SB, _RB})
+_EV, _AC, _RET, _LD = (k.code for k in (_K.EVICT, _K.ACCEPT, _K.RETURN, _K.LOAD))
+_ALLOWED = frozenset({_F, _B, _I, _W, _R, _SF, _RF, _SB, _RB, _EV, _AC, _RET, _LD})
+assert _SF < _RF < _SB < _RB < _EV and {_AC, _RET, _LD} == {_EV + 1, _EV + 2, _EV + 3}, \
+    "the loop tells transfers and moves apart by kind code"
 
 
 class _Fallback(Exception):
@@ -60,8 +71,12 @@ def simulate_links(schedule: Schedule, costs: SimCosts) -> Trace | None:
 
 class _LinkRun:
     def __init__(self, schedule: Schedule, costs: SimCosts) -> None:
-        if any(c not in _ALLOWED for ks in schedule.columns.kinds for c in set(ks)):
+        kinds = set()
+        for ks in schedule.columns.kinds:
+            kinds.update(ks)
+        if not kinds <= _ALLOWED:
             raise _Fallback
+        self.has_moves = _EV in kinds
         self.schedule, self.costs = schedule, costs
 
     def _cuts(self) -> tuple[list[float], list[float], list[int], list[int], list[bool]]:
@@ -85,6 +100,33 @@ class _LinkRun:
                 instant[b * P + a] = False
         return dur_f, dur_b, link_f, link_b, instant
 
+    def _moves(self, recomputed: set[int], act: list[float], ckpt: list[float], instant: list[bool]
+               ) -> tuple[list[float], list[int], list[float]]:
+        """Per move slot ``2u`` (eviction) / ``2u + 1`` (return): its duration, link id and bytes (the checkpoint
+        of a recomputed micro-batch, else its activations); marks the links that moves make take time."""
+        sched, costs, cols = self.schedule, self.costs, self.schedule.columns
+        P, M = sched.num_ranks, sched.num_microbatches
+        n = 2 * sched.num_stages * M
+        dur, lid, nbytes = [0.0] * n, [0] * n, [0.0] * n
+        time_of: dict[tuple[int, float], float] = {}
+        for r, (ks, ss, ms, ps) in enumerate(zip(cols.kinds, cols.stages, cols.microbatches, cols.peers)):
+            if _EV not in ks and _RET not in ks:
+                continue
+            for i, c in enumerate(ks):
+                if c == _EV or c == _RET:
+                    s, u, dst = ss[i], ss[i] * M + ms[i], ps[i]
+                    nb = ckpt[s] if u in recomputed else act[s]
+                    j = 2 * u + (c == _RET)
+                    lid[j] = link = r * P + dst
+                    nbytes[j] = nb
+                    t = time_of.get((link, nb))
+                    if t is None:
+                        t = time_of[(link, nb)] = costs.link(r, dst).transfer_time(nb)
+                    dur[j] = t
+                    if t:
+                        instant[link] = False
+        return dur, lid, nbytes
+
     def run(self) -> Trace:
         sched, costs, cols = self.schedule, self.costs, self.schedule.columns
         P, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
@@ -93,43 +135,115 @@ class _LinkRun:
         dur_f, dur_b, link_f, link_b, instant = self._cuts()
         recomputed = _recomputed_slots(sched)
         cross_in, cross_grad = _cross_rank_inputs(layout)
-        NK = 2 * S * M  # message slots: 2u, the input of F(u); 2u + 1, the output gradient of B/I(u)
-        sreach, rreach = [-1.0] * NK, [-1.0] * NK  # when each end was reached (-1: not yet)
-        spos, rpos = [0] * NK, [0] * NK  # where: rank << 32 | index
-        ready, mstart, mend, exposed = [0.0] * NK, [0.0] * NK, [-1.0] * NK, [0.0] * NK
+        NK = 2 * S * M  # message slots: 2u, the input of F(u); 2u + 1, the output gradient of B/I(u); then moves
+        moves = self.has_moves
+        bdur, blid, bbytes = self._moves(recomputed, act, ckpt, instant) if moves else ([], [], [])
+        total = 2 * NK if moves else NK
+        sreach, rreach = [-1.0] * total, [-1.0] * total  # when each end was reached (-1: not yet)
+        spos, rpos = [0] * total, [0] * total  # where: rank << 32 | index
+        ready, mstart, mend, exposed = [0.0] * total, [0.0] * total, [-1.0] * total, [0.0] * total
+        # moves only, by slot - NK: conditions still missing (both ends, and each landing it waits for), the
+        # latest of those landings, when its data was ready on the sending side, and who waits for it to land
+        pending = [2] * NK if moves else []
+        landed_by = [-1.0] * NK if moves else []
+        rdata = [0.0] * NK if moves else []
+        gated: dict[int, list[int]] = {}
+        startable: list[int] = []  # moves whose conditions are all met
+        mixed = [False] * P  # ranks whose memory changes include moves' (recorded out of time order)
         queue: list[list[int]] = [[] for _ in range(P * P)]  # per link, its messages in the sender's order
         head = [0] * (P * P)
         link_end = [0.0] * (P * P)
         waiters: dict[int, list[int]] = {}
         todo = list(range(P - 1, -1, -1))
         low = (1 << 32) - 1
+        mem: list[list[tuple[float, float]]] = [[] for _ in range(P)]
+        held: list[dict[int, float]] = [{} for _ in range(P)]  # (stage * M + mb) -> bytes
 
         def finish(k: int, t: float, duration: float) -> None:
             mstart[k] = t
             e = mend[k] = t + duration
             q, i = spos[k] >> 32, spos[k] & low
             ends[q][i] = e
-            q, i = rpos[k] >> 32, rpos[k] & low
-            ends[q][i] = e
+            d, i = rpos[k] >> 32, rpos[k] & low
+            ends[d][i] = e
             woken = waiters.pop(k, None)
             if woken:
                 todo.extend(woken)
+            if k >= NK:  # a move: the sender frees on arrival, the receiver allocates at the start
+                j = k - NK
+                nb = bbytes[j]
+                if nb:
+                    u = j >> 1
+                    hq, hd = held[q], held[d]
+                    hq[u] = hq.get(u, 0.0) - nb
+                    mem[q].append((e, -nb))
+                    hd[u] = hd.get(u, 0.0) + nb
+                    mem[d].append((t, nb))
+                    mixed[q] = mixed[d] = True
+                for g in gated.pop(k, ()):
+                    jg = g - NK
+                    if e > landed_by[jg]:
+                        landed_by[jg] = e
+                    if g == k + 1 and not j & 1 and e > rdata[jg]:  # a return's data: its own eviction
+                        rdata[jg] = e
+                    pending[jg] -= 1
+                    if not pending[jg]:
+                        startable.append(g)
+
+        def wait_landing(k: int, g: int) -> None:
+            """Move ``k`` starts only after move ``g`` has landed."""
+            e = mend[g]
+            if e >= 0.0:
+                if e > landed_by[k - NK]:
+                    landed_by[k - NK] = e
+            else:
+                pending[k - NK] += 1
+                gated.setdefault(g, []).append(k)
+
+        def move_ready(k: int) -> float:
+            t = sreach[k]
+            if rreach[k] > t:
+                t = rreach[k]
+            if landed_by[k - NK] > t:
+                t = landed_by[k - NK]
+            ready[k] = t
+            return t
+
+        def start_moves() -> None:
+            while startable:
+                k = startable.pop()
+                if mend[k] >= 0.0:
+                    continue  # started already by its link's queue
+                lid = blid[k - NK]
+                if instant[lid]:
+                    finish(k, move_ready(k), 0.0)
+                elif queue[lid][head[lid]] == k:  # its send was reached, so it is queued, at or after the head
+                    advance(lid)
 
         def triggers(k: int) -> tuple[int, int]:
-            """The positions whose time made ``k`` ready (the second -2 unless both ends did)."""
+            """The positions whose time made ``k`` ready (the second -2 unless both ends did; -1 for a landing)."""
             t = ready[k]
+            if k >= NK and landed_by[k - NK] == t:
+                return (-1, -2)
             a = spos[k] if sreach[k] == t else -2
             b = rpos[k] if rreach[k] == t else -2
             return (a, b) if a >= 0 else (b, -2)
 
-        def advance(lid: int, durations: list[float], stage_shift: int) -> None:
-            """Start the link's messages in order while the next one has both ends reached."""
+        def advance(lid: int) -> None:
+            """Start the link's messages in order while the next one has all its conditions met."""
             q, h = queue[lid], head[lid]
             while h < len(q):
                 k = q[h]
-                if rreach[k] < 0.0:
-                    break
-                t = ready[k] = sreach[k] if sreach[k] > rreach[k] else rreach[k]
+                if k < NK:
+                    if rreach[k] < 0.0:
+                        break
+                    t = ready[k] = sreach[k] if sreach[k] > rreach[k] else rreach[k]
+                    duration = dur_b[(k >> 1) // M] if k & 1 else dur_f[(k >> 1) // M - 1]
+                else:
+                    if pending[k - NK]:
+                        break
+                    t = move_ready(k)
+                    duration = bdur[k - NK]
                 if h:
                     prev = q[h - 1]
                     before = ready[prev]
@@ -137,27 +251,60 @@ class _LinkRun:
                         raise _Fallback  # maybe not served in FIFO order: the engine decides
                     if link_end[lid] > t:
                         t = link_end[lid]
-                finish(k, t, durations[(k >> 1) // M + stage_shift])
+                finish(k, t, duration)
                 link_end[lid] = mend[k]
                 h += 1
             head[lid] = h
 
         starts = [[0.0] * len(ks) for ks in cols.kinds]
         ends = [[0.0] * len(ks) for ks in cols.kinds]
-        mem: list[list[tuple[float, float]]] = [[] for _ in range(P)]
-        held: list[dict[int, float]] = [{} for _ in range(P)]  # (stage * M + mb) -> bytes
+        evicting: list[list[int]] = [[] for _ in range(P)]  # evictions since the rank's last F/R
+        returning: list[list[int]] = [[] for _ in range(P)]  # the last ACCEPT's move and the RETURNs since
+        back: list[dict[int, int]] = [{} for _ in range(P)]  # u -> its LOAD's move, until a compute consumes it
         pcs, t_free = [0] * P, [0.0] * P
-        F, B, I, SF, SB, RF = _F, _B, _I, _SF, _SB, _RF
+        F, B, I, R, SF, SB, RF, EV, AC, RET = _F, _B, _I, _R, _SF, _SB, _RF, _EV, _AC, _RET
         while todo:
             r = todo.pop()
             ks, ss, ms = cols.kinds[r], cols.stages[r], cols.microbatches[r]
             st_r, en_r, mem_r, held_r = starts[r], ends[r], mem[r], held[r]
+            ev_r, ret_r, back_r = evicting[r], returning[r], back[r]
             i, n, now = pcs[r], len(ks), t_free[r]
             base = r << 32
             while i < n:
                 c = ks[i]
                 s = ss[i]
                 u = s * M + ms[i]
+                if c >= EV:  # a BPipe move's end: reached now
+                    st_r[i] = en_r[i] = now
+                    if c == EV or c == RET:
+                        k = NK + 2 * u + (c == RET)
+                        sreach[k], spos[k] = now, base | i
+                        if c == EV:
+                            rdata[k - NK] = now
+                            ev_r.append(k)
+                        else:  # its data is ready when it is reached and its eviction has landed
+                            e = mend[k - 1]
+                            rdata[k - NK] = e if e > now else now
+                            wait_landing(k, k - 1)
+                            ret_r.append(k)
+                        if not instant[blid[k - NK]]:
+                            queue[blid[k - NK]].append(k)
+                    else:
+                        k = NK + 2 * u + (c != AC)
+                        rreach[k], rpos[k] = now, base | i
+                        for g in ret_r if c == AC else ev_r:
+                            wait_landing(k, g)
+                        if c == AC:
+                            ret_r[:] = [k]
+                        else:
+                            back_r[u] = k
+                    pending[k - NK] -= 1
+                    if not pending[k - NK]:
+                        startable.append(k)
+                    if startable:
+                        start_moves()
+                    i += 1
+                    continue
                 if c >= SF:  # a send or a receive: reached now
                     st_r[i] = en_r[i] = now
                     if c == SF or c == SB:
@@ -180,13 +327,13 @@ class _LinkRun:
                         else:
                             go = head[lid] < len(q) and q[head[lid]] == k
                         if go:
-                            if k & 1:
-                                advance(lid, dur_b, 0)
-                            else:
-                                advance(lid, dur_f, -1)
+                            advance(lid)
+                            if startable:
+                                start_moves()
                     i += 1
                     continue
                 start = now
+                k_in = k_back = -1
                 if c == F or c == B or c == I:
                     k = 2 * u if c == F else 2 * u + 1
                     if cross_in[s] if c == F else cross_grad[s]:
@@ -194,12 +341,49 @@ class _LinkRun:
                         if e < 0.0:
                             waiters.setdefault(k, []).append(r)
                             break
-                        d = sreach[k]
+                        k_in = k
+                        if e > start:
+                            start = e
+                if back_r and c != F and u in back_r:  # the first compute after a LOAD waits for the return
+                    k_back = back_r[u]
+                    e = mend[k_back]
+                    if e < 0.0:
+                        waiters.setdefault(k_back, []).append(r)
+                        break
+                    if e > start:
+                        start = e
+                gate = ev_r if (c == F or c == R) and ev_r else None
+                if gate is not None:  # this F/R allocates only after the rank's evictions since the last landed
+                    blocked = -1
+                    for g in gate:
+                        e = mend[g]
+                        if e < 0.0:
+                            blocked = g
+                            break
+                        if e > start:
+                            start = e
+                    if blocked >= 0:
+                        waiters.setdefault(blocked, []).append(r)
+                        break
+                base_t = now  # the engine's exposure rules: each input's lateness beyond the rank being free
+                for k in (k_in, k_back):
+                    if k >= 0:
+                        e = mend[k]
+                        d = sreach[k] if k < NK else rdata[k - NK]
                         late = e - (now if now > d else d)
                         if late > exposed[k]:
                             exposed[k] = late
-                        if e > start:
-                            start = e
+                        if e > base_t:
+                            base_t = e
+                if gate is not None:  # the delay the gate added, split among the evictions by arrival
+                    for g in sorted(gate, key=mend.__getitem__):
+                        e = mend[g] if mend[g] < start else start
+                        if e > base_t:
+                            exposed[g] += e - base_t
+                            base_t = e
+                    gate.clear()
+                if k_back >= 0:
+                    del back_r[u]
                 now = start + table[c * S + s]
                 compute_memory(c, u, start, now, ckpt[s] if u in recomputed else act[s], act[s] - ckpt[s], wgb[s],
                                held_r, mem_r)
@@ -209,21 +393,41 @@ class _LinkRun:
             pcs[r], t_free[r] = i, now
         if any(pc != len(ks) for pc, ks in zip(pcs, cols.kinds)):
             raise _Fallback  # the evaluation stopped (a link order it cannot take): the dataflow path decides
-        return _ref.make_trace(sched, costs, starts, ends, self._records(sreach, spos, rpos, mstart, mend, exposed),
-                               mem)
+        if moves:
+            if any(mend[k] < 0.0 for k in range(NK, total) if sreach[k] >= 0.0):
+                raise _Fallback
+            if not all(_sums_exact(mem[r]) for r in range(P) if mixed[r]):
+                raise _Fallback  # the memory points could depend on the order of same-time changes
+        return _ref.make_trace(sched, costs, starts, ends,
+                               self._records(sreach, spos, rpos, mstart, mend, exposed, bbytes), mem)
 
     def _records(self, sreach: list[float], spos: list[int], rpos: list[int], mstart: list[float],
-                 mend: list[float], exposed: list[float]) -> list[TransferRecord]:
+                 mend: list[float], exposed: list[float], move_bytes: list[float]) -> list[TransferRecord]:
         """Every message, in the engine's numbering (by the position of its later end, ranks in order)."""
         sched, stages = self.schedule, self.costs.stages
-        M, layout = sched.num_microbatches, sched.stage_to_rank
+        S, M, layout = sched.num_stages, sched.num_microbatches, sched.stage_to_rank
+        NK = 2 * S * M
         slots = [k for k, t in enumerate(sreach) if t >= 0.0]
         later = list(map(max, map(spos.__getitem__, slots), map(rpos.__getitem__, slots)))
         slots = [slots[j] for j in sorted(range(len(slots)), key=later.__getitem__)]
-        consumer = [(k >> 1) // M for k in slots]
-        sender = [s - 1 if not k & 1 else s + 1 for k, s in zip(slots, consumer)]
-        kinds = [_K.SEND_B if k & 1 else _K.SEND_F for k in slots]
-        return list(map(tuple.__new__, repeat(TransferRecord), zip(
-            map(layout.__getitem__, sender), map(layout.__getitem__, consumer), kinds, sender,
-            [(k >> 1) % M for k in slots], [stages[min(a, b)].output_bytes for a, b in zip(sender, consumer)],
-            map(mstart.__getitem__, slots), map(mend.__getitem__, slots), map(exposed.__getitem__, slots))))
+        if not move_bytes:
+            consumer = [(k >> 1) // M for k in slots]
+            sender = [s - 1 if not k & 1 else s + 1 for k, s in zip(slots, consumer)]
+            kinds = [_K.SEND_B if k & 1 else _K.SEND_F for k in slots]
+            return list(map(tuple.__new__, repeat(TransferRecord), zip(
+                map(layout.__getitem__, sender), map(layout.__getitem__, consumer), kinds, sender,
+                [(k >> 1) % M for k in slots], [stages[min(a, b)].output_bytes for a, b in zip(sender, consumer)],
+                map(mstart.__getitem__, slots), map(mend.__getitem__, slots), map(exposed.__getitem__, slots))))
+        out = []
+        for k in slots:
+            if k < NK:
+                s = (k >> 1) // M
+                a = s + 1 if k & 1 else s - 1
+                row = (layout[a], layout[s], _K.SEND_B if k & 1 else _K.SEND_F, a, (k >> 1) % M,
+                       stages[min(a, s)].output_bytes)
+            else:
+                j = k - NK
+                u = j >> 1
+                row = (spos[k] >> 32, rpos[k] >> 32, _K.RETURN if j & 1 else _K.EVICT, u // M, u % M, move_bytes[j])
+            out.append(tuple.__new__(TransferRecord, row + (mstart[k], mend[k], exposed[k])))
+        return out
