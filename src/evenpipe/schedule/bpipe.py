@@ -35,7 +35,7 @@ from evenpipe.schedule.comm import derive_communication
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.schedule.memo import ObjectMemo
 from evenpipe.schedule.semantics import TABLES
-from evenpipe.schedule.witness import WitnessTiming, witness_timing
+from evenpipe.schedule.witness import WitnessTiming, reuse_witness, witness_timing
 
 __all__ = ["bpipe_pairs", "bpipe_partner", "bpipe_transform", "default_bpipe_budget", "held_units",
            "held_units_trace", "lowest_bpipe_budget"]
@@ -147,7 +147,9 @@ def _transform(schedule: Schedule, *, budget: int | None, balance: bool) -> Sche
                          if _plan(compute, timing, k, pairs) is not None), no_eviction)
         raise ConfigError(f"bpipe budget {K} cannot be met for {P} ranks and {schedule.num_microbatches} "
                           f"micro-batches; the smallest budget that works is {smallest}")
-    result = derive_communication(compute.with_actions(lists))
+    marked = compute.with_actions(lists)
+    reuse_witness(marked, compute)  # the markers change no compute's witness time
+    result = derive_communication(marked)
     assert max(held_units(result), default=0) <= K, "acceptor check disagrees with the derived schedule"
     assert all(sum(_own_and_hosted_peaks_of_codes(kinds)) <= K for kinds in result.columns.kinds), \
         "acceptor overlap exceeds budget"

@@ -14,7 +14,7 @@ from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.schedule.memo import ObjectMemo
 from evenpipe.schedule.semantics import SEMANTICS, TABLES, Requirement, kind_table
 
-__all__ = ["WITNESS_DURATIONS", "WitnessTiming", "witness_timing"]
+__all__ = ["WITNESS_DURATIONS", "WitnessTiming", "reuse_witness", "witness_timing"]
 
 WITNESS_DURATIONS: Mapping[ActionKind, int] = {
     ActionKind.FORWARD: 1, ActionKind.BACKWARD: 2, ActionKind.BACKWARD_INPUT: 2,
@@ -62,6 +62,35 @@ def witness_timing(schedule: Schedule, durations: Mapping[ActionKind, int] = WIT
 _LAST: ObjectMemo[WitnessTiming] = ObjectMemo(1)
 """The last (schedule, durations) timed: the BPipe transform and the communication derivation time the same
 compute order in turn (schedules are immutable, so the identity of the object is the key)."""
+
+
+def reuse_witness(schedule: Schedule, computes_of: Schedule) -> bool:
+    """Remember for ``schedule`` the witness timing of ``computes_of`` when both hold the same computes in the same
+    order on every rank (``schedule`` adds only actions the witness ignores, e.g. BPipe's EVICT/LOAD markers): the
+    same times at the computes' new positions, so that deriving its communication does not time it again.
+    Answers whether it did (else the next :func:`witness_timing` of ``schedule`` times it)."""
+    cols, ref = schedule.columns, computes_of.columns
+    if schedule.num_ranks != computes_of.num_ranks or schedule.num_microbatches != computes_of.num_microbatches:
+        return False
+    base = witness_timing(computes_of)
+    timed = [spec is not None for spec in _SPEC]
+    start, finish = [], []
+    for r, ks in enumerate(cols.kinds):
+        at = [i for i, c in enumerate(ks) if timed[c]]
+        was = [i for i, c in enumerate(ref.kinds[r]) if timed[c]]
+        if len(at) != len(was) or any(list(map(col[r].__getitem__, at)) != list(map(old[r].__getitem__, was))
+                                      for col, old in ((cols.kinds, ref.kinds), (cols.stages, ref.stages),
+                                                       (cols.microbatches, ref.microbatches))):
+            return False
+        st, fi = [-1] * len(ks), [-1] * len(ks)
+        b_st, b_fi = base.start[r], base.finish[r]
+        for i, j in zip(at, was):
+            st[i], fi[i] = b_st[j], b_fi[j]
+        start.append(tuple(st))
+        finish.append(tuple(fi))
+    timing = WitnessTiming(start=tuple(start), finish=tuple(finish))
+    _LAST.get(schedule, frozenset(WITNESS_DURATIONS.items()), lambda: timing)
+    return True
 
 
 def _witness_timing(schedule: Schedule, durations: Mapping[ActionKind, int]) -> WitnessTiming:

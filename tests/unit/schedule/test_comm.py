@@ -127,3 +127,19 @@ def test_each_pair_posts_in_the_same_order() -> None:
             elif a.kind.is_recv:
                 received.setdefault((a.peer or 0, r), []).append(message_key(r, a))
         assert sent == received
+
+
+@pytest.mark.parametrize("family", ["bpipe", "1f1b", "zb-h1"])
+def test_reused_witness_equals_timing_the_marked_schedule(family: str) -> None:
+    # BPipe's markers change no compute's witness time: the remapped timing is what timing the marked schedule
+    # from scratch gives, position for position; a different compute order is not reused
+    from evenpipe.schedule.witness import _witness_timing, reuse_witness, WITNESS_DURATIONS
+
+    full = build_schedule(family, num_ranks=4, num_microbatches=9)
+    compute = full.compute_only()
+    marked = full.with_actions([[a for a in acts if a.kind.is_compute or a.kind.value in ("EVICT", "LOAD")]
+                                for acts in full.actions])
+    assert reuse_witness(marked, compute)
+    assert witness_timing(marked) == _witness_timing(marked, WITNESS_DURATIONS)
+    swapped = compute.with_actions([list(acts[::-1]) if r == 1 else list(acts) for r, acts in enumerate(compute.actions)])
+    assert not reuse_witness(swapped, compute)
