@@ -232,12 +232,16 @@ class _LinkRun:
         def advance(lid: int) -> None:
             """Start the link's messages in order while the next one has all its conditions met."""
             q, h = queue[lid], head[lid]
+            busy = link_end[lid]
             while h < len(q):
                 k = q[h]
                 if k < NK:
-                    if rreach[k] < 0.0:
+                    t = rreach[k]
+                    if t < 0.0:
                         break
-                    t = ready[k] = sreach[k] if sreach[k] > rreach[k] else rreach[k]
+                    if sreach[k] > t:
+                        t = sreach[k]
+                    ready[k] = t
                     duration = dur_b[(k >> 1) // M] if k & 1 else dur_f[(k >> 1) // M - 1]
                 else:
                     if pending[k - NK]:
@@ -245,16 +249,27 @@ class _LinkRun:
                     t = move_ready(k)
                     duration = bdur[k - NK]
                 if h:
-                    prev = q[h - 1]
-                    before = ready[prev]
-                    if not (t > before or t == before and _served_first(*triggers(prev), *triggers(k))):
+                    before = ready[q[h - 1]]
+                    if not (t > before or t == before and _served_first(*triggers(q[h - 1]), *triggers(k))):
                         raise _Fallback  # maybe not served in FIFO order: the engine decides
-                    if link_end[lid] > t:
-                        t = link_end[lid]
-                finish(k, t, duration)
-                link_end[lid] = mend[k]
+                    if busy > t:
+                        t = busy
+                if k < NK:  # finish(k, t, duration), inlined for the common case
+                    mstart[k] = t
+                    busy = mend[k] = t + duration
+                    p = spos[k]
+                    ends[p >> 32][p & low] = busy
+                    p = rpos[k]
+                    ends[p >> 32][p & low] = busy
+                    woken = waiters.pop(k, None)
+                    if woken:
+                        todo.extend(woken)
+                else:  # finishing a move only queues the moves it releases: this link is not re-entered
+                    finish(k, t, duration)
+                    busy = mend[k]
                 h += 1
             head[lid] = h
+            link_end[lid] = busy
 
         starts = [[0.0] * len(ks) for ks in cols.kinds]
         ends = [[0.0] * len(ks) for ks in cols.kinds]
@@ -366,15 +381,20 @@ class _LinkRun:
                         waiters.setdefault(blocked, []).append(r)
                         break
                 base_t = now  # the engine's exposure rules: each input's lateness beyond the rank being free
-                for k in (k_in, k_back):
-                    if k >= 0:
-                        e = mend[k]
-                        d = sreach[k] if k < NK else rdata[k - NK]
-                        late = e - (now if now > d else d)
-                        if late > exposed[k]:
-                            exposed[k] = late
-                        if e > base_t:
-                            base_t = e
+                if k_in >= 0:
+                    e, d = mend[k_in], sreach[k_in]
+                    late = e - (now if now > d else d)
+                    if late > exposed[k_in]:
+                        exposed[k_in] = late
+                    if e > base_t:
+                        base_t = e
+                if k_back >= 0:
+                    e, d = mend[k_back], rdata[k_back - NK]
+                    late = e - (now if now > d else d)
+                    if late > exposed[k_back]:
+                        exposed[k_back] = late
+                    if e > base_t:
+                        base_t = e
                 if gate is not None:  # the delay the gate added, split among the evictions by arrival
                     for g in sorted(gate, key=mend.__getitem__):
                         e = mend[g] if mend[g] < start else start
