@@ -142,9 +142,9 @@ def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
     """Simulate one step of ``schedule`` and return its :class:`~evenpipe.sim.trace.Trace`.
 
     Runs the instant-link evaluation over computes (:mod:`evenpipe.sim.free`), else for a validated schedule of
-    plain messages the one-pass evaluation (:mod:`evenpipe.sim.links`), else the dataflow evaluation
-    (:mod:`evenpipe.sim.fast`), and where neither can vouch for an identical answer this module's event engine
-    (:func:`simulate_events`), which is the reference.
+    plain messages and BPipe moves the one-pass evaluation (:mod:`evenpipe.sim.links`), else the dataflow
+    evaluation (:mod:`evenpipe.sim.fast`), and where neither can vouch for an identical answer this module's event
+    engine (:func:`simulate_events`), which is the reference.
     Raises :class:`ScheduleValidationError` for unmatched transfers or a schedule that deadlocks, and
     :class:`ConfigError` when ``costs`` does not describe every stage.
     """

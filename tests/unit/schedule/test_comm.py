@@ -133,7 +133,7 @@ def test_each_pair_posts_in_the_same_order() -> None:
 def test_reused_witness_equals_timing_the_marked_schedule(family: str) -> None:
     # BPipe's markers change no compute's witness time: the remapped timing is what timing the marked schedule
     # from scratch gives, position for position; a different compute order is not reused
-    from evenpipe.schedule.witness import _witness_timing, reuse_witness, WITNESS_DURATIONS
+    from evenpipe.schedule.witness import WITNESS_DURATIONS, _witness_timing, reuse_witness
 
     full = build_schedule(family, num_ranks=4, num_microbatches=9)
     compute = full.compute_only()
@@ -141,5 +141,6 @@ def test_reused_witness_equals_timing_the_marked_schedule(family: str) -> None:
                                 for acts in full.actions])
     assert reuse_witness(marked, compute)
     assert witness_timing(marked) == _witness_timing(marked, WITNESS_DURATIONS)
-    swapped = compute.with_actions([list(acts[::-1]) if r == 1 else list(acts) for r, acts in enumerate(compute.actions)])
+    swapped = compute.with_actions([list(acts[::-1]) if r == 1 else list(acts)
+                                    for r, acts in enumerate(compute.actions)])
     assert not reuse_witness(swapped, compute)
