@@ -45,6 +45,7 @@ _F, _B, _I, _W, _R = (k.code for k in (_K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPU
 _SF, _RF, _SB, _RB = (k.code for k in (_K.SEND_F, _K.RECV_F, _K.SEND_B, _K.RECV_B))
 _EV, _AC, _RET, _LD = (k.code for k in (_K.EVICT, _K.ACCEPT, _K.RETURN, _K.LOAD))
 _ALLOWED = frozenset({_F, _B, _I, _W, _R, _SF, _RF, _SB, _RB, _EV, _AC, _RET, _LD})
+_IS_COMPUTE = tuple(k.is_compute for k in ActionKind)
 assert _SF < _RF < _SB < _RB < _EV and {_AC, _RET, _LD} == {_EV + 1, _EV + 2, _EV + 3}, \
     "the loop tells transfers and moves apart by kind code"
 
@@ -418,8 +419,39 @@ class _LinkRun:
                 raise _Fallback
             if not all(_sums_exact(mem[r]) for r in range(P) if mixed[r]):
                 raise _Fallback  # the memory points could depend on the order of same-time changes
-        return _ref.make_trace(sched, costs, starts, ends,
-                               self._records(sreach, spos, rpos, mstart, mend, exposed, bbytes), mem)
+        return self._trace(starts, ends, mem, sreach, spos, rpos, mstart, mend, exposed, bbytes)
+
+    def _trace(self, starts: list[list[float]], ends: list[list[float]], mem: list[list[tuple[float, float]]],
+               sreach: list[float], spos: list[int], rpos: list[int], mstart: list[float], mend: list[float],
+               exposed: list[float], move_bytes: list[float]) -> Trace:
+        """What :func:`~evenpipe.sim.engine.make_trace` would return, with the transfer records built only when
+        first read: the step time, memory, compute spans, number of transfers and their exposed total (summed in
+        the records' order, by arrival then the engine's numbering; zeros add nothing) are known now."""
+        sched, costs = self.schedule, self.costs
+        compute = _IS_COMPUTE
+        spans = []
+        for ks, st, en in zip(sched.columns.kinds, starts, ends):
+            at = [i for i, c in enumerate(ks) if compute[c]]
+            busy = 0.0
+            for i in at:  # in list order, as Trace sums them
+                busy += en[i] - st[i]
+            spans.append((busy, st[at[0]], en[at[-1]]) if at else (0.0, float("inf"), float("-inf")))
+        late = [k for k, x in enumerate(exposed) if x]
+        late.sort(key=lambda k: (mend[k], max(spos[k], rpos[k])))
+        total = 0.0
+        for k in late:
+            total += exposed[k]
+        unit = _ref.unit_bytes(sched, costs)
+
+        def times_and_transfers() -> tuple[tuple[list[list[float]], list[list[float]]], tuple[TransferRecord, ...]]:
+            records = self._records(sreach, spos, rpos, mstart, mend, exposed, move_bytes)
+            records.sort(key=_ref.by_end)
+            return (starts, ends), tuple(records)
+        return Trace.deferred(schedule=sched, memory=tuple(_ref.timeline(r, m, unit[r]) for r, m in enumerate(mem)),
+                              unit_bytes=unit, step_time=max(max((max(e, default=0.0) for e in ends), default=0.0),
+                                                             0.0),
+                              spans=spans, num_transfers=sum(t >= 0.0 for t in sreach),
+                              exposed_transfer_time=total, times_and_transfers=times_and_transfers)
 
     def _records(self, sreach: list[float], spos: list[int], rpos: list[int], mstart: list[float],
                  mend: list[float], exposed: list[float], move_bytes: list[float]) -> list[TransferRecord]:

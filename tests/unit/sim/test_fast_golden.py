@@ -23,6 +23,7 @@ from evenpipe.sim.engine import simulate_events
 from evenpipe.sim.fast import simulate_fast
 from evenpipe.sim.free import simulate_free
 from evenpipe.sim.links import simulate_links
+from evenpipe.sim.trace import Trace
 
 FAMILIES = [f for f in ScheduleFamily]
 LINKS = ["free", "latency", "slow", "mixed"]
@@ -64,6 +65,17 @@ def _plain(sched: Schedule) -> bool:
     kinds = {a.kind.value for acts in sched.actions for a in acts}
     messages_needed = any(sched.stage_to_rank[s] != sched.stage_to_rank[s + 1] for s in range(sched.num_stages - 1))
     return kinds <= allowed and (not messages_needed or bool(kinds & {"SEND_F"}))
+
+
+def _same_summaries(trace: Trace, reference: Trace) -> None:
+    """The summaries a deferred trace knows before its records exist equal the reference's, float for float
+    (checked before ``==``, which builds the records)."""
+    assert trace.num_transfers == len(reference.transfers)
+    assert trace.exposed_transfer_time == reference.exposed_transfer_time
+    assert trace.step_time == reference.step_time
+    assert trace.bubble_fraction == reference.bubble_fraction
+    assert [trace.busy_time(r) for r in range(trace.schedule.num_ranks)] == \
+        [reference.busy_time(r) for r in range(reference.schedule.num_ranks)]
 
 
 def _costs(rng: random.Random, num_stages: int, num_ranks: int, integer: bool, link: str) -> SimCosts:
@@ -110,6 +122,7 @@ def test_dataflow_matches_event_engine_on_random_schedules(seed: int) -> None:
         free = simulate_free(sched, costs)
         if free is not None:
             free_taken += 1
+            _same_summaries(free, reference)
             trusted += passed_validation(sched)
             assert free == reference, f"case {case}: instant-link path, {sched.name} P={sched.num_ranks}"
             # the path that checks the validator's rules itself gives the same trace
@@ -206,7 +219,9 @@ def test_one_pass_link_path_matches_event_engine_on_random_validated_schedules(s
             plain += 1
             taken += trace is not None
         if trace is not None:
-            assert trace == simulate_events(sched, costs), f"case {case}: {sched.name} P={sched.num_ranks} {link}"
+            reference = simulate_events(sched, costs)
+            _same_summaries(trace, reference)
+            assert trace == reference, f"case {case}: {sched.name} P={sched.num_ranks} {link}"
     assert plain >= 10 and taken >= 0.8 * plain  # not vacuous: the path answers for most of them
 
 
@@ -240,7 +255,9 @@ def test_one_pass_link_path_matches_event_engine_on_bpipe_schedules(seed: int) -
         trace = simulate_links(sched, costs)
         if trace is not None:
             taken += 1
-            assert trace == simulate_events(sched, costs), f"{sched.name} P={p} M={m} {link}"
+            reference = simulate_events(sched, costs)
+            _same_summaries(trace, reference)
+            assert trace == reference, f"{sched.name} P={p} M={m} {link}"
             assert any(t.kind.value == "EVICT" for t in trace.transfers)
         elif link == "free":
             pytest.fail(f"{sched.name} P={p} M={m}: declined on instant links with integer costs")
