@@ -230,16 +230,15 @@ def _balanced(compute: Schedule, timing: WitnessTiming, budget: int, rank: int, 
 
 def _own_and_hosted_peaks_of_codes(codes: list[int]) -> tuple[int, int]:
     """Program-order peaks of a rank's own units (F, LOAD minus B, W, EVICT) and of its hosted ones (ACCEPT
-    minus RETURN), each on its own, from its kind codes."""
-    own = hosted = own_peak = hosted_peak = 0
-    for code in codes:
-        if _HOSTED[code]:
-            hosted += _UNITS[code]
-            hosted_peak = max(hosted_peak, hosted)
-        else:
-            own += _UNITS[code]
-            own_peak = max(own_peak, own)
-    return own_peak, hosted_peak
+    minus RETURN), each on its own, from its kind codes (0 when never positive)."""
+    own = max(accumulate(map(_OWN_UNITS.__getitem__, codes)), default=0)
+    hosted = max(accumulate(map(_HOSTED_UNITS.__getitem__, codes)), default=0)
+    return max(own, 0), max(hosted, 0)
+
+
+_OWN_UNITS = tuple(0 if hosted else units for units, hosted in zip(_UNITS, _HOSTED))
+_HOSTED_UNITS = tuple(units if hosted else 0 for units, hosted in zip(_UNITS, _HOSTED))
+"""Per kind code, its held-unit change counted as own or as hosted (the other count: 0)."""
 
 
 def _marker_times(marked: list[Action], compute_starts: tuple[int, ...]) -> list[tuple[int, Action]]:
