@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 from itertools import repeat
+from operator import sub
 
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.schedule.validate import passed_validation
@@ -431,11 +432,9 @@ class _LinkRun:
         compute = _IS_COMPUTE
         spans = []
         for ks, st, en in zip(sched.columns.kinds, starts, ends):
-            at = [i for i, c in enumerate(ks) if compute[c]]
-            busy = 0.0
-            for i in at:  # in list order, as Trace sums them
-                busy += en[i] - st[i]
-            spans.append((busy, st[at[0]], en[at[-1]]) if at else (0.0, float("inf"), float("-inf")))
+            at = [i for i, c in enumerate(ks) if compute[c]]  # busy: summed in list order, as Trace sums it
+            spans.append((sum(map(sub, map(en.__getitem__, at), map(st.__getitem__, at))), st[at[0]], en[at[-1]])
+                         if at else (0, float("inf"), float("-inf")))
         late = [k for k, x in enumerate(exposed) if x]
         late.sort(key=lambda k: (mend[k], max(spos[k], rpos[k])))
         total = 0.0
