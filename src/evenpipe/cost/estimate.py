@@ -170,8 +170,8 @@ def _rank_finish(trace: Trace, rank: int) -> tuple[float, float]:
 def _exposed_wait(trace: Trace, rank: int) -> tuple[float, float]:
     """(pipeline message wait, BPipe transfer wait) the rank's computes spent on incoming messages."""
     pp = bp = 0.0
-    for t in trace.transfers:
-        if t.dst != rank or t.exposed_s <= 0:
+    for t in trace.waited_transfers:  # in order of arrival, as in trace.transfers
+        if t.dst != rank:
             continue
         if t.kind in (ActionKind.EVICT, ActionKind.RETURN):
             bp += t.exposed_s

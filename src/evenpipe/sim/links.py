@@ -426,8 +426,9 @@ class _LinkRun:
                sreach: list[float], spos: list[int], rpos: list[int], mstart: list[float], mend: list[float],
                exposed: list[float], move_bytes: list[float]) -> Trace:
         """What :func:`~evenpipe.sim.engine.make_trace` would return, with the transfer records built only when
-        first read: the step time, memory, compute spans, number of transfers and their exposed total (summed in
-        the records' order, by arrival then the engine's numbering; zeros add nothing) are known now."""
+        first read: the step time, memory, per-action times, compute spans, number of transfers, the records of
+        those some compute waited on (in order of arrival: by end, then the engine's numbering) and their exposed
+        total (summed in that order; the others' zeros add nothing) are known now."""
         sched, costs = self.schedule, self.costs
         compute = _IS_COMPUTE
         spans = []
@@ -450,14 +451,16 @@ class _LinkRun:
                               unit_bytes=unit, step_time=max(max((max(e, default=0.0) for e in ends), default=0.0),
                                                              0.0),
                               spans=spans, num_transfers=sum(t >= 0.0 for t in sreach),
-                              exposed_transfer_time=total, times_and_transfers=times_and_transfers)
+                              exposed_transfer_time=total, times_and_transfers=times_and_transfers,
+                              times=(starts, ends),
+                              waited=tuple(self._record(k, spos, rpos, mstart, mend, exposed, move_bytes)
+                                           for k in late))
 
     def _records(self, sreach: list[float], spos: list[int], rpos: list[int], mstart: list[float],
                  mend: list[float], exposed: list[float], move_bytes: list[float]) -> list[TransferRecord]:
         """Every message, in the engine's numbering (by the position of its later end, ranks in order)."""
         sched, stages = self.schedule, self.costs.stages
-        S, M, layout = sched.num_stages, sched.num_microbatches, sched.stage_to_rank
-        NK = 2 * S * M
+        M, layout = sched.num_microbatches, sched.stage_to_rank
         slots = [k for k, t in enumerate(sreach) if t >= 0.0]
         later = list(map(max, map(spos.__getitem__, slots), map(rpos.__getitem__, slots)))
         slots = [slots[j] for j in sorted(range(len(slots)), key=later.__getitem__)]
@@ -469,16 +472,20 @@ class _LinkRun:
                 map(layout.__getitem__, sender), map(layout.__getitem__, consumer), kinds, sender,
                 [(k >> 1) % M for k in slots], [stages[min(a, b)].output_bytes for a, b in zip(sender, consumer)],
                 map(mstart.__getitem__, slots), map(mend.__getitem__, slots), map(exposed.__getitem__, slots))))
-        out = []
-        for k in slots:
-            if k < NK:
-                s = (k >> 1) // M
-                a = s + 1 if k & 1 else s - 1
-                row = (layout[a], layout[s], _K.SEND_B if k & 1 else _K.SEND_F, a, (k >> 1) % M,
-                       stages[min(a, s)].output_bytes)
-            else:
-                j = k - NK
-                u = j >> 1
-                row = (spos[k] >> 32, rpos[k] >> 32, _K.RETURN if j & 1 else _K.EVICT, u // M, u % M, move_bytes[j])
-            out.append(tuple.__new__(TransferRecord, row + (mstart[k], mend[k], exposed[k])))
-        return out
+        return [self._record(k, spos, rpos, mstart, mend, exposed, move_bytes) for k in slots]
+
+    def _record(self, k: int, spos: list[int], rpos: list[int], mstart: list[float], mend: list[float],
+                exposed: list[float], move_bytes: list[float]) -> TransferRecord:
+        """The record of message slot ``k``."""
+        sched = self.schedule
+        M, NK = sched.num_microbatches, 2 * sched.num_stages * sched.num_microbatches
+        if k < NK:
+            s = (k >> 1) // M
+            a = s + 1 if k & 1 else s - 1
+            row = (sched.stage_to_rank[a], sched.stage_to_rank[s], _K.SEND_B if k & 1 else _K.SEND_F, a,
+                   (k >> 1) % M, self.costs.stages[min(a, s)].output_bytes)
+        else:
+            j = k - NK
+            u = j >> 1
+            row = (spos[k] >> 32, rpos[k] >> 32, _K.RETURN if j & 1 else _K.EVICT, u // M, u % M, move_bytes[j])
+        return tuple.__new__(TransferRecord, row + (mstart[k], mend[k], exposed[k]))

@@ -120,7 +120,7 @@ class Trace:
     """
 
     __slots__ = ("schedule", "_actions", "_times", "_transfers", "memory", "unit_bytes", "step_time", "source",
-                 "_spans", "_deferred", "_counts")
+                 "_spans", "_deferred", "_counts", "_waited")
 
     schedule: Schedule
     """The schedule that ran."""
@@ -138,6 +138,7 @@ class Trace:
     _transfers: tuple[TransferRecord, ...] | None
     _deferred: "Callable[[], tuple[tuple[list[list[float]], list[list[float]]], tuple[TransferRecord, ...]]] | None"
     _counts: tuple[int, float] | None
+    _waited: tuple[TransferRecord, ...] | None
 
     def __init__(self, *, schedule: Schedule, transfers: tuple[TransferRecord, ...],
                  memory: tuple[MemoryTimeline, ...], unit_bytes: tuple[float, ...], step_time: float,
@@ -145,16 +146,17 @@ class Trace:
                  times: tuple[list[list[float]], list[list[float]]] | None = None) -> None:
         if (actions is None) == (times is None):
             raise ValueError("a trace needs exactly one of actions and times")
-        self._init(schedule, actions, times, transfers, memory, unit_bytes, step_time, source, None, None, None)
+        self._init(schedule, actions, times, transfers, memory, unit_bytes, step_time, source, None, None, None,
+                   None)
 
     def _init(self, schedule: Schedule, actions: object, times: object, transfers: object, memory: object,
               unit_bytes: object, step_time: float, source: str, spans: object, deferred: object,
-              counts: object) -> None:
+              counts: object, waited: object) -> None:
         init = object.__setattr__
         for name, value in (("schedule", schedule), ("_actions", actions), ("_times", times),
                             ("_transfers", transfers), ("memory", memory), ("unit_bytes", unit_bytes),
                             ("step_time", step_time), ("source", source), ("_spans", spans),
-                            ("_deferred", deferred), ("_counts", counts)):
+                            ("_deferred", deferred), ("_counts", counts), ("_waited", waited)):
             init(self, name, value)
 
     @classmethod
@@ -162,13 +164,16 @@ class Trace:
                  step_time: float, spans: list[tuple[float, float, float]], num_transfers: int,
                  exposed_transfer_time: float,
                  times_and_transfers: "Callable[[], tuple[tuple[list[list[float]], list[list[float]]], "
-                                      "tuple[TransferRecord, ...]]]") -> "Trace":
+                                      "tuple[TransferRecord, ...]]]",
+                 times: tuple[list[list[float]], list[list[float]]] | None = None,
+                 waited: tuple[TransferRecord, ...] | None = None) -> "Trace":
         """A simulated trace whose per-action times and transfer records are computed only when first read
         (``times_and_transfers``); the summaries a caller reads most (step time, bubbles from ``spans``, memory
-        peaks, the number of transfers and their exposed time) are known up front."""
+        peaks, the number of transfers and their exposed time) are known up front, and so are the per-action
+        ``times`` and the records some compute ``waited`` on (in order of arrival) where the caller has them."""
         self = cls.__new__(cls)
-        self._init(schedule, None, None, None, memory, unit_bytes, step_time, "sim", spans, times_and_transfers,
-                   (num_transfers, exposed_transfer_time))
+        self._init(schedule, None, times, None, memory, unit_bytes, step_time, "sim", spans, times_and_transfers,
+                   (num_transfers, exposed_transfer_time), waited)
         return self
 
     def _resolve(self) -> None:
@@ -316,7 +321,8 @@ class Trace:
     def action_times(self, rank: int) -> tuple[list[float], list[float]]:
         """Start and end of each action of one rank, in list order (without building records when the trace
         holds times)."""
-        self._resolve()
+        if self._times is None:
+            self._resolve()
         if self._times is not None:
             return self._times[0][rank], self._times[1][rank]
         recs = self.actions[rank]
@@ -371,11 +377,19 @@ class Trace:
                      for peak, unit in zip(self.peak_activation_bytes, self.unit_bytes))
 
     @property
+    def waited_transfers(self) -> tuple[TransferRecord, ...]:
+        """Transfers some compute waited on (``exposed_s > 0``), in order of arrival (without computing deferred
+        records where the simulator knew them)."""
+        if self._waited is not None:
+            return self._waited
+        if self._counts is not None and self._counts[1] == 0:
+            return ()  # exposed times are never negative: none is exposed
+        return tuple(t for t in self.transfers if t.exposed_s > 0)
+
+    @property
     def exposed_transfers(self) -> tuple[TransferRecord, ...]:
         """Transfers some compute waited on, most exposed first."""
-        if self._counts is not None and self._counts[1] == 0:
-            return ()  # exposed times are never negative: none is exposed (without computing deferred records)
-        return tuple(sorted((t for t in self.transfers if t.exposed_s > 0), key=lambda t: -t.exposed_s))
+        return tuple(sorted(self.waited_transfers, key=lambda t: -t.exposed_s))
 
     @property
     def exposed_transfer_time(self) -> float:

@@ -71,6 +71,9 @@ def _same_summaries(trace: Trace, reference: Trace) -> None:
     """The summaries a deferred trace knows before its records exist equal the reference's, float for float
     (checked before ``==``, which builds the records)."""
     assert trace.num_transfers == len(reference.transfers)
+    assert trace.waited_transfers == tuple(t for t in reference.transfers if t.exposed_s > 0)
+    assert [trace.action_times(r) for r in range(trace.schedule.num_ranks)] == \
+        [reference.action_times(r) for r in range(reference.schedule.num_ranks)]
     assert trace.exposed_transfer_time == reference.exposed_transfer_time
     assert trace.step_time == reference.step_time
     assert trace.bubble_fraction == reference.bubble_fraction
