@@ -130,6 +130,8 @@ class _LinkRun:
         return dur, lid, nbytes
 
     def run(self) -> Trace:
+        """The one pass of the module's rules over every rank's list. One function with closures over its local
+        lists, because the hot loop's speed is local-variable access; raises ``_Fallback`` where it cannot vouch."""
         sched, costs, cols = self.schedule, self.costs, self.schedule.columns
         P, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
         layout = sched.stage_to_rank
