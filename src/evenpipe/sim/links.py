@@ -438,11 +438,11 @@ class _LinkRun:
             at = [i for i, c in enumerate(ks) if compute[c]]  # busy: summed in list order, as Trace sums it
             spans.append((sum(map(sub, map(en.__getitem__, at), map(st.__getitem__, at))), st[at[0]], en[at[-1]])
                          if at else (0, float("inf"), float("-inf")))
-        late = [k for k, x in enumerate(exposed) if x]
-        late.sort(key=lambda k: (mend[k], max(spos[k], rpos[k])))
-        total = 0.0
-        for k in late:
-            total += exposed[k]
+        late = [k for k, x in enumerate(exposed) if x]  # by arrival, then the engine's numbering (unique)
+        late = [k for _, _, k in sorted(zip(map(mend.__getitem__, late),
+                                            map(max, map(spos.__getitem__, late), map(rpos.__getitem__, late)),
+                                            late))]
+        total = sum(map(exposed.__getitem__, late), 0.0)  # in the records' order, as Trace sums them
         unit = _ref.unit_bytes(sched, costs)
 
         def times_and_transfers() -> tuple[tuple[list[list[float]], list[list[float]]], tuple[TransferRecord, ...]]:
@@ -455,26 +455,35 @@ class _LinkRun:
                               spans=spans, num_transfers=sum(t >= 0.0 for t in sreach),
                               exposed_transfer_time=total, times_and_transfers=times_and_transfers,
                               times=(starts, ends),
-                              waited=tuple(self._record(k, spos, rpos, mstart, mend, exposed, move_bytes)
-                                           for k in late))
+                              waited=tuple(self._records_of(late, spos, rpos, mstart, mend, exposed, move_bytes)))
 
     def _records(self, sreach: list[float], spos: list[int], rpos: list[int], mstart: list[float],
                  mend: list[float], exposed: list[float], move_bytes: list[float]) -> list[TransferRecord]:
         """Every message, in the engine's numbering (by the position of its later end, ranks in order)."""
-        sched, stages = self.schedule, self.costs.stages
-        M, layout = sched.num_microbatches, sched.stage_to_rank
         slots = [k for k, t in enumerate(sreach) if t >= 0.0]
         later = list(map(max, map(spos.__getitem__, slots), map(rpos.__getitem__, slots)))
         slots = [slots[j] for j in sorted(range(len(slots)), key=later.__getitem__)]
-        if not move_bytes:
-            consumer = [(k >> 1) // M for k in slots]
-            sender = [s - 1 if not k & 1 else s + 1 for k, s in zip(slots, consumer)]
-            kinds = [_K.SEND_B if k & 1 else _K.SEND_F for k in slots]
-            return list(map(tuple.__new__, repeat(TransferRecord), zip(
-                map(layout.__getitem__, sender), map(layout.__getitem__, consumer), kinds, sender,
-                [(k >> 1) % M for k in slots], [stages[min(a, b)].output_bytes for a, b in zip(sender, consumer)],
-                map(mstart.__getitem__, slots), map(mend.__getitem__, slots), map(exposed.__getitem__, slots))))
-        return [self._record(k, spos, rpos, mstart, mend, exposed, move_bytes) for k in slots]
+        return self._records_of(slots, spos, rpos, mstart, mend, exposed, move_bytes)
+
+    def _records_of(self, slots: list[int], spos: list[int], rpos: list[int], mstart: list[float],
+                    mend: list[float], exposed: list[float], move_bytes: list[float]) -> list[TransferRecord]:
+        """The records of these message slots, in their order: the plain messages' built column by column."""
+        sched, stages = self.schedule, self.costs.stages
+        M, layout = sched.num_microbatches, sched.stage_to_rank
+        NK = 2 * sched.num_stages * M
+        plain = slots if not move_bytes else [k for k in slots if k < NK]
+        consumer = [(k >> 1) // M for k in plain]
+        sender = [s - 1 if not k & 1 else s + 1 for k, s in zip(plain, consumer)]
+        kinds = [_K.SEND_B if k & 1 else _K.SEND_F for k in plain]
+        out = list(map(tuple.__new__, repeat(TransferRecord), zip(
+            map(layout.__getitem__, sender), map(layout.__getitem__, consumer), kinds, sender,
+            [(k >> 1) % M for k in plain], [stages[min(a, b)].output_bytes for a, b in zip(sender, consumer)],
+            map(mstart.__getitem__, plain), map(mend.__getitem__, plain), map(exposed.__getitem__, plain))))
+        if len(plain) == len(slots):
+            return out
+        made = iter(out)  # put the moves' records in their places among the plain ones
+        return [next(made) if k < NK else self._record(k, spos, rpos, mstart, mend, exposed, move_bytes)
+                for k in slots]
 
     def _record(self, k: int, spos: list[int], rpos: list[int], mstart: list[float], mend: list[float],
                 exposed: list[float], move_bytes: list[float]) -> TransferRecord:
