@@ -73,15 +73,14 @@ def reuse_witness(schedule: Schedule, computes_of: Schedule) -> bool:
     if schedule.num_ranks != computes_of.num_ranks or schedule.num_microbatches != computes_of.num_microbatches:
         return False
     base = witness_timing(computes_of)
-    timed = [spec is not None for spec in _SPEC]
+    timed = TABLES.compute  # the kinds the witness times (the others it skips)
     start, finish = [], []
     for r, ks in enumerate(cols.kinds):
         at = [i for i, c in enumerate(ks) if timed[c]]
         was = [i for i, c in enumerate(ref.kinds[r]) if timed[c]]
-        if len(at) != len(was) or any(list(map(col[r].__getitem__, at)) != list(map(old[r].__getitem__, was))
-                                      for col, old in ((cols.kinds, ref.kinds), (cols.stages, ref.stages),
-                                                       (cols.microbatches, ref.microbatches))):
-            return False
+        for col, old in ((cols.kinds, ref.kinds), (cols.stages, ref.stages), (cols.microbatches, ref.microbatches)):
+            if list(map(col[r].__getitem__, at)) != list(map(old[r].__getitem__, was)):
+                return False  # not the same computes in the same order
         st, fi = [-1] * len(ks), [-1] * len(ks)
         b_st, b_fi = base.start[r], base.finish[r]
         for i, j in zip(at, was):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import gc
 from itertools import repeat
-from operator import sub
 
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.schedule.validate import passed_validation
@@ -46,7 +45,6 @@ _F, _B, _I, _W, _R = (k.code for k in (_K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPU
 _SF, _RF, _SB, _RB = (k.code for k in (_K.SEND_F, _K.RECV_F, _K.SEND_B, _K.RECV_B))
 _EV, _AC, _RET, _LD = (k.code for k in (_K.EVICT, _K.ACCEPT, _K.RETURN, _K.LOAD))
 _ALLOWED = frozenset({_F, _B, _I, _W, _R, _SF, _RF, _SB, _RB, _EV, _AC, _RET, _LD})
-_IS_COMPUTE = tuple(k.is_compute for k in ActionKind)
 assert _SF < _RF < _SB < _RB < _EV and {_AC, _RET, _LD} == {_EV + 1, _EV + 2, _EV + 3}, \
     "the loop tells transfers and moves apart by kind code"
 
@@ -428,20 +426,13 @@ class _LinkRun:
                sreach: list[float], spos: list[int], rpos: list[int], mstart: list[float], mend: list[float],
                exposed: list[float], move_bytes: list[float]) -> Trace:
         """What :func:`~evenpipe.sim.engine.make_trace` would return, with the transfer records built only when
-        first read: the step time, memory, per-action times, compute spans, number of transfers, the records of
+        first read: the step time, memory, per-action times (the trace derives the compute spans from them), number
+        of transfers, the records of
         those some compute waited on (in order of arrival: by end, then the engine's numbering) and their exposed
         total (summed in that order; the others' zeros add nothing) are known now."""
         sched, costs = self.schedule, self.costs
-        compute = _IS_COMPUTE
-        spans = []
-        for ks, st, en in zip(sched.columns.kinds, starts, ends):
-            at = [i for i, c in enumerate(ks) if compute[c]]  # busy: summed in list order, as Trace sums it
-            spans.append((sum(map(sub, map(en.__getitem__, at), map(st.__getitem__, at))), st[at[0]], en[at[-1]])
-                         if at else (0, float("inf"), float("-inf")))
         late = [k for k, x in enumerate(exposed) if x]  # by arrival, then the engine's numbering (unique)
-        late = [k for _, _, k in sorted(zip(map(mend.__getitem__, late),
-                                            map(max, map(spos.__getitem__, late), map(rpos.__getitem__, late)),
-                                            late))]
+        late = [k for _, _, k in sorted(zip(map(mend.__getitem__, late), _numbers(late, spos, rpos), late))]
         total = sum(map(exposed.__getitem__, late), 0.0)  # in the records' order, as Trace sums them
         unit = _ref.unit_bytes(sched, costs)
 
@@ -452,7 +443,7 @@ class _LinkRun:
         return Trace.deferred(schedule=sched, memory=tuple(_ref.timeline(r, m, unit[r]) for r, m in enumerate(mem)),
                               unit_bytes=unit, step_time=max(max((max(e, default=0.0) for e in ends), default=0.0),
                                                              0.0),
-                              spans=spans, num_transfers=sum(t >= 0.0 for t in sreach),
+                              spans=None, num_transfers=sum(t >= 0.0 for t in sreach),
                               exposed_transfer_time=total, times_and_transfers=times_and_transfers,
                               times=(starts, ends),
                               waited=tuple(self._records_of(late, spos, rpos, mstart, mend, exposed, move_bytes)))
@@ -461,7 +452,7 @@ class _LinkRun:
                  mend: list[float], exposed: list[float], move_bytes: list[float]) -> list[TransferRecord]:
         """Every message, in the engine's numbering (by the position of its later end, ranks in order)."""
         slots = [k for k, t in enumerate(sreach) if t >= 0.0]
-        later = list(map(max, map(spos.__getitem__, slots), map(rpos.__getitem__, slots)))
+        later = _numbers(slots, spos, rpos)
         slots = [slots[j] for j in sorted(range(len(slots)), key=later.__getitem__)]
         return self._records_of(slots, spos, rpos, mstart, mend, exposed, move_bytes)
 
@@ -482,21 +473,20 @@ class _LinkRun:
         if len(plain) == len(slots):
             return out
         made = iter(out)  # put the moves' records in their places among the plain ones
-        return [next(made) if k < NK else self._record(k, spos, rpos, mstart, mend, exposed, move_bytes)
+        return [next(made) if k < NK else self._move_record(k, spos, rpos, mstart, mend, exposed, move_bytes)
                 for k in slots]
 
-    def _record(self, k: int, spos: list[int], rpos: list[int], mstart: list[float], mend: list[float],
-                exposed: list[float], move_bytes: list[float]) -> TransferRecord:
-        """The record of message slot ``k``."""
-        sched = self.schedule
-        M, NK = sched.num_microbatches, 2 * sched.num_stages * sched.num_microbatches
-        if k < NK:
-            s = (k >> 1) // M
-            a = s + 1 if k & 1 else s - 1
-            row = (sched.stage_to_rank[a], sched.stage_to_rank[s], _K.SEND_B if k & 1 else _K.SEND_F, a,
-                   (k >> 1) % M, self.costs.stages[min(a, s)].output_bytes)
-        else:
-            j = k - NK
-            u = j >> 1
-            row = (spos[k] >> 32, rpos[k] >> 32, _K.RETURN if j & 1 else _K.EVICT, u // M, u % M, move_bytes[j])
-        return tuple.__new__(TransferRecord, row + (mstart[k], mend[k], exposed[k]))
+    def _move_record(self, k: int, spos: list[int], rpos: list[int], mstart: list[float], mend: list[float],
+                     exposed: list[float], move_bytes: list[float]) -> TransferRecord:
+        """The record of move slot ``k`` (``NK + 2u``: the eviction of ``u``, ``NK + 2u + 1``: its return)."""
+        M = self.schedule.num_microbatches
+        j = k - 2 * self.schedule.num_stages * M
+        u = j >> 1
+        return tuple.__new__(TransferRecord, (spos[k] >> 32, rpos[k] >> 32, _K.RETURN if j & 1 else _K.EVICT, u // M,
+                                              u % M, move_bytes[j], mstart[k], mend[k], exposed[k]))
+
+
+def _numbers(slots: list[int], spos: list[int], rpos: list[int]) -> list[int]:
+    """The engine's numbering key of each message slot: the position (``rank << 32 | index``) of its later end
+    (the engine creates a message when it meets its second end, ranks in order)."""
+    return list(map(max, map(spos.__getitem__, slots), map(rpos.__getitem__, slots)))

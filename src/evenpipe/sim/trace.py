@@ -161,7 +161,7 @@ class Trace:
 
     @classmethod
     def deferred(cls, *, schedule: Schedule, memory: tuple[MemoryTimeline, ...], unit_bytes: tuple[float, ...],
-                 step_time: float, spans: list[tuple[float, float, float]], num_transfers: int,
+                 step_time: float, spans: list[tuple[float, float, float]] | None, num_transfers: int,
                  exposed_transfer_time: float,
                  times_and_transfers: "Callable[[], tuple[tuple[list[list[float]], list[list[float]]], "
                                       "tuple[TransferRecord, ...]]]",
@@ -170,7 +170,8 @@ class Trace:
         """A simulated trace whose per-action times and transfer records are computed only when first read
         (``times_and_transfers``); the summaries a caller reads most (step time, bubbles from ``spans``, memory
         peaks, the number of transfers and their exposed time) are known up front, and so are the per-action
-        ``times`` and the records some compute ``waited`` on (in order of arrival) where the caller has them."""
+        ``times`` and the records some compute ``waited`` on (in order of arrival) where the caller has them
+        (``spans`` may then be ``None``: they follow from the times)."""
         self = cls.__new__(cls)
         self._init(schedule, None, times, None, memory, unit_bytes, step_time, "sim", spans, times_and_transfers,
                    (num_transfers, exposed_transfer_time), waited)
