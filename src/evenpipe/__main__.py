@@ -1,5 +1,3 @@
-import sys
+from evenpipe.cli import entry
 
-from evenpipe.cli import main
-
-sys.exit(main())
+entry()

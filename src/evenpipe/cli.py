@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from typing import NoReturn
 
 from evenpipe.errors import EvenpipeError
 
-__all__ = ["main", "SUBCOMMANDS"]
+__all__ = ["main", "entry", "SUBCOMMANDS"]
 
 SUBCOMMANDS: dict[str, str] = {
     "simulate": "Simulate a schedule: timeline, bubble and per-rank activation memory.",
@@ -59,5 +61,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+_QUICK_EXIT = frozenset({"simulate", "estimate", "plan"})
+"""Commands that leave nothing to clean up when they return (no processes, sockets or open files; only caches of
+pure values): their process ends without the interpreter's teardown, which would free the planner's and the
+simulator's caches one object at a time (about 0.07 s after a ``plan``)."""
+
+
+def entry() -> NoReturn:
+    """The process entry point (``evenpipe`` and ``python -m evenpipe``): :func:`main`, then exit with its code."""
+    argv = sys.argv[1:]
+    code = main(argv)
+    if next((a for a in argv if not a.startswith("-")), None) in _QUICK_EXIT:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:  # a closed pipe: nothing more can be said
+            pass
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -82,3 +85,21 @@ def test_model_costs_put_embedding_and_head_on_their_stages(capsys: pytest.Captu
     assert main(["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--model", "gpt-tiny",
                  "--gpu", "a100-80gb", "--layout", "1,1,1"]) == 2
     assert "layout [1, 1, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,code", [(["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "64",
+                                         "--json"], 0),
+                                        (["simulate", "--schedule", "1f1b", "--stages", "0", "--microbatches", "8",
+                                          "--json"], 2)])
+def test_process_entry_ends_quickly_with_all_output(args: list[str], code: int) -> None:
+    """``python -m evenpipe`` ends a pure command without the interpreter's teardown: the exit code is main's and
+    everything printed reaches a pipe (where it stays buffered until flushed)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe buffers stdout, as usual
+    proc = subprocess.run([sys.executable, "-m", "evenpipe", *args], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == code, proc.stderr
+    if code == 0:
+        out = json.loads(proc.stdout)
+        assert (out["schedule"], out["stages"], out["microbatches"]) == ("1f1b", 4, 64)
+    else:
+        assert proc.stderr.startswith("evenpipe simulate: error:") and proc.stderr.count("\n") == 1

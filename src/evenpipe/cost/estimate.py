@@ -16,12 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from evenpipe.schedule.ir import ActionKind, Schedule
+from evenpipe.schedule.memo import Memo
 from evenpipe.schedule.semantics import TABLES
-from evenpipe.sim import Trace, simulate
+from evenpipe.sim import SimCosts, Trace, simulate
 
 from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step
 from evenpipe.cost.hardware import GIB, Hardware
-from evenpipe.cost.memory import (StageMemory, build_cost_schedule, embedding_params_per_rank,
+from evenpipe.cost.memory import (StageMemory, build_cost_schedule, cost_schedule_key, embedding_params_per_rank,
                                   layer_params_per_rank, memory_per_stage, _head_params_per_rank)
 from evenpipe.cost.parallel import ParallelConfig, check_config, stage_layers
 from evenpipe.cost.specs import ModelSpec
@@ -148,9 +149,60 @@ def _params_on_rank(model: ModelSpec, cfg: ParallelConfig, rank: int, layers: in
     return n
 
 
+@dataclass(frozen=True, slots=True)
+class _Pipeline:
+    """What the estimate reads of one simulated step: its time, bubble share and activation peaks, and per rank
+    when its last compute ends, the backward work of its last micro-batch (which can hide a gradient reduction),
+    its busy time, the time its computes waited on pipeline messages and on BPipe transfers, and the layers it
+    holds, runs forwards of and recomputes (summed over its micro-batches)."""
+
+    step_time: float
+    bubble_fraction: float
+    peak_activation_bytes: tuple[float, ...]
+    finish: tuple[tuple[float, float], ...]
+    busy: tuple[float, ...]
+    waits: tuple[tuple[float, float], ...]
+    layers_held: tuple[int, ...]
+    forward_layers: tuple[int, ...]
+    recomputed_layers: tuple[int, ...]
+
+
+def _pipeline(trace: Trace, layers: tuple[int, ...]) -> _Pipeline:
+    """The summary of ``trace``; a complete schedule runs each stage's forward once per micro-batch."""
+    schedule = trace.schedule
+    ranks = range(schedule.num_ranks)
+    held = tuple(sum(layers[s] for s in schedule.stages_of(r)) for r in ranks)
+    return _Pipeline(step_time=trace.step_time, bubble_fraction=trace.bubble_fraction,
+                     peak_activation_bytes=tuple(trace.peak_activation_bytes),
+                     finish=tuple(_rank_finish(trace, r) for r in ranks), busy=tuple(trace.busy_time(r) for r in ranks),
+                     waits=_exposed_waits(trace),
+                     layers_held=held, forward_layers=tuple(schedule.num_microbatches * n for n in held),
+                     recomputed_layers=tuple(_layers_run(schedule, r, ActionKind.RECOMPUTE, layers)
+                                             if _RECOMPUTE in schedule.columns.kinds[r] else 0 for r in ranks))
+
+
+_PIPELINES = 256
+"""Simulated steps remembered (small summaries; a planner search simulates a few dozen)."""
+_pipelines: Memo[tuple[SimCosts, _Pipeline]] = Memo(_PIPELINES)
+
+
+def _simulated(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency) -> _Pipeline:
+    """The simulated step of ``cfg``, remembered on its schedule's shape and its stage costs: configurations that
+    differ only in data parallelism or the optimizer's sharding share both
+    (:func:`~evenpipe.cost.timing.stage_sim_costs` returns the same object), so their pipelines run alike."""
+    durations = cost_plan_durations(model, hw, cfg, eff)
+    costs = stage_sim_costs(model, hw, cfg, eff)
+
+    def run() -> tuple[SimCosts, _Pipeline]:
+        return costs, _pipeline(simulate(build_cost_schedule(cfg, durations), costs), stage_layers(model, cfg))
+    held, pipeline = _pipelines.get((cost_schedule_key(cfg, durations), id(costs)), run)
+    return pipeline if held is costs else run()[1]  # ``is``: an id reused by another object
+
+
 _BACKWARD_CODES = frozenset(k.code for k in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
                                               ActionKind.BACKWARD_WEIGHT, ActionKind.RECOMPUTE))
 _IS_COMPUTE = TABLES.compute
+_RECOMPUTE = ActionKind.RECOMPUTE.code
 
 
 def _rank_finish(trace: Trace, rank: int) -> tuple[float, float]:
@@ -167,17 +219,17 @@ def _rank_finish(trace: Trace, rank: int) -> tuple[float, float]:
     return end, window
 
 
-def _exposed_wait(trace: Trace, rank: int) -> tuple[float, float]:
-    """(pipeline message wait, BPipe transfer wait) the rank's computes spent on incoming messages."""
-    pp = bp = 0.0
+def _exposed_waits(trace: Trace) -> tuple[tuple[float, float], ...]:
+    """Per rank, (pipeline message wait, BPipe transfer wait) its computes spent on incoming messages."""
+    pp = [0.0] * trace.schedule.num_ranks
+    bp = [0.0] * trace.schedule.num_ranks
+    moves = (ActionKind.EVICT, ActionKind.RETURN)
     for t in trace.waited_transfers:  # in order of arrival, as in trace.transfers
-        if t.dst != rank:
-            continue
-        if t.kind in (ActionKind.EVICT, ActionKind.RETURN):
-            bp += t.exposed_s
+        if t.kind in moves:
+            bp[t.dst] += t.exposed_s
         else:
-            pp += t.exposed_s
-    return pp, bp
+            pp[t.dst] += t.exposed_s
+    return tuple(zip(pp, bp))
 
 
 def _layers_run(schedule: Schedule, rank: int, kind: ActionKind, layers: tuple[int, ...]) -> int:
@@ -186,18 +238,14 @@ def _layers_run(schedule: Schedule, rank: int, kind: ActionKind, layers: tuple[i
     return sum(layers[s] for c, s in zip(cols.kinds[rank], cols.stages[rank]) if c == code)
 
 
-def _breakdown(model: ModelSpec, cfg: ParallelConfig, trace: Trace, rank: int, lt: LayerTimes,
-               dp_exposed: float, optimizer: float) -> TimeBreakdown:
-    schedule = trace.schedule
-    layers = stage_layers(model, cfg)
-    n_fwd = _layers_run(schedule, rank, ActionKind.FORWARD, layers)
-    n_rec = _layers_run(schedule, rank, ActionKind.RECOMPUTE, layers)
-    busy = trace.busy_time(rank)
+def _breakdown(pipeline: _Pipeline, rank: int, lt: LayerTimes, dp_exposed: float, optimizer: float
+               ) -> TimeBreakdown:
+    n_fwd, n_rec = pipeline.forward_layers[rank], pipeline.recomputed_layers[rank]
+    busy = pipeline.busy[rank]
     tp = n_fwd * (lt.tp_forward + lt.tp_backward) + n_rec * lt.tp_forward
     recompute = n_rec * lt.forward + n_fwd * lt.selective_recompute
-    pp_wait, bp_wait = _exposed_wait(trace, rank)
-    end, _ = _rank_finish(trace, rank)
-    bubble = max(0.0, trace.step_time - busy - pp_wait - bp_wait)
+    pp_wait, bp_wait = pipeline.waits[rank]
+    bubble = max(0.0, pipeline.step_time - busy - pp_wait - bp_wait)
     return TimeBreakdown(compute=max(0.0, busy - tp - recompute), tp_comm=tp, recompute=recompute,
                          pp_comm=pp_wait, bpipe_transfer=bp_wait, bubble=bubble, dp_comm=dp_exposed,
                          optimizer=optimizer)
@@ -221,33 +269,32 @@ def estimate(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
     """Simulate ``cfg``'s schedule under the cost model and return the predicted step (see the module doc)."""
     check_config(model, hw, cfg)
     eff = efficiency or Efficiency()
-    schedule = build_cost_schedule(cfg, cost_plan_durations(model, hw, cfg, eff))
-    trace = simulate(schedule, stage_sim_costs(model, hw, cfg, eff))
+    pipeline = _simulated(model, hw, cfg, eff)
     lt = layer_times(model, hw, cfg, eff)
     layout = stage_layers(model, cfg)
-    params = [_params_on_rank(model, cfg, r, sum(layout[s] for s in schedule.stages_of(r))) for r in range(cfg.pp)]
+    params = [_params_on_rank(model, cfg, r, pipeline.layers_held[r]) for r in range(cfg.pp)]
     finish = []
     for r in range(cfg.pp):
-        end, last = _rank_finish(trace, r)
+        end, last = pipeline.finish[r]
         dp = dp_allreduce_time(params[r], cfg, hw, eff)
         finish.append(end + max(0.0, dp - (last if eff.dp_overlap else 0.0)))
     critical = max(range(cfg.pp), key=lambda r: finish[r])
-    dp_exposed = max(0.0, finish[critical] - trace.step_time)
+    dp_exposed = max(0.0, finish[critical] - pipeline.step_time)
     opt = max(optimizer_step_time(params[r], cfg, hw, eff) for r in range(cfg.pp))
-    step = trace.step_time + dp_exposed + opt
+    step = pipeline.step_time + dp_exposed + opt
     mem = memory_per_stage(model, hw, cfg, efficiency=eff)
     totals = tuple(m.total for m in mem)
     peak = max(totals)
     fits = peak <= hw.usable_memory_gib
     peak_flops = hw.peak_tflops * 1e12 * cfg.num_gpus * step
     executed = executed_flops_per_step(model, cfg)
-    bd = _breakdown(model, cfg, trace, critical, lt, dp_exposed, opt)
+    bd = _breakdown(pipeline, critical, lt, dp_exposed, opt)
     return Estimate(
         model=model, hardware=hw, config=cfg, step_time_s=step,
         mfu=model_flops_per_step(model, cfg.global_batch) / peak_flops, hfu=executed / peak_flops,
-        tflops_per_gpu=executed / (step * cfg.num_gpus) / 1e12, bubble_fraction=trace.bubble_fraction,
+        tflops_per_gpu=executed / (step * cfg.num_gpus) / 1e12, bubble_fraction=pipeline.bubble_fraction,
         memory_per_stage_gib=totals, peak_memory_gib=peak, fits=fits, breakdown=bd, stage_memory=mem,
         critical_rank=critical, limited_by=_limit(fits, peak, hw.usable_memory_gib, bd, step),
-        activation_peak_simulated_gib=tuple(b / GIB for b in trace.peak_activation_bytes), layout=layout,
+        activation_peak_simulated_gib=tuple(b / GIB for b in pipeline.peak_activation_bytes), layout=layout,
     )
 

@@ -174,8 +174,14 @@ def activation_bytes(model: ModelSpec, cfg: ParallelConfig) -> ActivationBytes:
 def build_cost_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None = None) -> Schedule:
     """The complete, validated schedule ``cfg`` runs (cached on its shape). ``plan_durations``: the F, I, W
     durations a memory-capped family plans its order with (:func:`evenpipe.cost.timing.cost_plan_durations`)."""
-    return _cached_schedule(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks, cfg.bpipe_budget,
-                            cfg.recompute is Recompute.FULL, cfg.bpipe, plan_durations)
+    return _cached_schedule(*cost_schedule_key(cfg, plan_durations))
+
+
+def cost_schedule_key(cfg: ParallelConfig, plan_durations: PlanDurations | None = None
+                      ) -> tuple[ScheduleFamily, int, int, int, int | None, bool, bool, PlanDurations | None]:
+    """What :func:`build_cost_schedule` of ``cfg`` depends on: configurations with one key run one schedule."""
+    return (cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks, cfg.bpipe_budget, cfg.recompute is Recompute.FULL,
+            cfg.bpipe, plan_durations)
 
 
 _SCHEDULE_ACTIONS = 1_500_000

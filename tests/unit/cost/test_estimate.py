@@ -114,3 +114,27 @@ def test_default_efficiency_reproduces_megatron_2021_within_five_percent() -> No
     errors = [abs(predict_tflops(r, Efficiency()) / r.tflops_per_gpu - 1) for r in rows]
     assert sum(errors) / len(errors) <= 0.05
     assert max(errors) <= 0.15
+
+
+@pytest.mark.parametrize("schedule,bpipe", [(ScheduleFamily.ONE_F_ONE_B, False), (ScheduleFamily.INTERLEAVED, True)])
+def test_configurations_sharing_a_pipeline_simulate_it_once(monkeypatch: pytest.MonkeyPatch, schedule: ScheduleFamily,
+                                                            bpipe: bool) -> None:
+    """Twins differing in data parallelism's optimizer sharding run one schedule on one set of stage costs: the
+    second estimate reuses the first one's simulated step, and equals its own estimate from scratch."""
+    import importlib
+    module = importlib.import_module("evenpipe.cost.estimate")
+    base = ParallelConfig(tp=8, pp=4, dp=4, global_batch=64, chunks=2 if schedule is ScheduleFamily.INTERLEAVED else 1,
+                          schedule=schedule, bpipe=bpipe, recompute=Recompute.SELECTIVE, distributed_optimizer=True)
+    twin = dataclasses.replace(base, distributed_optimizer=False)
+    runs = []
+    real = module.simulate
+    monkeypatch.setattr(module, "simulate", lambda *a, **k: runs.append(1) or real(*a, **k))
+    module._pipelines.values.clear()
+    first = estimate(GPT3, A100, base)
+    shared = estimate(GPT3, A100, twin)
+    assert len(runs) == 1
+    module._pipelines.values.clear()
+    fresh = estimate(GPT3, A100, twin)
+    assert len(runs) == 2
+    assert shared == fresh
+    assert first.step_time_s != shared.step_time_s  # the twins do differ, in their data-parallel terms
