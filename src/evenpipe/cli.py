@@ -31,10 +31,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"evenpipe: error: {message}\n")
 
 
+def _chosen_command(argv: list[str]) -> str | None:
+    """The command ``argv`` names (its first word that is not an option), before any parsing."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def _build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, str | None]:
     parser = _Parser(prog="evenpipe", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    chosen = next((a for a in argv if not a.startswith("-")), None)
+    chosen = _chosen_command(argv)
     for name, help_text in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:  # only the chosen command's module is imported (keeps torch out of planning)
@@ -71,7 +76,7 @@ def entry() -> NoReturn:
     """The process entry point (``evenpipe`` and ``python -m evenpipe``): :func:`main`, then exit with its code."""
     argv = sys.argv[1:]
     code = main(argv)
-    if next((a for a in argv if not a.startswith("-")), None) in _QUICK_EXIT:
+    if _chosen_command(argv) in _QUICK_EXIT:
         try:
             sys.stdout.flush()
             sys.stderr.flush()

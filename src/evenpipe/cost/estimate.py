@@ -163,12 +163,16 @@ class _Pipeline:
     busy: tuple[float, ...]
     waits: tuple[tuple[float, float], ...]
     layers_held: tuple[int, ...]
-    forward_layers: tuple[int, ...]
+    num_microbatches: int
     recomputed_layers: tuple[int, ...]
+
+    def forward_layers(self, rank: int) -> int:
+        """Layer-micro-batches of the rank's forwards: a complete schedule runs each stage's once per micro-batch."""
+        return self.num_microbatches * self.layers_held[rank]
 
 
 def _pipeline(trace: Trace, layers: tuple[int, ...]) -> _Pipeline:
-    """The summary of ``trace``; a complete schedule runs each stage's forward once per micro-batch."""
+    """The summary of ``trace``."""
     schedule = trace.schedule
     ranks = range(schedule.num_ranks)
     held = tuple(sum(layers[s] for s in schedule.stages_of(r)) for r in ranks)
@@ -176,9 +180,8 @@ def _pipeline(trace: Trace, layers: tuple[int, ...]) -> _Pipeline:
                      peak_activation_bytes=tuple(trace.peak_activation_bytes),
                      finish=tuple(_rank_finish(trace, r) for r in ranks), busy=tuple(trace.busy_time(r) for r in ranks),
                      waits=_exposed_waits(trace),
-                     layers_held=held, forward_layers=tuple(schedule.num_microbatches * n for n in held),
-                     recomputed_layers=tuple(_layers_run(schedule, r, ActionKind.RECOMPUTE, layers)
-                                             if _RECOMPUTE in schedule.columns.kinds[r] else 0 for r in ranks))
+                     layers_held=held, num_microbatches=schedule.num_microbatches,
+                     recomputed_layers=tuple(_recomputed_layers(schedule, r, layers) for r in ranks))
 
 
 _PIPELINES = 256
@@ -232,15 +235,18 @@ def _exposed_waits(trace: Trace) -> tuple[tuple[float, float], ...]:
     return tuple(zip(pp, bp))
 
 
-def _layers_run(schedule: Schedule, rank: int, kind: ActionKind, layers: tuple[int, ...]) -> int:
-    """Layer-micro-batches of the rank's ``kind`` actions (each runs all the layers of its stage)."""
-    cols, code = schedule.columns, kind.code
-    return sum(layers[s] for c, s in zip(cols.kinds[rank], cols.stages[rank]) if c == code)
+def _recomputed_layers(schedule: Schedule, rank: int, layers: tuple[int, ...]) -> int:
+    """Layer-micro-batches of the rank's recomputes (each runs all the layers of its stage)."""
+    cols = schedule.columns
+    kinds = cols.kinds[rank]
+    if _RECOMPUTE not in kinds:  # most schedules recompute nothing: one scan in C
+        return 0
+    return sum(layers[s] for c, s in zip(kinds, cols.stages[rank]) if c == _RECOMPUTE)
 
 
 def _breakdown(pipeline: _Pipeline, rank: int, lt: LayerTimes, dp_exposed: float, optimizer: float
                ) -> TimeBreakdown:
-    n_fwd, n_rec = pipeline.forward_layers[rank], pipeline.recomputed_layers[rank]
+    n_fwd, n_rec = pipeline.forward_layers(rank), pipeline.recomputed_layers[rank]
     busy = pipeline.busy[rank]
     tp = n_fwd * (lt.tp_forward + lt.tp_backward) + n_rec * lt.tp_forward
     recompute = n_rec * lt.forward + n_fwd * lt.selective_recompute
