@@ -57,19 +57,39 @@ def launch_local(config: TrainConfig, *, nproc: int, policy: FaultPolicy = Fault
         os.mkdir(status)
         with open(path, "w") as f:
             f.write(config.to_json())
-        procs = _start(path, status, nproc)
-        try:
-            codes, stopped = _supervise(procs, policy)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            procs = _start(path, status, nproc)
+            try:
+                codes, stopped = _supervise(procs, policy)
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+            if attempt == PORT_ATTEMPTS or all(c == 0 for c in codes) or not _lost_port(status, nproc):
+                break
+            print(f"evenpipe train: the rendezvous port was taken before rank 0 could listen on it (attempt "
+                  f"{attempt} of {PORT_ATTEMPTS}); starting again on another port", file=sys.stderr)
+            for name in os.listdir(status):
+                os.remove(os.path.join(status, name))
         if all(c == 0 for c in codes):
             return 0
         for line in _summary(codes, status, stopped=stopped):
             print(f"evenpipe train: {line}", file=sys.stderr)
         return 1
+
+
+PORT_ATTEMPTS = 3
+"""Starts of a job whose rendezvous port another process took between the launcher picking it and rank 0 binding
+it (the free port is found by binding port 0 and closing it, so another program, or a parallel job, can take it)."""
+
+
+def _lost_port(status_dir: str, nproc: int) -> bool:
+    """Whether the job failed only because rank 0 could not listen on the rendezvous port: its report names
+    EADDRINUSE, and no rank finished a step."""
+    report = _read(fault_path(status_dir, 0)) or ""
+    in_use = "EADDRINUSE" in report or "address already in use" in report.lower()
+    return in_use and all(_read(step_path(status_dir, r)) is None for r in range(nproc))
 
 
 def _start(config_path: str, status_dir: str, nproc: int) -> list[subprocess.Popen[bytes]]:

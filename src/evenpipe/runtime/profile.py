@@ -47,6 +47,7 @@ from evenpipe.cost.profile import (
     Profile,
     ProfileError,
 )
+from evenpipe.runtime.launch import PORT_ATTEMPTS
 from evenpipe.runtime.split_backward import backward_input, backward_weight
 
 __all__ = ["ProfileOptions", "profile_model", "measure_layers", "DTYPES"]
@@ -488,7 +489,18 @@ def _model_info(options: ProfileOptions) -> ModelInfo:
 
 
 def profile_model(options: ProfileOptions, *, show_progress: bool = True, timeout_s: float = 3600.0) -> Profile:
-    """Run the whole measurement in ``options.num_processes`` processes and return the profile."""
+    """Run the whole measurement in ``options.num_processes`` processes and return the profile (started again
+    on another port when the rendezvous port was taken before rank 0 could listen on it, as ``train`` does)."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _profile_once(options, show_progress=show_progress, timeout_s=timeout_s)
+        except ProfileError as e:
+            if attempt == PORT_ATTEMPTS or "EADDRINUSE" not in str(e):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _profile_once(options: ProfileOptions, *, show_progress: bool, timeout_s: float) -> Profile:
     world = options.num_processes
     if options.device == "cuda":
         world = 2 if torch.cuda.device_count() >= 2 and world >= 2 else 1

@@ -119,3 +119,24 @@ def test_three_processes_finish_and_the_pair_measures_the_transfer_cost() -> Non
     profile = profile_model(opts, show_progress=False, timeout_s=300)
     assert profile.machine.num_processes == 3
     assert 0 <= profile.transfer_cpu_s_per_byte < 1e-6
+
+
+def test_a_taken_rendezvous_port_profiles_again_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profiler's processes meet on a port found free by binding port 0; when another process takes it first,
+    rank 0 cannot listen (EADDRINUSE) and the profile starts again on another port instead of failing."""
+    import socket
+
+    import evenpipe.runtime.profile as prof
+    cfg = model_config("gpt-tiny")
+    opts = ProfileOptions(model_name="gpt-tiny", model_config=cfg, microbatch_sizes=(1,), repeats=1, warmup=0,
+                          num_processes=2, link_sizes=(4,))
+    free = prof._free_port
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        handed: list[int] = []
+        monkeypatch.setattr(prof, "_free_port", lambda: handed.append(
+            taken.getsockname()[1] if not handed else free()) or handed[-1])
+        profile = profile_model(opts, show_progress=False, timeout_s=300)
+    assert len(handed) == 2 and handed[0] != handed[1]
+    assert profile.machine.num_processes == 2
