@@ -29,12 +29,12 @@ def taken_port() -> Iterator[int]:
 
 def _first_port_taken(monkeypatch: pytest.MonkeyPatch, port: int) -> list[int]:
     handed: list[int] = []
-    free = launch._free_port
+    free = launch.free_port
 
     def pick() -> int:
         handed.append(port if not handed else free())
         return handed[-1]
-    monkeypatch.setattr(launch, "_free_port", pick)
+    monkeypatch.setattr(launch, "free_port", pick)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     return handed
@@ -51,7 +51,7 @@ def test_a_taken_port_starts_the_job_again(monkeypatch: pytest.MonkeyPatch, capf
 
 def test_every_port_taken_fails_after_the_last_attempt(monkeypatch: pytest.MonkeyPatch,
                                                        capfd: pytest.CaptureFixture[str], taken_port: int) -> None:
-    monkeypatch.setattr(launch, "_free_port", lambda: taken_port)
+    monkeypatch.setattr(launch, "free_port", lambda: taken_port)
     monkeypatch.setattr(launch, "PORT_ATTEMPTS", 2)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

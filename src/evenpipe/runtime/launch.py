@@ -42,7 +42,8 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A local TCP port that was free a moment ago (bound to port 0, then closed: another process may take it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -87,13 +88,17 @@ it (the free port is found by binding port 0 and closing it, so another program,
 def _lost_port(status_dir: str, nproc: int) -> bool:
     """Whether the job failed only because rank 0 could not listen on the rendezvous port: its report names
     EADDRINUSE, and no rank finished a step."""
-    report = _read(fault_path(status_dir, 0)) or ""
-    in_use = "EADDRINUSE" in report or "address already in use" in report.lower()
-    return in_use and all(_read(step_path(status_dir, r)) is None for r in range(nproc))
+    return port_was_taken(_read(fault_path(status_dir, 0)) or "") and \
+        all(_read(step_path(status_dir, r)) is None for r in range(nproc))
+
+
+def port_was_taken(error: str) -> bool:
+    """Whether an error text is a rendezvous store's failure to listen on a port that another process holds."""
+    return "EADDRINUSE" in error or "address already in use" in error.lower()
 
 
 def _start(config_path: str, status_dir: str, nproc: int) -> list[subprocess.Popen[bytes]]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),

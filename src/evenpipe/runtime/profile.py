@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -47,7 +46,7 @@ from evenpipe.cost.profile import (
     Profile,
     ProfileError,
 )
-from evenpipe.runtime.launch import PORT_ATTEMPTS
+from evenpipe.runtime.launch import PORT_ATTEMPTS, free_port, port_was_taken
 from evenpipe.runtime.split_backward import backward_input, backward_weight
 
 __all__ = ["ProfileOptions", "profile_model", "measure_layers", "DTYPES"]
@@ -414,12 +413,6 @@ def _broadcast_time(repeats: int, device: torch.device) -> float:
 
 # ---- processes ------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker(rank: int, world: int, port: int, options: ProfileOptions, show: bool, queue: Any) -> None:
     try:
         torch.set_num_threads(1 if options.device == "cpu" else torch.get_num_threads())
@@ -495,7 +488,7 @@ def profile_model(options: ProfileOptions, *, show_progress: bool = True, timeou
         try:
             return _profile_once(options, show_progress=show_progress, timeout_s=timeout_s)
         except ProfileError as e:
-            if attempt == PORT_ATTEMPTS or "EADDRINUSE" not in str(e):
+            if attempt == PORT_ATTEMPTS or not port_was_taken(str(e)):
                 raise
     raise AssertionError("unreachable")
 
@@ -506,7 +499,7 @@ def _profile_once(options: ProfileOptions, *, show_progress: bool, timeout_s: fl
         world = 2 if torch.cuda.device_count() >= 2 and world >= 2 else 1
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     env_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1" if options.device == "cpu" else (env_threads or "")
     procs = [ctx.Process(target=_worker, args=(r, world, port, options, show_progress, queue), daemon=True)

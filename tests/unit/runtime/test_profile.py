@@ -130,12 +130,12 @@ def test_a_taken_rendezvous_port_profiles_again_on_another(monkeypatch: pytest.M
     cfg = model_config("gpt-tiny")
     opts = ProfileOptions(model_name="gpt-tiny", model_config=cfg, microbatch_sizes=(1,), repeats=1, warmup=0,
                           num_processes=2, link_sizes=(4,))
-    free = prof._free_port
+    free = prof.free_port
     with socket.socket() as taken:
         taken.bind(("", 0))
         taken.listen()
         handed: list[int] = []
-        monkeypatch.setattr(prof, "_free_port", lambda: handed.append(
+        monkeypatch.setattr(prof, "free_port", lambda: handed.append(
             taken.getsockname()[1] if not handed else free()) or handed[-1])
         profile = profile_model(opts, show_progress=False, timeout_s=300)
     assert len(handed) == 2 and handed[0] != handed[1]
