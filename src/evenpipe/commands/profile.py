@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per mean (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
+    p.add_argument("--block-chain", type=int, default=4, metavar="N",
+                   help="distinct blocks timed one after another for a block's times, as a stage runs them "
+                        "(default 4, at most the model's blocks)")
     p.add_argument("--processes", type=int, default=2,
                    help="processes measuring at once on CPU, one per pipeline rank you will train with (default 2)")
     p.add_argument("--predict-sizes", default=None, metavar="B,B,..",
@@ -76,6 +79,7 @@ def fit_report(profile: Profile, predict_sizes: tuple[int, ...] = ()) -> str:
     lines = [f"profile of {profile.model.name} on {profile.machine.device_name} ({profile.machine.device}, "
              f"{profile.machine.dtype}, {profile.machine.num_threads} thread(s) x {profile.machine.num_processes} "
              f"process(es), torch {profile.machine.torch_version})",
+             f"blocks timed {profile.block_chain} in a row, per block; "
              f"fit: each quantity = {' + '.join(model.features)} terms, least squares over the profiled sizes", ""]
     quantities = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "recompute_s", "saved_bytes",
                   "input_saved_bytes", "output_bytes", "weight_grad_bytes")
@@ -95,7 +99,7 @@ def fit_report(profile: Profile, predict_sizes: tuple[int, ...] = ()) -> str:
                 f"{_fmt(getattr(model.predict(kind, b), q), q):>15s}" for b in extra)
             lines.append(row)
     opt = ", ".join(f"{k.value} {v * 1e3:.2f} ms" for k, v in profile.optimizer_s.items())
-    lines += ["", f"optimizer step (AdamW) per layer: {opt}"]
+    lines += ["", f"after the schedule (gradient norm and AdamW) per layer: {opt}"]
     link = link_from_profile(profile)
     if profile.link:
         bw = link.bandwidth_bytes_per_s
@@ -142,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         name, cfg = _model_config(args, seq_lens)
         options = ProfileOptions(model_name=name, model_config=cfg, hf_config=args.hf_config,
                                  microbatch_sizes=sizes, seq_lens=seq_lens, dtype=args.dtype, device=args.device,
-                                 repeats=args.repeats, warmup=args.warmup, num_processes=args.processes)
+                                 repeats=args.repeats, warmup=args.warmup, num_processes=args.processes,
+                                 block_chain=args.block_chain)
         out = pathlib.Path(args.out)
         _check_writable(out)  # before minutes of measuring, not after
         profile = profile_model(options, show_progress=not args.no_progress and sys.stderr.isatty())

@@ -179,7 +179,8 @@ class Profile:
     layers: Mapping[LayerKind, tuple[LayerSample, ...]]
     """Per layer kind, one sample per profiled size (ascending micro-batch size)."""
     optimizer_s: Mapping[LayerKind, float]
-    """AdamW step seconds for one layer's parameters, per kind."""
+    """Seconds per layer, per kind, that training spends on a layer's gradients after the schedule: the AdamW
+    step (and, in profiles with ``block_chain`` above 1, the gradient norm training reports)."""
     link: tuple[LinkSample, ...] = ()
     """Point-to-point message times, ascending size (empty when not measured)."""
     step_overhead_s: float = 0.0
@@ -191,6 +192,9 @@ class Profile:
     """Timed repeats per mean."""
     warmup: int = 0
     """Untimed warm-up runs before timing."""
+    block_chain: int = 1
+    """Distinct blocks timed in a row for the block times (1: one block timed alone, as profiles before this
+    field were)."""
 
     def __post_init__(self) -> None:
         missing = [k.value for k in LayerKind if not self.layers.get(k)]
@@ -214,7 +218,7 @@ class Profile:
             "optimizer_s": {k.value: v for k, v in self.optimizer_s.items()},
             "link": [asdict(s) for s in self.link], "step_overhead_s": self.step_overhead_s,
             "transfer_cpu_s_per_byte": self.transfer_cpu_s_per_byte,
-            "repeats": self.repeats, "warmup": self.warmup,
+            "repeats": self.repeats, "warmup": self.warmup, "block_chain": self.block_chain,
         }
 
     def to_json(self) -> str:
@@ -240,7 +244,7 @@ class Profile:
                        transfer_cpu_s_per_byte=_non_negative(doc.get("transfer_cpu_s_per_byte", 0.0),
                                                              "transfer_cpu_s_per_byte"),
                        repeats=int(doc.get("repeats", 0)),
-                       warmup=int(doc.get("warmup", 0)))
+                       warmup=int(doc.get("warmup", 0)), block_chain=int(doc.get("block_chain", 1)))
         except ProfileError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:

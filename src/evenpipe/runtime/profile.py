@@ -1,12 +1,17 @@
 """Measure a model on this machine: per-layer times and bytes, the optimizer step, point-to-point messages.
 
-Each layer kind (embedding, one transformer block, the head with its loss) is run the way the pipeline executor
+Each layer kind (embedding, transformer blocks, the head with its loss) is run the way the pipeline executor
 runs a stage: its forward inside the activation stash's capture (the stash's hooks cost time, and they are what
 counts the saved bytes), the full backward through the autograd engine, the zero-bubble split with the
 executor's own :func:`~evenpipe.runtime.split_backward.backward_input` / ``backward_weight``, and a recompute
-(another forward with graph). Every time is the mean of ``repeats`` runs after ``warmup`` untimed ones (a training
-step adds up many actions, so their mean, slow outliers included, is what predicts it; the median was 5-12% below
-the mean of the same actions in training on a CPU host), taken in rounds that run every kind at every size once (a
+(another forward with graph). Blocks are timed as a stage runs them: ``block_chain`` distinct blocks of the model
+one after another, the time divided by their number (one block timed again and again keeps its weights in the
+CPU's caches, which a stage of several blocks does not: on a 2-core Xeon one gpt-mini block alone ran its forward
+10% and its backward 13% faster than each of four in a row), and gradients accumulate from run to run as over a
+step's micro-batches instead of being allocated afresh; the byte counts are one block's. Every time is the mean
+of ``repeats`` runs after ``warmup`` untimed ones (a training step adds up many actions, so their mean, slow
+outliers included, is what predicts it; the median was 5-12% below the mean of the same actions in training on a
+CPU host), taken in rounds that run every kind at every size once (a
 slow spell of a shared host then lands on all sizes alike rather than on one, where it would bend the fit); on CUDA
 with CUDA events, on CPU with ``time.perf_counter`` and one thread per process, as training uses.
 
@@ -87,6 +92,9 @@ class ProfileOptions:
     """Ping-pong message sizes in bytes."""
     seed: int = 0
     """Model init and input seed."""
+    block_chain: int = 4
+    """Distinct blocks timed one after another for a block's times (at most the model's blocks): a stage runs
+    several, and their weights do not all stay in cache as one block's do."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -101,6 +109,8 @@ class ProfileOptions:
             raise ProfileError(f"--repeats must be >= 1 and --warmup >= 0, got {self.repeats}, {self.warmup}")
         if self.num_processes < 1:
             raise ProfileError(f"--processes must be >= 1, got {self.num_processes}")
+        if self.block_chain < 1:
+            raise ProfileError(f"--block-chain must be >= 1, got {self.block_chain}")
         too_long = [s for s in self.seq_lens if s < 1 or s > self.model_config.seq_len]
         if too_long:
             raise ProfileError(f"--seq-len {too_long[0]} must be between 1 and the model's {self.model_config.seq_len}")
@@ -185,12 +195,27 @@ def _block_flops(block: nn.Module, cfg: Any, b: int, s: int) -> float:
     return 2.0 * _matrix_params(block) * b * s + 4.0 * b * s * s * cfg.hidden
 
 
-class _LayerBench:
-    """Runs one layer kind like the executor runs a stage, and measures it."""
+class _Chain(nn.Module):
+    """Blocks run one after another, as a stage runs its blocks."""
 
-    def __init__(self, kind: LayerKind, module: nn.Module, *, device: torch.device, timer: _Timer) -> None:
+    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _LayerBench:
+    """Runs one layer kind like the executor runs a stage, and measures it: ``count`` layers of the kind in a row
+    (times are per layer), gradients accumulating from run to run as they do over a step's micro-batches."""
+
+    def __init__(self, kind: LayerKind, module: nn.Module, *, device: torch.device, timer: _Timer,
+                 count: int = 1) -> None:
         from evenpipe.runtime.stash import ActivationStash
-        self.kind, self.module, self.device, self.timer = kind, module, device, timer
+        self.kind, self.module, self.device, self.timer, self.count = kind, module, device, timer, count
         self.stash = ActivationStash([module])
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.key = 0
@@ -213,8 +238,6 @@ class _LayerBench:
         if hold and x.is_floating_point():
             self.stash.release(key, x)
         self.stash.release_all_of(key)
-        for p in self.params:
-            p.grad = None
 
     def _grad_of(self, out: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
@@ -242,8 +265,9 @@ class _LayerBench:
         t_w, _ = self.timer.time(lambda: backward_weight(state, self.params))
         state = None  # drop the I -> W hand-off before the next run
         self._done(key, x, True)
-        return {"forward_s": t_f, "backward_s": t_b, "recompute_s": t_r, "backward_input_s": t_i,
-                "backward_weight_s": t_w}
+        n = self.count
+        return {"forward_s": t_f / n, "backward_s": t_b / n, "recompute_s": t_r / n, "backward_input_s": t_i / n,
+                "backward_weight_s": t_w / n}
 
     def _bytes(self, x: torch.Tensor, out: torch.Tensor, extra: Sequence[torch.Tensor],
                held_key: tuple) -> dict[str, float]:
@@ -265,7 +289,8 @@ def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None
                    sync: Callable[[], None] = lambda: None) -> dict[LayerKind, list[LayerSample]]:
     """Samples of every layer kind at every (micro-batch size, sequence length): ``warmup + repeats`` rounds,
     each running every kind at every size once, so a slow spell of the host spreads over all of them instead of
-    bending the fit; ``sync`` before every timed run (a barrier of the processes measuring together)."""
+    bending the fit; ``sync`` before every timed run (a barrier of the processes measuring together). Blocks are
+    timed ``block_chain`` in a row; their byte counts come from one block, in a run before the rounds."""
     cfg = options.model_config
     device = torch.device(options.device)
     dtype = DTYPES[options.dtype]
@@ -273,9 +298,12 @@ def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None
     built = _build(options, device, dtype)
     parts = built.parts
     timer = _Timer(device)
+    chain = list(parts.blocks)[:options.block_chain]
     benches = {LayerKind.EMBEDDING: _LayerBench(LayerKind.EMBEDDING, parts.first, device=device, timer=timer),
-               LayerKind.BLOCK: _LayerBench(LayerKind.BLOCK, parts.blocks[0], device=device, timer=timer),
+               LayerKind.BLOCK: _LayerBench(LayerKind.BLOCK, _Chain(chain), device=device, timer=timer,
+                                            count=len(chain)),
                LayerKind.HEAD: _LayerBench(LayerKind.HEAD, _Head(parts.last, built.loss), device=device, timer=timer)}
+    one_block = _LayerBench(LayerKind.BLOCK, parts.blocks[0], device=device, timer=timer)
     cases = []  # (kind, b, s, input, extra inputs, byte counts, timed runs)
     for s in options.seq_lens or (cfg.seq_len,):
         for b in options.microbatch_sizes:
@@ -285,7 +313,10 @@ def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None
             for kind in benches:
                 x, extra = (tokens, ()) if kind is LayerKind.EMBEDDING else \
                     (hidden, (tokens,) if kind is LayerKind.HEAD else ())
-                cases.append((kind, b, s, x, extra, {}, {q: [] for q in TIME_FIELDS}))
+                sizes: dict[str, float] = {}
+                if kind is LayerKind.BLOCK:
+                    one_block.once(x, extra, sizes)
+                cases.append((kind, b, s, x, extra, sizes, {q: [] for q in TIME_FIELDS}))
     rounds = options.warmup + options.repeats
     for i in range(rounds):
         for kind, b, s, x, extra, sizes, times in cases:
@@ -307,23 +338,33 @@ def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None
 
 def _optimizer_times(options: ProfileOptions, *, repeats: int,
                      sync: Callable[[], None] = lambda: None) -> dict[LayerKind, float]:
-    """Mean AdamW step seconds over one layer's parameters, per kind (gradients present, as in training)."""
+    """Mean seconds per layer, per kind, of what training runs on a layer's gradients after the schedule: the
+    gradient norm it reports (each gradient's float64 norm, as ``global_grad_norm`` sums them) and the AdamW step
+    (gradients present). Blocks are timed ``block_chain`` at once, as a stage's optimizer steps them together."""
     device, dtype = torch.device(options.device), DTYPES[options.dtype]
     parts = _build(options, device, dtype).parts
     timer = _Timer(device)
     out = {}
-    for kind, module in ((LayerKind.EMBEDDING, parts.first), (LayerKind.BLOCK, parts.blocks[0]),
-                         (LayerKind.HEAD, parts.last)):
-        params = list(module.parameters())
+    chain = list(parts.blocks)[:options.block_chain]
+    for kind, modules in ((LayerKind.EMBEDDING, [parts.first]), (LayerKind.BLOCK, chain),
+                          (LayerKind.HEAD, [parts.last])):
+        params = [p for m in modules for p in m.parameters()]
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
         opt = torch.optim.AdamW(params, lr=1e-4)
+
+        def tail() -> float:
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            for p in params:
+                total += torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2
+            opt.step()
+            return float(total)
+
         ts = []
         for _ in range(repeats + 2):
             sync()
-            ts.append(timer.time(opt.step)[0])
-        ts = ts[2:]
-        out[kind] = statistics.fmean(ts)
+            ts.append(timer.time(tail)[0])
+        out[kind] = statistics.fmean(ts[2:]) / len(modules)
     return out
 
 
@@ -535,7 +576,8 @@ def _profile_once(options: ProfileOptions, *, show_progress: bool, timeout_s: fl
                    layers=_merge_layers([r[0] for r in measured]),
                    optimizer_s={k: statistics.median(r[1][k] for r in measured) for k in opt}, link=tuple(link),
                    step_overhead_s=overhead, transfer_cpu_s_per_byte=statistics.mean(pair) if world > 1 else 0.0,
-                   repeats=options.repeats, warmup=options.warmup)
+                   repeats=options.repeats, warmup=options.warmup,
+                   block_chain=min(options.block_chain, options.model_config.num_layers))
 
 
 def _merge_layers(per_process: list[dict[LayerKind, list[LayerSample]]]) -> dict[LayerKind, tuple[LayerSample, ...]]:

@@ -40,6 +40,14 @@ def test_profile_round_trips_json() -> None:
     assert Profile.from_json(p.to_json()) == p
 
 
+def test_block_chain_round_trips_and_older_profiles_read_as_one_block() -> None:
+    p = dataclasses.replace(make_profile(), block_chain=4)
+    assert Profile.from_json(p.to_json()).block_chain == 4
+    doc = p.to_dict()
+    del doc["block_chain"]
+    assert Profile.from_dict(doc).block_chain == 1
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d.update(version=PROFILE_VERSION + 1), "schema version"),
     (lambda d: d.update(format="something"), "not an evenpipe profile"),

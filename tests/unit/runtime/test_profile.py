@@ -10,7 +10,7 @@ import pathlib
 import pytest
 import torch
 
-from evenpipe.cost.profile import LayerKind, Profile
+from evenpipe.cost.profile import LayerKind, Profile, ProfileError
 from evenpipe.cost.profile_fit import ProfileModel, link_from_profile
 from evenpipe.models import model_config
 from evenpipe.runtime.profile import ProfileOptions, measure_layers, profile_model
@@ -93,6 +93,49 @@ def test_times_are_positive_and_block_flops_counted(measured: tuple[str, Profile
         assert s.forward_s > 0 and s.backward_s > 0 and s.backward_input_s > 0 and s.backward_weight_s > 0
         assert s.forward_flops > 0
     assert all(p.predicted_flops_per_s > 0 for p in model.efficiency([1, 2, 3, 4]))
+
+
+def test_block_bytes_are_one_blocks_whatever_the_chain() -> None:
+    """Blocks are timed several in a row, but their byte counts stay one block's."""
+    torch.set_num_threads(1)
+    cfg = model_config("gpt-tiny")
+    bytes_of = {}
+    for chain in (1, 3):
+        opts = ProfileOptions(model_name="gpt-tiny", model_config=cfg, microbatch_sizes=(1, 2), repeats=1,
+                              warmup=0, num_processes=1, block_chain=chain)
+        bytes_of[chain] = [(s.saved_bytes, s.input_saved_bytes, s.output_bytes, s.weight_grad_bytes)
+                           for s in measure_layers(opts)[LayerKind.BLOCK]]
+    assert bytes_of[1] == bytes_of[3] and all(v[0] > 0 for v in bytes_of[1])
+
+
+def test_a_chain_runs_every_block_in_it_and_times_per_block() -> None:
+    """The chain's times are divided by its length, and every block in it runs forward and backward (its
+    gradients accumulate from run to run, as over a step's micro-batches)."""
+    from evenpipe.models.adapter import reference_model
+    from evenpipe.runtime.profile import _Chain, _LayerBench
+
+    class FixedTimer:
+        def time(self, fn):
+            return 1.0, fn()
+
+    cfg = model_config("gpt-tiny")
+    blocks = list(reference_model(cfg, seed=0).parts.blocks)[:2]
+    bench = _LayerBench(LayerKind.BLOCK, _Chain(blocks), device=torch.device("cpu"), timer=FixedTimer(), count=2)
+    x = torch.randn(1, cfg.seq_len, cfg.hidden)
+    times = bench.once(x, (), {})
+    assert set(times.values()) == {0.5}
+    first = [p.grad.clone() for p in blocks[1].parameters()]
+    bench.once(x, (), {"weight_grad_bytes": 0.0, "saved_bytes": 0.0})
+    assert all(p.grad is not None and not torch.equal(p.grad, g) for p, g in zip(blocks[1].parameters(), first))
+
+
+def test_a_chain_longer_than_the_model_is_capped_and_a_bad_one_refused() -> None:
+    cfg = model_config("gpt-tiny")
+    with pytest.raises(ProfileError, match="--block-chain must be >= 1, got 0"):
+        ProfileOptions(model_name="gpt-tiny", model_config=cfg, block_chain=0)
+    opts = ProfileOptions(model_name="gpt-tiny", model_config=cfg, microbatch_sizes=(1,), repeats=1, warmup=0,
+                          num_processes=1, block_chain=cfg.num_layers + 5, link_sizes=(4,))
+    assert profile_model(opts, show_progress=False, timeout_s=300).block_chain == cfg.num_layers
 
 
 def test_two_processes_measure_the_link() -> None:
