@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from evenpipe.runtime.launch import hosted_rendezvous
+
 RankFn = Callable[[int, int], list[str]]
 
 RAN = "ran: "
@@ -64,10 +66,15 @@ def _entry(rank: int, world: int, port: int, fn: RankFn, out: Any, pg_timeout_s:
 
 
 def run_world(world: int, fn: RankFn, *, timeout_s: float = 240.0, pg_timeout_s: float = 60.0) -> dict[int, list[str]]:
-    """Run ``fn(rank, world)`` on ``world`` spawned processes; returns each rank's failures."""
+    """Run ``fn(rank, world)`` on ``world`` spawned processes; returns each rank's failures. Their rendezvous
+    store is hosted by this process, as ``evenpipe train``'s launcher hosts its workers'."""
+    with hosted_rendezvous(world) as port:
+        return _run_world(world, fn, port, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
+
+
+def _run_world(world: int, fn: RankFn, port: int, *, timeout_s: float, pg_timeout_s: float) -> dict[int, list[str]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, out, pg_timeout_s), daemon=True)
              for r in range(world)]
     for p in procs:

@@ -6,18 +6,25 @@ notice and report by themselves (their waits time out or see the closed connecti
 SIGTERM (a worker answers by reporting what it was blocked on) and, ``kill_after_s`` later, SIGKILL -- a stopped
 (SIGSTOP) process ignores SIGTERM, so without that escalation a hung rank would hold the job. stderr ends with one
 line per failed rank, in rank order (see :mod:`evenpipe.training.fault`).
+
+Rendezvous. As torchrun's agent does, the launcher itself hosts the workers' rendezvous store, on a port the
+kernel picks when the store binds it (:func:`hosted_rendezvous`), and every worker, rank 0 included, joins it as a
+client. No other process can take the port between its choice and its use, which it could when rank 0 listened on
+a port the launcher had found free a moment before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 from evenpipe.training.config import TrainConfig
 from evenpipe.training.fault import fault_path, step_path
@@ -42,11 +49,31 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def free_port() -> int:
-    """A local TCP port that was free a moment ago (bound to port 0, then closed: another process may take it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+"""torch's switch (read by its ``env://`` and ``tcp://`` rendezvous) that makes every rank a client of a store
+hosted elsewhere."""
+
+
+@contextlib.contextmanager
+def hosted_rendezvous(world_size: int) -> Iterator[int]:
+    """Host a rendezvous store for ``world_size`` workers in this process while the block runs; yields its port.
+
+    The store binds a port the kernel picks and keeps it; while the block runs, this process's environment sets
+    :data:`AGENT_STORE_ENV`, so the workers started inside (which inherit it) join the store as clients instead
+    of rank 0 listening on the port itself. The environment is restored afterwards."""
+    import torch.distributed as dist
+    store: Any = dist.TCPStore("127.0.0.1", 0, world_size=world_size, is_master=True, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=600))
+    before = os.environ.get(AGENT_STORE_ENV)
+    os.environ[AGENT_STORE_ENV] = "True"
+    try:
+        yield int(store.port)
+    finally:
+        if before is None:
+            os.environ.pop(AGENT_STORE_ENV, None)
+        else:
+            os.environ[AGENT_STORE_ENV] = before
+        del store
 
 
 def launch_local(config: TrainConfig, *, nproc: int, policy: FaultPolicy = FaultPolicy()) -> int:
@@ -58,8 +85,8 @@ def launch_local(config: TrainConfig, *, nproc: int, policy: FaultPolicy = Fault
         os.mkdir(status)
         with open(path, "w") as f:
             f.write(config.to_json())
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            procs = _start(path, status, nproc)
+        with hosted_rendezvous(nproc) as port:
+            procs = _start(path, status, nproc, port)
             try:
                 codes, stopped = _supervise(procs, policy)
             finally:
@@ -67,12 +94,6 @@ def launch_local(config: TrainConfig, *, nproc: int, policy: FaultPolicy = Fault
                     if p.poll() is None:
                         p.kill()
                         p.wait()
-            if attempt == PORT_ATTEMPTS or all(c == 0 for c in codes) or not _lost_port(status, nproc):
-                break
-            print(f"evenpipe train: the rendezvous port was taken before rank 0 could listen on it (attempt "
-                  f"{attempt} of {PORT_ATTEMPTS}); starting again on another port", file=sys.stderr)
-            for name in os.listdir(status):
-                os.remove(os.path.join(status, name))
         if all(c == 0 for c in codes):
             return 0
         for line in _summary(codes, status, stopped=stopped):
@@ -80,25 +101,8 @@ def launch_local(config: TrainConfig, *, nproc: int, policy: FaultPolicy = Fault
         return 1
 
 
-PORT_ATTEMPTS = 3
-"""Starts of a job whose rendezvous port another process took between the launcher picking it and rank 0 binding
-it (the free port is found by binding port 0 and closing it, so another program, or a parallel job, can take it)."""
-
-
-def _lost_port(status_dir: str, nproc: int) -> bool:
-    """Whether the job failed only because rank 0 could not listen on the rendezvous port: its report names
-    EADDRINUSE, and no rank finished a step."""
-    return port_was_taken(_read(fault_path(status_dir, 0)) or "") and \
-        all(_read(step_path(status_dir, r)) is None for r in range(nproc))
-
-
-def port_was_taken(error: str) -> bool:
-    """Whether an error text is a rendezvous store's failure to listen on a port that another process holds."""
-    return "EADDRINUSE" in error or "address already in use" in error.lower()
-
-
-def _start(config_path: str, status_dir: str, nproc: int) -> list[subprocess.Popen[bytes]]:
-    port = free_port()
+def _start(config_path: str, status_dir: str, nproc: int, port: int) -> list[subprocess.Popen[bytes]]:
+    """Start the workers, joining the rendezvous store on ``port`` (see :func:`hosted_rendezvous`)."""
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),

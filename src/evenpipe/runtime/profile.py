@@ -51,7 +51,7 @@ from evenpipe.cost.profile import (
     Profile,
     ProfileError,
 )
-from evenpipe.runtime.launch import PORT_ATTEMPTS, free_port, port_was_taken
+from evenpipe.runtime.launch import hosted_rendezvous
 from evenpipe.runtime.split_backward import backward_input, backward_weight
 
 __all__ = ["ProfileOptions", "profile_model", "measure_layers", "DTYPES"]
@@ -523,24 +523,19 @@ def _model_info(options: ProfileOptions) -> ModelInfo:
 
 
 def profile_model(options: ProfileOptions, *, show_progress: bool = True, timeout_s: float = 3600.0) -> Profile:
-    """Run the whole measurement in ``options.num_processes`` processes and return the profile (started again
-    on another port when the rendezvous port was taken before rank 0 could listen on it, as ``train`` does)."""
-    for attempt in range(1, PORT_ATTEMPTS + 1):
-        try:
-            return _profile_once(options, show_progress=show_progress, timeout_s=timeout_s)
-        except ProfileError as e:
-            if attempt == PORT_ATTEMPTS or not port_was_taken(str(e)):
-                raise
-    raise AssertionError("unreachable")
-
-
-def _profile_once(options: ProfileOptions, *, show_progress: bool, timeout_s: float) -> Profile:
+    """Run the whole measurement in ``options.num_processes`` processes and return the profile (their rendezvous
+    store hosted by this process, as ``train``'s launcher hosts its workers')."""
     world = options.num_processes
     if options.device == "cuda":
         world = 2 if torch.cuda.device_count() >= 2 and world >= 2 else 1
+    with hosted_rendezvous(world) as port:
+        return _profile_in(options, world, port, show_progress=show_progress, timeout_s=timeout_s)
+
+
+def _profile_in(options: ProfileOptions, world: int, port: int, *, show_progress: bool,
+                timeout_s: float) -> Profile:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
     env_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1" if options.device == "cpu" else (env_threads or "")
     procs = [ctx.Process(target=_worker, args=(r, world, port, options, show_progress, queue), daemon=True)

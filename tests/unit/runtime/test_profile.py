@@ -164,22 +164,29 @@ def test_three_processes_finish_and_the_pair_measures_the_transfer_cost() -> Non
     assert 0 <= profile.transfer_cpu_s_per_byte < 1e-6
 
 
-def test_a_taken_rendezvous_port_profiles_again_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The profiler's processes meet on a port found free by binding port 0; when another process takes it first,
-    rank 0 cannot listen (EADDRINUSE) and the profile starts again on another port instead of failing."""
+def test_the_profilers_processes_meet_on_a_store_this_process_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rendezvous store lives in the profiling process on a port it holds throughout (no other process can
+    take it between its choice and its use), and the environment is restored afterwards."""
+    import contextlib
+    import os
     import socket
 
+    import evenpipe.runtime.launch as launch
     import evenpipe.runtime.profile as prof
     cfg = model_config("gpt-tiny")
     opts = ProfileOptions(model_name="gpt-tiny", model_config=cfg, microbatch_sizes=(1,), repeats=1, warmup=0,
                           num_processes=2, link_sizes=(4,))
-    free = prof.free_port
-    with socket.socket() as taken:
-        taken.bind(("", 0))
-        taken.listen()
-        handed: list[int] = []
-        monkeypatch.setattr(prof, "free_port", lambda: handed.append(
-            taken.getsockname()[1] if not handed else free()) or handed[-1])
-        profile = profile_model(opts, show_progress=False, timeout_s=300)
-    assert len(handed) == 2 and handed[0] != handed[1]
-    assert profile.machine.num_processes == 2
+    ports: list[int] = []
+
+    @contextlib.contextmanager
+    def recorded(world_size: int):  # type: ignore[no-untyped-def]
+        with launch.hosted_rendezvous(world_size) as port:
+            with socket.socket() as s:
+                assert s.connect_ex(("127.0.0.1", port)) == 0
+            ports.append(port)
+            yield port
+
+    monkeypatch.setattr(prof, "hosted_rendezvous", recorded)
+    profile = profile_model(opts, show_progress=False, timeout_s=300)
+    assert len(ports) == 1 and profile.machine.num_processes == 2
+    assert launch.AGENT_STORE_ENV not in os.environ
