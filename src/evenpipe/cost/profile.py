@@ -179,8 +179,8 @@ class Profile:
     layers: Mapping[LayerKind, tuple[LayerSample, ...]]
     """Per layer kind, one sample per profiled size (ascending micro-batch size)."""
     optimizer_s: Mapping[LayerKind, float]
-    """Seconds per layer, per kind, that training spends on a layer's gradients after the schedule: the AdamW
-    step (and, in profiles with ``block_chain`` above 1, the gradient norm training reports)."""
+    """Seconds per layer, per kind, that training spends on a layer's gradients after the schedule: the gradient
+    norm it reports and the AdamW step (profiles without a ``block_chain`` field timed the AdamW step alone)."""
     link: tuple[LinkSample, ...] = ()
     """Point-to-point message times, ascending size (empty when not measured)."""
     step_overhead_s: float = 0.0

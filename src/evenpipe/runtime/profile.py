@@ -53,6 +53,7 @@ from evenpipe.cost.profile import (
 )
 from evenpipe.runtime.launch import hosted_rendezvous
 from evenpipe.runtime.split_backward import backward_input, backward_weight
+from evenpipe.runtime.stages import StageModule
 
 __all__ = ["ProfileOptions", "profile_model", "measure_layers", "DTYPES"]
 
@@ -111,6 +112,11 @@ class ProfileOptions:
             raise ProfileError(f"--processes must be >= 1, got {self.num_processes}")
         if self.block_chain < 1:
             raise ProfileError(f"--block-chain must be >= 1, got {self.block_chain}")
+
+    @property
+    def chain_length(self) -> int:
+        """Blocks actually timed in a row: ``block_chain``, at most the model's blocks."""
+        return min(self.block_chain, self.model_config.num_layers)
         too_long = [s for s in self.seq_lens if s < 1 or s > self.model_config.seq_len]
         if too_long:
             raise ProfileError(f"--seq-len {too_long[0]} must be between 1 and the model's {self.model_config.seq_len}")
@@ -195,17 +201,9 @@ def _block_flops(block: nn.Module, cfg: Any, b: int, s: int) -> float:
     return 2.0 * _matrix_params(block) * b * s + 4.0 * b * s * s * cfg.hidden
 
 
-class _Chain(nn.Module):
-    """Blocks run one after another, as a stage runs its blocks."""
-
-    def __init__(self, blocks: Sequence[nn.Module]) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
+def _blocks_as_stage(blocks: Sequence[nn.Module]) -> StageModule:
+    """The executor's own stage module holding just ``blocks`` (a middle stage: no embedding, no head)."""
+    return StageModule(stage=1, num_stages=3, layers=range(len(blocks)), blocks=blocks, first=None, last=None)
 
 
 class _LayerBench:
@@ -298,9 +296,9 @@ def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None
     built = _build(options, device, dtype)
     parts = built.parts
     timer = _Timer(device)
-    chain = list(parts.blocks)[:options.block_chain]
+    chain = list(parts.blocks)[:options.chain_length]
     benches = {LayerKind.EMBEDDING: _LayerBench(LayerKind.EMBEDDING, parts.first, device=device, timer=timer),
-               LayerKind.BLOCK: _LayerBench(LayerKind.BLOCK, _Chain(chain), device=device, timer=timer,
+               LayerKind.BLOCK: _LayerBench(LayerKind.BLOCK, _blocks_as_stage(chain), device=device, timer=timer,
                                             count=len(chain)),
                LayerKind.HEAD: _LayerBench(LayerKind.HEAD, _Head(parts.last, built.loss), device=device, timer=timer)}
     one_block = _LayerBench(LayerKind.BLOCK, parts.blocks[0], device=device, timer=timer)
@@ -345,7 +343,7 @@ def _optimizer_times(options: ProfileOptions, *, repeats: int,
     parts = _build(options, device, dtype).parts
     timer = _Timer(device)
     out = {}
-    chain = list(parts.blocks)[:options.block_chain]
+    chain = list(parts.blocks)[:options.chain_length]
     for kind, modules in ((LayerKind.EMBEDDING, [parts.first]), (LayerKind.BLOCK, chain),
                           (LayerKind.HEAD, [parts.last])):
         params = [p for m in modules for p in m.parameters()]
@@ -572,7 +570,7 @@ def _profile_in(options: ProfileOptions, world: int, port: int, *, show_progress
                    optimizer_s={k: statistics.median(r[1][k] for r in measured) for k in opt}, link=tuple(link),
                    step_overhead_s=overhead, transfer_cpu_s_per_byte=statistics.mean(pair) if world > 1 else 0.0,
                    repeats=options.repeats, warmup=options.warmup,
-                   block_chain=min(options.block_chain, options.model_config.num_layers))
+                   block_chain=options.chain_length)
 
 
 def _merge_layers(per_process: list[dict[LayerKind, list[LayerSample]]]) -> dict[LayerKind, tuple[LayerSample, ...]]:

@@ -112,7 +112,7 @@ def test_a_chain_runs_every_block_in_it_and_times_per_block() -> None:
     """The chain's times are divided by its length, and every block in it runs forward and backward (its
     gradients accumulate from run to run, as over a step's micro-batches)."""
     from evenpipe.models.adapter import reference_model
-    from evenpipe.runtime.profile import _Chain, _LayerBench
+    from evenpipe.runtime.profile import _LayerBench, _blocks_as_stage
 
     class FixedTimer:
         def time(self, fn):
@@ -120,7 +120,8 @@ def test_a_chain_runs_every_block_in_it_and_times_per_block() -> None:
 
     cfg = model_config("gpt-tiny")
     blocks = list(reference_model(cfg, seed=0).parts.blocks)[:2]
-    bench = _LayerBench(LayerKind.BLOCK, _Chain(blocks), device=torch.device("cpu"), timer=FixedTimer(), count=2)
+    bench = _LayerBench(LayerKind.BLOCK, _blocks_as_stage(blocks), device=torch.device("cpu"), timer=FixedTimer(),
+                        count=2)
     x = torch.randn(1, cfg.seq_len, cfg.hidden)
     times = bench.once(x, (), {})
     assert set(times.values()) == {0.5}
