@@ -12,6 +12,7 @@ import pathlib
 import tempfile
 import traceback
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -302,7 +303,35 @@ def measured_trace_check() -> list[str]:
     late = [rec for acts in trace.actions for rec in acts if rec.end < rec.start]
     if late:
         out.append(f"measured trace: transfer action ends before it starts: {late[0]}")
+    out += _causality_problems(trace)
     return out + [ran(f"measured trace rank {groups.pp_rank}")]
+
+
+def _causality_problems(trace: Any) -> list[str]:
+    """A compute whose input comes from another rank starts, in the measured trace, no earlier than the compute
+    that produced that input ended (all ranks share one clock): the wait for the message is idle time, not part
+    of the compute. Stamping a receive only when its whole batch completed (gloo completes a send only once it
+    is waited, a compute later) broke this on the first backward of every rank but the last."""
+    from evenpipe.schedule.ir import ActionKind
+    produced = {(rec.kind, rec.action.stage, rec.action.microbatch): rec.end
+                for acts in trace.actions for rec in acts}
+    layout = trace.schedule.stage_to_rank
+    forward, backward = (ActionKind.FORWARD,), (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
+    out = []
+    for acts in trace.actions:
+        for rec in acts:
+            s, mb = rec.action.stage, rec.action.microbatch
+            if rec.kind in forward and s > 0 and layout[s - 1] != rec.rank:
+                feeds = [produced.get((k, s - 1, mb)) for k in forward]
+            elif rec.kind in backward and s + 1 < len(layout) and layout[s + 1] != rec.rank:
+                feeds = [produced.get((k, s + 1, mb)) for k in backward]
+            else:
+                continue
+            end = max(e for e in feeds if e is not None)
+            if rec.start < end:
+                out.append(f"measured trace: {rec.action} on rank {rec.rank} starts at {rec.start * 1e3:.3f} ms, "
+                           f"before its input was produced at {end * 1e3:.3f} ms")
+    return out[:3]
 
 
 def case_problems(lines: list[str], case: Case) -> list[str]:

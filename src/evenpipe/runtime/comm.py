@@ -148,19 +148,28 @@ class PendingBatch:
         self.transfers = tuple(transfers)
         self.done = False
         self.timeout_s = timeout_s
-        self.observers: list[Callable[[float, float], None]] = []
-        """Called once as ``observer(wait_start, done_at)`` (``time.perf_counter`` seconds) when the batch is
-        first seen complete; ``wait_start == done_at`` when it was found complete without blocking."""
+        self.observers: list[tuple[torch.Tensor | None, Callable[[float, float], None]]] = []
+        """``(buffer, observer)``: ``observer(wait_start, done_at)`` (``time.perf_counter`` seconds) is called
+        once, when the receive into ``buffer`` (``None``: the whole batch) is first seen complete;
+        ``wait_start == done_at`` when it was found complete without blocking."""
 
-    def observe(self, observer: Callable[[float, float], None]) -> None:
-        """Register a completion observer (used by tracing; it must not hold the batch or its tensors)."""
-        self.observers.append(observer)
+    def observe(self, observer: Callable[[float, float], None], buffer: torch.Tensor | None = None) -> None:
+        """Register a completion observer (used by tracing; it must not hold the batch or its tensors) of the
+        receive into ``buffer``, or of the whole batch. gloo's works report completion only once waited, and a
+        receive is waited alone (:meth:`wait_for`) while a send of its batch may be waited a compute later, so
+        only a per-receive observer learns when the rank stopped waiting for that receive."""
+        self.observers.append((buffer, observer))
 
-    def _notify(self, wait_start: float) -> None:
+    def _notify(self, wait_start: float, buffer: torch.Tensor | None = None) -> None:
+        """Call the observers of the receive into ``buffer`` (``None``: every observer)."""
         now = time.perf_counter()
-        for observer in self.observers:
-            observer(min(wait_start, now), now)
-        self.observers = []
+        kept = []
+        for buf, observer in self.observers:
+            if buffer is None or buf is buffer:
+                observer(min(wait_start, now), now)
+            else:
+                kept.append((buf, observer))
+        self.observers = kept
 
     def wait(self) -> None:
         if not self.done:
@@ -169,8 +178,8 @@ class PendingBatch:
     def wait_for(self, buffer: torch.Tensor) -> None:
         """Wait for the receive into ``buffer`` only (gloo: one work per transfer), not for the batch's other
         messages: a receive batched with one for a later compute must not wait for that one's sender. A
-        coalesced batch (NCCL: one work for all) is waited whole. The batch's observers still fire once it is
-        seen complete as a whole."""
+        coalesced batch (NCCL: one work for all) is waited whole. The receive's own observers fire now, the
+        whole batch's once it is seen complete as a whole."""
         if self.done:
             return
         at = next((k for k, t in enumerate(self.transfers) if t.tensor is buffer), None)
@@ -178,8 +187,10 @@ class PendingBatch:
             wait_all([self])
             return
         t = self.transfers[at]
+        wait_start = time.perf_counter()
         _wait_works([(self.works[at], t.what, t.peer)], self.timeout_s, self.transfers)
         if self.observers:
+            self._notify(wait_start, buffer)
             self.is_completed()
 
     def is_completed(self) -> bool:

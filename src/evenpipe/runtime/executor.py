@@ -466,7 +466,7 @@ class _StepRun:
                     self.recorder.sends.append(recs[-1])
                 recs[-1].num_bytes += t.tensor.numel() * t.tensor.element_size()
             elif self.recorder is not None:
-                self.recorder.received(a, t.tensor.numel() * t.tensor.element_size(), t0, batch)
+                self.recorder.received(a, t.tensor, t0, batch)
         if track_sends and any(t.send for t, _, _ in items):
             self.sends.append(batch)
         return batch

@@ -68,7 +68,8 @@ class RecvRecord:
     """When first seen complete."""
 
     def stamp(self, wait_start: float, done_at: float) -> None:
-        self.wait_start, self.arrived = wait_start, done_at
+        if done_at >= self.arrived:  # of several parts, the last to complete
+            self.wait_start, self.arrived = wait_start, done_at
 
 
 @dataclass(slots=True)
@@ -86,16 +87,19 @@ class RankRecorder:
     recvs: list[RecvRecord] = field(default_factory=list)
     """Messages received."""
 
-    def received(self, action: Action, num_bytes: int, posted: float, batch: Any) -> None:
-        """Note one receive of ``action`` posted in ``batch`` (a :class:`~evenpipe.runtime.comm.PendingBatch`):
-        the parts of one action (BPipe's header and buffer) add up in one record, stamped when the batch is
-        first seen complete."""
+    def received(self, action: Action, buffer: Any, posted: float, batch: Any) -> None:
+        """Note the receive into ``buffer`` of ``action``, posted in ``batch`` (a
+        :class:`~evenpipe.runtime.comm.PendingBatch`), stamped when that receive is first seen complete: the
+        parts of one action (BPipe's header and buffer) add up in one record, stamped by the part that
+        completes last."""
+        num_bytes = buffer.numel() * buffer.element_size()
         if self.recvs and self.recvs[-1].action is action and self.recvs[-1].posted == posted:
-            self.recvs[-1].num_bytes += num_bytes
-            return
-        rec = RecvRecord(action=action, num_bytes=num_bytes, posted=posted)
-        self.recvs.append(rec)
-        batch.observe(rec.stamp)
+            rec = self.recvs[-1]
+            rec.num_bytes += num_bytes
+        else:
+            rec = RecvRecord(action=action, num_bytes=num_bytes, posted=posted)
+            self.recvs.append(rec)
+        batch.observe(rec.stamp, buffer)
 
     def action(self, index: int, action: Action, start: float, end: float, stash: Any) -> None:
         self.actions.append((index, action, start, end))

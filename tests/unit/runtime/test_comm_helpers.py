@@ -109,3 +109,24 @@ def test_a_coalesced_batch_or_an_unknown_buffer_is_waited_whole() -> None:
     one = comm.PendingBatch([_Work("all", log2)], _batch([])[0].transfers, 60.0)  # NCCL: one work for all
     one.wait_for(one.transfers[0].tensor)
     assert log2 == ["all"] and one.done
+
+
+def test_a_receives_observer_fires_when_that_receive_is_waited_not_when_its_batch_completes() -> None:
+    """gloo reports a send complete only once it is waited, which the executor does a compute later than it
+    waits for a receive of the same batch: a trace that stamped the receive when the whole batch completed put
+    its arrival after the compute that consumed it, and that compute's wait counted as computing."""
+    log: list[str] = []
+    send_buf, recv_buf = torch.empty(2), torch.empty(2)
+    transfers = [comm.Transfer(send=True, tensor=send_buf, peer=1, group=None, what="SEND_F stage 0 mb 1"),
+                 comm.Transfer(send=False, tensor=recv_buf, peer=1, group=None, what="RECV_B stage 0 mb 0")]
+    batch = comm.PendingBatch([_Work("send", log), _Work("recv", log)], transfers, 60.0)
+    recv_stamps: list[tuple[float, float]] = []
+    whole: list[tuple[float, float]] = []
+    batch.observe(lambda start, end: recv_stamps.append((start, end)), recv_buf)
+    batch.observe(lambda start, end: whole.append((start, end)))
+    batch.wait_for(recv_buf)
+    assert log == ["recv"] and len(recv_stamps) == 1 and whole == []
+    start, end = recv_stamps[0]
+    assert start <= end
+    batch.wait_sends()  # a compute later: the send is waited, the batch is now complete
+    assert batch.is_completed() and len(whole) == 1 and len(recv_stamps) == 1 and whole[0][1] >= end
