@@ -9,16 +9,22 @@ fixed single-thread matmul block alone, then in ``processes`` concurrent copies,
 (median and 90th percentile over blocks): ``1.00x`` is a steady host, ``2.00x`` a host that runs both on one core.
 
     .venv/bin/python benchmarks/host_probe.py            # prints one line
+    .venv/bin/python benchmarks/host_probe.py --drift 360   # how the host's speed moves over 6 minutes
+
+``--drift SECONDS`` runs ``processes`` concurrent copies of the matmul loop for that long and reports the speed of
+each 5-second window (the slower copy's) over the median window, and of each minute: on a host whose speed moves
+by more than a prediction's tolerance between a profile and a run, no profile can predict that run that closely.
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import statistics
 import time
 
-__all__ = ["host_line", "concurrent_slowdown", "steal_seconds"]
+__all__ = ["host_line", "concurrent_slowdown", "steal_seconds", "drift"]
 
 
 def steal_seconds() -> float:
@@ -74,5 +80,50 @@ def host_line(seconds: float = 2.0, processes: int = 2) -> str:
             f"(90th pct) the time of one alone (1.00x: steady; 2.00x: two vCPUs sharing one core)")
 
 
+def _windows(seconds: float, window: float, out: "mp.Queue[list[float]]") -> None:
+    """Matmul blocks per second in each ``window``-second window for ``seconds`` seconds."""
+    import torch
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    rates: list[float] = []
+    start = time.perf_counter()
+    edge, done = start + window, 0
+    while time.perf_counter() < start + seconds:
+        for _ in range(20):
+            a @ b
+        done += 20
+        if time.perf_counter() >= edge:
+            rates.append(done / window)
+            edge, done = edge + window, 0
+    out.put(rates)
+
+
+def drift(seconds: float, processes: int = 2, window: float = 5.0) -> str:
+    """Lines describing how the host's speed moved over ``seconds`` (see the module)."""
+    ctx = mp.get_context("spawn")
+    q: mp.Queue[list[float]] = ctx.Queue()
+    procs = [ctx.Process(target=_windows, args=(seconds, window, q)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    per_proc = [q.get() for _ in procs]
+    for p in procs:
+        p.join()
+    slowest = [min(w) for w in zip(*per_proc)]
+    mid = statistics.median(slowest)
+    rel = sorted(x / mid for x in slowest)
+    n = len(rel)
+    per = int(round(60 / window))
+    minutes = [statistics.mean(slowest[i:i + per]) / mid for i in range(0, n - per + 1, per)]
+    return "\n".join([
+        f"host drift: {processes} concurrent single-thread matmul loops, {n} windows of {window:g} s; speed over "
+        f"the median window: min {rel[0]:.2f}, p10 {rel[n // 10]:.2f}, p90 {rel[(9 * n) // 10]:.2f}, max {rel[-1]:.2f}",
+        "one-minute means: " + " ".join(f"{x:.3f}" for x in minutes),
+        f"{window:g}-s windows: " + " ".join(f"{x / mid:.2f}" for x in slowest)])
+
+
 if __name__ == "__main__":
-    print(host_line())
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--drift", type=float, default=None, metavar="SECONDS",
+                    help="report how the host's speed moves over this many seconds instead")
+    args = ap.parse_args()
+    print(drift(args.drift) if args.drift else host_line())

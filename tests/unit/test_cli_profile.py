@@ -52,7 +52,7 @@ def test_compare_two_traces(profile_path: pathlib.Path, capsys: pytest.CaptureFi
     assert main(["compare", str(tmp_path / "1" / "trace.evenpipe.json"), str(tmp_path / "2" / "trace.evenpipe.json"),
                  "--out", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "rank 1 peak memory" in out and "mean FORWARD" in out and "EVICT transfer" in out
+    assert "rank 1 peak memory" in out and "mean FORWARD" in out and "EVICT transfer" in out and "EVICT wait" in out
     assert "-50.0%" in out  # b=1 against b=2: half the bytes
     assert png.stat().st_size > 1000
 
