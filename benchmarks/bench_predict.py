@@ -10,6 +10,12 @@ the measured step is the median over the steps after the first of the slowest ra
 optimizer). Timing is only meaningful on a quiet machine: the 1-minute load average is printed before and after,
 and so is the host probe of ``host_probe.py`` (how much slower two concurrent processes compute than one alone:
 on a shared virtual machine this drifts between 1x and 2x within seconds, which no load average shows).
+
+``--rounds N`` runs every case N times, the cases in turn (round 2 starts when round 1 has run every case), and
+measures each case by the median over all its runs' steps after the first. A host whose speed drifts by more than
+a prediction's tolerance from one minute to the next (``host_probe.py --drift``) then weighs on a case through
+several minutes instead of one, and on every case alike; one run per case (the default) measures each case in its
+own minute.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import time
@@ -56,8 +63,8 @@ def profile(args: argparse.Namespace, out: pathlib.Path, name: str = "profile.js
 
 
 def train(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Path, schedule: str, chunks: int,
-          b: int) -> dict:
-    tag = f"{schedule}_b{b}"
+          b: int, round_: int = 0) -> dict:
+    tag = f"{schedule}_b{b}" + (f"_r{round_ + 1}" if args.rounds > 1 else "")
     summary, trace = out / f"{tag}.json", out / f"{tag}_trace.evenpipe.json"
     model = ["--hf-config", args.hf_config] if args.hf_config else ["--model", args.model]
     cmd = [sys.executable, "-m", "evenpipe", "train", *model, "--schedule", schedule, "--stages", str(args.stages),
@@ -68,6 +75,19 @@ def train(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Path, sched
     _run(cmd, 1800)
     doc = json.loads(summary.read_text())
     return doc["prediction"]
+
+
+def pooled(preds: list[dict]) -> dict:
+    """One case's runs as one: the median over every run's steps after the first (the prediction and the peak
+    bytes are the same in every run; the peaks' largest is kept)."""
+    if len(preds) == 1:
+        return preds[0]
+    out = dict(preds[0])
+    out["measured_steps_s"] = [t for p in preds for t in p["measured_steps_s"]]
+    out["measured_step_s"] = statistics.median(out["measured_steps_s"])
+    out["measured_peak_bytes"] = [max(col) for col in zip(*(p["measured_peak_bytes"] for p in preds))]
+    out["num_steps"] = len(out["measured_steps_s"])
+    return out
 
 
 def predict_from(args: argparse.Namespace, prof: pathlib.Path, schedule: str, chunks: int, b: int) -> float:
@@ -113,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="bench_predict_out")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every case this many times, in turn, and pool each case's steps (see the module)")
     ap.add_argument("--reprofile", action="store_true",
                     help="profile again after the runs and predict every case from both profiles (host drift)")
     ap.add_argument("--no-host-probe", action="store_true",
@@ -127,19 +149,22 @@ def main(argv: list[str] | None = None) -> int:
     wanted = args.schedules.split(",")
     cases = [(s, v, int(b)) for b in args.sizes.split(",") if b for s, v in CASES if s in wanted]
     cases += [("1f1b", 1, int(b)) for b in args.unprofiled.split(",") if b]
-    rows = []
-    for schedule, chunks, b in cases:
-        t0, stolen = time.perf_counter(), steal_seconds()
-        pred = train(args, out, prof, schedule, chunks, b)
-        rows.append((schedule, chunks, b, pred))
-        wall, stolen = time.perf_counter() - t0, steal_seconds() - stolen
-        after = ""
-        if not args.no_host_probe:
-            host = concurrent_slowdown(1.0, args.stages)
-            after = f"; host probe after: {host[0]:.2f}x median, {host[1]:.2f}x p90"
-        print(f"  {schedule:12s} b={b} done in {wall:5.1f} s (load {_load()}; vCPU time stolen by the host during "
-              f"the run {stolen:.1f} s{after})", flush=True)
-    print(f"\nP={args.stages} M={args.microbatches}, {args.steps} steps per run (median of the steps after the first)")
+    runs: dict[tuple[str, int, int], list[dict]] = {case: [] for case in cases}
+    for round_ in range(args.rounds):
+        for schedule, chunks, b in cases:
+            t0, stolen = time.perf_counter(), steal_seconds()
+            runs[(schedule, chunks, b)].append(train(args, out, prof, schedule, chunks, b, round_))
+            wall, stolen = time.perf_counter() - t0, steal_seconds() - stolen
+            after = ""
+            if not args.no_host_probe:
+                host = concurrent_slowdown(1.0, args.stages)
+                after = f"; host probe after: {host[0]:.2f}x median, {host[1]:.2f}x p90"
+            what = f" round {round_ + 1}" if args.rounds > 1 else ""
+            print(f"  {schedule:12s} b={b}{what} done in {wall:5.1f} s (load {_load()}; vCPU time stolen by the "
+                  f"host during the run {stolen:.1f} s{after})", flush=True)
+    rows = [(schedule, chunks, b, pooled(runs[(schedule, chunks, b)])) for schedule, chunks, b in cases]
+    print(f"\nP={args.stages} M={args.microbatches}, {args.steps} steps per run, {args.rounds} run(s) per case "
+          f"(median of every run's steps after the first)")
     head = (f"{'schedule':12s} {'V':>2s} {'b':>2s} {'pred step':>10s} {'meas step':>10s} {'error':>7s}   "
             + "   ".join(f"{'r' + str(r) + ' pred MiB':>12s} {'meas MiB':>9s} {'error':>7s}" for r in range(args.stages)))
     print(head)

@@ -53,6 +53,8 @@ class PredictedRun:
     """From the profile."""
     measured_step_s: float
     """Median over steps after the first of the slowest rank's step."""
+    measured_steps_s: tuple[float, ...]
+    """The slowest rank's step, each step after the first (what ``measured_step_s`` is the median of)."""
     measured_rank_step_s: tuple[float, ...]
     """Per pipeline rank, its median step after the first."""
     measured_peak_bytes: tuple[float, ...]
@@ -66,7 +68,7 @@ class PredictedRun:
                 "predicted_rank_step_s": list(p.rank_step_times), "measured_rank_step_s": list(self.measured_rank_step_s),
                 "predicted_schedule_s": p.trace.step_time, "predicted_optimizer_s": list(p.optimizer_s),
                 "predicted_peak_bytes": list(p.peak_activation_bytes), "measured_peak_bytes": list(self.measured_peak_bytes),
-                "num_steps": self.num_steps}
+                "num_steps": self.num_steps, "measured_steps_s": list(self.measured_steps_s)}
 
 
 def predicted_run(profile: Profile, schedule: Schedule, *, microbatch_size: int, layout: Sequence[int],
@@ -81,7 +83,7 @@ def predicted_run(profile: Profile, schedule: Schedule, *, microbatch_size: int,
     for r in range(schedule.num_ranks):
         mine = [t for t, k in zip(step_times, rank_of_report) if k == r]
         per_rank.append(statistics.median(max(t[i] for t in mine) for i in later))
-    return PredictedRun(prediction=pred, measured_step_s=statistics.median(slowest),
+    return PredictedRun(prediction=pred, measured_step_s=statistics.median(slowest), measured_steps_s=tuple(slowest),
                         measured_rank_step_s=tuple(per_rank), measured_peak_bytes=tuple(float(b) for b in peak_bytes),
                         num_steps=len(later))
 
