@@ -6,9 +6,12 @@ Every iteration, on each of P ranks (P=2 by default, one per core): (A) one trac
 where it runs (a wrapper around the stage module's forward and around the executor's autograd call, so waits for
 messages are not counted); then (B) the same stage module timed as :mod:`evenpipe.runtime.profile` times a layer:
 a barrier, the forward under the activation stash's capture, a barrier, the backward from a random output
-gradient, M times; and (C) two forwards, then both backwards: the first backward runs after another micro-batch's
+gradient, M times; (C) two forwards, then both backwards: the first backward runs after another micro-batch's
 forward (its saved activations no longer the last ones touched, as in a 1F1B steady state), the second right
-after its own. Each iteration gives one ratio A/B for forwards and for backwards (medians over the iteration's
+after its own; and (D) the profiler's own measurement (``_LayerBench.once`` after a barrier, as
+:func:`~evenpipe.runtime.profile.measure_layers` runs it) of the stage's own blocks as a chain and of its end
+(embedding or head with the loss), M/2 times, summed into a stage forward and backward as the prediction sums
+them. Each iteration gives one ratio A/B and A/D for forwards and for backwards (medians over the iteration's
 computes) and one C-first/C-second; the table shows their medians and quartiles over the iterations.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_compute_in_step.py --iters 40
@@ -112,7 +115,27 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, list[float
         stash.release_all_of(key)
         return dt
 
-    ratios: dict[str, list[float]] = {"F": [], "B": [], "cold": []}
+    from evenpipe.cost.profile import LayerKind
+    from evenpipe.runtime.profile import _blocks_as_stage, _Head, _LayerBench, _Timer
+    timer = _Timer(torch.device("cpu"))
+    blocks = list(module.blocks)
+    chain = _LayerBench(LayerKind.BLOCK, _blocks_as_stage(blocks), device=torch.device("cpu"), timer=timer,
+                        count=len(blocks))
+    end = _LayerBench(LayerKind.EMBEDDING, built.parts.first, device=torch.device("cpu"), timer=timer) \
+        if stage == 0 else _LayerBench(LayerKind.HEAD, _Head(built.parts.last, built.loss),
+                                       device=torch.device("cpu"), timer=timer)
+    end_input, end_extra = (tokens, ()) if stage == 0 else (x_hidden, (tokens,))
+
+    def profiler_style() -> tuple[float, float]:
+        """A stage's forward and backward as the profiler's samples add up: blocks times count, plus its end."""
+        dist.barrier()
+        body = chain.once(x_hidden, (), {"filled": 1.0})
+        dist.barrier()
+        tip = end.once(end_input, end_extra, {"filled": 1.0})
+        n = len(blocks)
+        return n * body["forward_s"] + tip["forward_s"], n * body["backward_s"] + tip["backward_s"]
+
+    ratios: dict[str, list[float]] = {"F": [], "B": [], "cold": [], "PF": [], "PB": []}
     for it in range(opts["iters"] + 1):
         for p in params:
             p.grad = None
@@ -135,8 +158,11 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, list[float
             outs = [profile_style_forward(k)[1] for k in keys]
             first.append(profile_style_backward(keys[0], outs[0]))
             second.append(profile_style_backward(keys[1], outs[1]))
+        prof = [profiler_style() for _ in range(max(1, m // 2))]
         if it == 0:
             continue  # the first step learns shapes
+        ratios["PF"].append(in_step["F"] / statistics.median(f for f, _ in prof))
+        ratios["PB"].append(in_step["B"] / statistics.median(b for _, b in prof))
         ratios["F"].append(in_step["F"] / statistics.median(alone_f))
         ratios["B"].append(in_step["B"] / statistics.median(alone_b))
         ratios["cold"].append(statistics.median(first) / statistics.median(second))
@@ -165,12 +191,14 @@ def main() -> None:
         raise SystemExit("\n".join(errors))
     print(f"{args.model}, {args.schedule} P={args.stages} M={args.microbatches} b={args.microbatch_size}, "
           f"{args.iters} iterations (medians and quartiles over iterations)")
-    print(f"{'rank':>4s}  {'forward in step / alone':>26s}  {'backward in step / alone':>26s}  "
-          f"{'backward after another F / right after its own':>48s}")
+    columns = (("F", "forward in step / alone"), ("B", "backward in step / alone"),
+               ("PF", "forward in step / profiler"), ("PB", "backward in step / profiler"),
+               ("cold", "backward after another F / after its own"))
+    print(f"{'rank':>4s}  " + "  ".join(f"{title:>28s}" if k != "cold" else f"{title:>42s}" for k, title in columns))
     for r, res in enumerate(ranks):
-        cells = ["%.3f [%.3f-%.3f]" % (mid, lo, hi) for lo, mid, hi in (_quartiles(res[k]) for k in
-                                                                      ("F", "B", "cold"))]
-        print(f"{r:4d}  {cells[0]:>26s}  {cells[1]:>26s}  {cells[2]:>48s}")
+        cells = ["%.3f [%.3f-%.3f]" % (mid, lo, hi) for lo, mid, hi in (_quartiles(res[k]) for k, _ in columns)]
+        print(f"{r:4d}  " + "  ".join(f"{c:>28s}" if k != "cold" else f"{c:>42s}"
+                                      for c, (k, _) in zip(cells, columns)))
 
 
 if __name__ == "__main__":
