@@ -16,6 +16,10 @@ measures each case by the median over all its runs' steps after the first. A hos
 a prediction's tolerance from one minute to the next (``host_probe.py --drift``) then weighs on a case through
 several minutes instead of one, and on every case alike; one run per case (the default) measures each case in its
 own minute.
+
+After the table, "where the step went" sets each run's traced last step against the profile's simulated schedule:
+per rank, its computes' time over the profile's (``busy``: where this moves from run to run, the host's speed moved)
+and its extra idle time (waits the model did not predict).
 """
 
 from __future__ import annotations
@@ -62,9 +66,13 @@ def profile(args: argparse.Namespace, out: pathlib.Path, name: str = "profile.js
     return path
 
 
+def _tag(args: argparse.Namespace, schedule: str, b: int, round_: int) -> str:
+    return f"{schedule}_b{b}" + (f"_r{round_ + 1}" if args.rounds > 1 else "")
+
+
 def train(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Path, schedule: str, chunks: int,
           b: int, round_: int = 0) -> dict:
-    tag = f"{schedule}_b{b}" + (f"_r{round_ + 1}" if args.rounds > 1 else "")
+    tag = _tag(args, schedule, b, round_)
     summary, trace = out / f"{tag}.json", out / f"{tag}_trace.evenpipe.json"
     model = ["--hf-config", args.hf_config] if args.hf_config else ["--model", args.model]
     cmd = [sys.executable, "-m", "evenpipe", "train", *model, "--schedule", schedule, "--stages", str(args.stages),
@@ -75,6 +83,38 @@ def train(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Path, sched
     _run(cmd, 1800)
     doc = json.loads(summary.read_text())
     return doc["prediction"]
+
+
+def where_it_went(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Path,
+                  rows: list[tuple[str, int, int, dict]]) -> None:
+    """Each case's traced step (the last of each run) against the simulated schedule of the profile, medians over
+    its runs: the pipeline's error; per rank, how much longer its computes took than profiled (busy; where this
+    moves from run to run it is the host's speed, not the model) and how much longer it idled (waits)."""
+    from evenpipe.sim import Trace
+    from evenpipe.sim.compare import compare_traces
+    print("\nwhere the step went (each run's traced last step against the simulated schedule; medians over runs)")
+    head = (f"{'schedule':12s} {'V':>2s} {'b':>2s} {'pipeline':>8s}   "
+            + "   ".join(f"{'r' + str(r) + ' busy':>8s} {'r' + str(r) + ' idle +ms':>11s}" for r in range(args.stages)))
+    print(head)
+    print("-" * len(head))
+    for schedule, chunks, b, _ in rows:
+        sim_dir = out / f"sim_{schedule}_b{b}"
+        _run([sys.executable, "-m", "evenpipe", "simulate", "--profile", str(prof), "--schedule", schedule,
+              "--stages", str(args.stages), "--chunks", str(chunks), "--microbatches", str(args.microbatches),
+              "--microbatch-size", str(b), "--out", str(sim_dir)], 600)
+        pred = Trace.from_json((sim_dir / "trace.evenpipe.json").read_text())
+        per_run = []
+        for round_ in range(args.rounds):
+            tag = _tag(args, schedule, b, round_)
+            meas = Trace.from_json((out / f"{tag}_trace.evenpipe.json").read_text())
+            c = compare_traces(pred, meas)
+            per_run.append([c.step.error or 0.0]
+                           + [x for r in range(args.stages) for x in (c.per_rank[r][1].measured / c.per_rank[r][1].predicted,
+                                                                       c.per_rank[r][2].measured - c.per_rank[r][2].predicted)])
+        med = [statistics.median(col) for col in zip(*per_run)]
+        line = f"{schedule:12s} {chunks:2d} {b:2d} {med[0]:+8.1%}   "
+        line += "   ".join(f"{med[1 + 2 * r]:8.3f} {med[2 + 2 * r] * 1e3:+11.1f}" for r in range(args.stages))
+        print(line)
 
 
 def pooled(preds: list[dict]) -> dict:
@@ -181,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             line += f"   {pb / 2**20:12.2f} {mb / 2**20:9.2f} {em:+7.1%}"
         print(line)
     print(f"\nworst |error|: step time {worst_t:.1%}, peak activation bytes {worst_m:.1%}")
+    where_it_went(args, out, prof, rows)
     if args.reprofile:
         print("\nprofiled again after the runs (drift: the second profile's prediction against the first's):")
         drift_table(args, out, prof, rows)
