@@ -47,6 +47,16 @@ def _build(opts: dict[str, Any]) -> Any:
     return reference_model(model_config(opts["model"]), seed=0, source=opts["model"])
 
 
+def _timing(fn: Any, seconds: list[float]) -> Any:
+    """``fn``, appending each call's seconds to ``seconds``."""
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        seconds.append(time.perf_counter() - t0)
+        return out
+    return timed
+
+
 def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, list[float]]:
     import torch
     import torch.distributed as dist
@@ -79,22 +89,9 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, list[float
     x_hidden = torch.randn(b, seq, hidden) * 0.5
 
     timed: dict[str, list[float]] = {"F": [], "B": []}
-    engine = executor._run_backward
-
-    def timed_backward(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        out = engine(*args, **kwargs)
-        timed["B"].append(time.perf_counter() - t0)
-        return out
-    forward = module.forward
-
-    def timed_forward(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        out = forward(*args, **kwargs)
-        timed["F"].append(time.perf_counter() - t0)
-        return out
-    executor._run_backward = timed_backward  # type: ignore[assignment]
-    module.forward = timed_forward  # type: ignore[method-assign]
+    engine, forward = executor._run_backward, module.forward
+    executor._run_backward = _timing(engine, timed["B"])  # type: ignore[assignment]
+    module.forward = _timing(forward, timed["F"])  # type: ignore[method-assign]
 
     def profile_style_forward(key: tuple[int, int]) -> tuple[float, Any]:
         x = tokens if stage == 0 else x_hidden.detach().clone().requires_grad_(True)
