@@ -18,6 +18,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path: pathlib.Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "pred step" in out and "worst |error|" in out
-    rows = [line.split()[0] for line in out.splitlines() if line.startswith(("1f1b ", "bpipe "))]
+    table, split = out.split("worst |error|", 1)  # the prediction table, then where each step went
+    rows = [line.split()[0] for line in table.splitlines() if line.startswith(("1f1b ", "bpipe "))]
     assert rows == ["1f1b", "bpipe"]
+    assert [line.split()[0] for line in split.splitlines() if line.startswith(("1f1b ", "bpipe "))] == rows
     assert (tmp_path / "profile.json").exists() and (tmp_path / "bpipe_b2_trace.evenpipe.json").exists()
