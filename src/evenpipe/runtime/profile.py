@@ -112,14 +112,14 @@ class ProfileOptions:
             raise ProfileError(f"--processes must be >= 1, got {self.num_processes}")
         if self.block_chain < 1:
             raise ProfileError(f"--block-chain must be >= 1, got {self.block_chain}")
+        too_long = [s for s in self.seq_lens if s < 1 or s > self.model_config.seq_len]
+        if too_long:
+            raise ProfileError(f"--seq-len {too_long[0]} must be between 1 and the model's {self.model_config.seq_len}")
 
     @property
     def chain_length(self) -> int:
         """Blocks actually timed in a row: ``block_chain``, at most the model's blocks."""
         return min(self.block_chain, self.model_config.num_layers)
-        too_long = [s for s in self.seq_lens if s < 1 or s > self.model_config.seq_len]
-        if too_long:
-            raise ProfileError(f"--seq-len {too_long[0]} must be between 1 and the model's {self.model_config.seq_len}")
 
 
 # ---- timing ---------------------------------------------------------------------------------------------------
@@ -201,6 +201,20 @@ def _block_flops(block: nn.Module, cfg: Any, b: int, s: int) -> float:
     return 2.0 * _matrix_params(block) * b * s + 4.0 * b * s * s * cfg.hidden
 
 
+def _sample_inputs(options: ProfileOptions, b: int, s: int, device: torch.device,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``(b, s)`` and hidden states ``(b, s, hidden)`` of one micro-batch, seeded per size."""
+    cfg = options.model_config
+    gen = torch.Generator().manual_seed(options.seed + 1000 * b + s)
+    tokens = torch.randint(0, cfg.vocab, (b, s), generator=gen).to(device)
+    return tokens, (torch.randn(b, s, cfg.hidden, generator=gen) * 0.5).to(device=device, dtype=dtype)
+
+
+def _output_grad(out: torch.Tensor) -> torch.Tensor:
+    """The gradient a profiled backward starts from: 1 for a loss, random for an activation."""
+    return torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
+
+
 def _blocks_as_stage(blocks: Sequence[nn.Module]) -> StageModule:
     """The executor's own stage module holding just ``blocks`` (a middle stage: no embedding, no head)."""
     return StageModule(stage=1, num_stages=3, layers=range(len(blocks)), blocks=blocks, first=None, last=None)
@@ -237,9 +251,6 @@ class _LayerBench:
             self.stash.release(key, x)
         self.stash.release_all_of(key)
 
-    def _grad_of(self, out: torch.Tensor) -> torch.Tensor:
-        return torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
-
     def once(self, x0: torch.Tensor, extra: Sequence[torch.Tensor], sizes: dict[str, float]) -> dict[str, float]:
         """One run of every timed part at one size: F + B, then F (as recompute) + I + W; the byte counts go
         into ``sizes`` on the first run (an empty dict)."""
@@ -249,13 +260,13 @@ class _LayerBench:
         t_f, out, key = self._forward(x, extra, hold=True)
         if not sizes:
             sizes.update(self._bytes(x, out, extra, key))
-        g = self._grad_of(out)
+        g = _output_grad(out)
         t_b, _ = self.timer.time(lambda: _run_backward([out], [g], keep_graph=False))
         self._done(key, x, True)
         # zero-bubble split
         x = self._inputs(x0)
         t_r, out, key = self._forward(x, extra, hold=True)
-        g = self._grad_of(out)
+        g = _output_grad(out)
         xs = (x,) if x.is_floating_point() else ()
         t_i, (_, state) = self.timer.time(lambda: backward_input([out], [g], xs, self.params))
         if "weight_grad_bytes" not in sizes:
@@ -305,9 +316,7 @@ def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None
     cases = []  # (kind, b, s, input, extra inputs, byte counts, timed runs)
     for s in options.seq_lens or (cfg.seq_len,):
         for b in options.microbatch_sizes:
-            gen = torch.Generator().manual_seed(options.seed + 1000 * b + s)
-            tokens = torch.randint(0, cfg.vocab, (b, s), generator=gen).to(device)
-            hidden = (torch.randn(b, s, cfg.hidden, generator=gen) * 0.5).to(device=device, dtype=dtype)
+            tokens, hidden = _sample_inputs(options, b, s, device, dtype)
             for kind in benches:
                 x, extra = (tokens, ()) if kind is LayerKind.EMBEDDING else \
                     (hidden, (tokens,) if kind is LayerKind.HEAD else ())
@@ -380,19 +389,15 @@ def _computes_before_the_optimizer(options: ProfileOptions, built: Any, chain: S
     """Per kind, one forward and backward of its layers at the smallest profiled micro-batch size (gradients
     accumulate into theirs): what runs on a rank before its optimizer step."""
     from evenpipe.runtime.executor import _run_backward
-    cfg = options.model_config
-    b, s = min(options.microbatch_sizes), min(options.seq_lens or (cfg.seq_len,))
-    gen = torch.Generator().manual_seed(options.seed)
-    tokens = torch.randint(0, cfg.vocab, (b, s), generator=gen).to(device)
-    hidden = (torch.randn(b, s, cfg.hidden, generator=gen) * 0.5).to(device=device, dtype=dtype)
+    b, s = min(options.microbatch_sizes), min(options.seq_lens or (options.model_config.seq_len,))
+    tokens, hidden = _sample_inputs(options, b, s, device, dtype)
     stage = _blocks_as_stage(chain)
     head = _Head(built.parts.last, built.loss)
 
     def run(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
         def computes() -> None:
             out = forward()
-            _run_backward([out], [torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)],
-                          keep_graph=False)
+            _run_backward([out], [_output_grad(out)], keep_graph=False)
         return computes
     return {LayerKind.EMBEDDING: run(lambda: built.parts.first(tokens)),
             LayerKind.BLOCK: run(lambda: stage(hidden.detach().requires_grad_(True))),

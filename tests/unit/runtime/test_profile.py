@@ -191,3 +191,9 @@ def test_the_profilers_processes_meet_on_a_store_this_process_hosts(monkeypatch:
     profile = profile_model(opts, show_progress=False, timeout_s=300)
     assert len(ports) == 1 and profile.machine.num_processes == 2
     assert launch.AGENT_STORE_ENV not in os.environ
+
+
+def test_a_sequence_longer_than_the_models_is_refused_in_one_line() -> None:
+    from evenpipe.models import model_config
+    with pytest.raises(ProfileError, match="--seq-len 99999 must be between 1 and the model's"):
+        ProfileOptions(model_name="gpt-tiny", model_config=model_config("gpt-tiny"), seq_lens=(99999,))
