@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import statistics
 import time
+from typing import Any
 
 __all__ = ["host_line", "concurrent_slowdown", "steal_seconds", "drift"]
 
@@ -56,20 +57,23 @@ def _blocks(seconds: float, out: "mp.Queue[list[float]] | None" = None) -> list[
     return times
 
 
-def concurrent_slowdown(seconds: float = 2.0, processes: int = 2) -> tuple[float, float]:
-    """(median, 90th percentile) of a block's time with ``processes`` copies running, over its median alone."""
+def _in_copies(target: Any, args: tuple, copies: int) -> list[list[float]]:
+    """Run ``target(*args, queue)`` in ``copies`` concurrent spawned processes; what each put on the queue."""
     ctx = mp.get_context("spawn")
     q: mp.Queue[list[float]] = ctx.Queue()
-    alone = ctx.Process(target=_blocks, args=(seconds, q))
-    alone.start()
-    base = statistics.median(q.get())
-    alone.join()
-    procs = [ctx.Process(target=_blocks, args=(seconds, q)) for _ in range(processes)]
+    procs = [ctx.Process(target=target, args=(*args, q)) for _ in range(copies)]
     for p in procs:
         p.start()
-    together = sorted(t for _ in procs for t in q.get())
+    results = [q.get() for _ in procs]
     for p in procs:
         p.join()
+    return results
+
+
+def concurrent_slowdown(seconds: float = 2.0, processes: int = 2) -> tuple[float, float]:
+    """(median, 90th percentile) of a block's time with ``processes`` copies running, over its median alone."""
+    base = statistics.median(_in_copies(_blocks, (seconds,), 1)[0])
+    together = sorted(t for times in _in_copies(_blocks, (seconds,), processes) for t in times)
     return statistics.median(together) / base, together[int(0.9 * (len(together) - 1))] / base
 
 
@@ -100,15 +104,7 @@ def _windows(seconds: float, window: float, out: "mp.Queue[list[float]]") -> Non
 
 def drift(seconds: float, processes: int = 2, window: float = 5.0) -> str:
     """Lines describing how the host's speed moved over ``seconds`` (see the module)."""
-    ctx = mp.get_context("spawn")
-    q: mp.Queue[list[float]] = ctx.Queue()
-    procs = [ctx.Process(target=_windows, args=(seconds, window, q)) for _ in range(processes)]
-    for p in procs:
-        p.start()
-    per_proc = [q.get() for _ in procs]
-    for p in procs:
-        p.join()
-    slowest = [min(w) for w in zip(*per_proc)]
+    slowest = [min(w) for w in zip(*_in_copies(_windows, (seconds, window), processes))]
     mid = statistics.median(slowest)
     rel = sorted(x / mid for x in slowest)
     n = len(rel)
