@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipe_probe import run_local_world  # noqa: E402
+from pipe_probe import answers_or_exit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_LLAMA = os.path.join(HERE, "data", "tiny_llama_config.json")
@@ -182,10 +182,7 @@ def main() -> None:
     args = ap.parse_args()
     opts = {"model": args.model, "schedule": args.schedule, "microbatches": args.microbatches,
             "microbatch_size": args.microbatch_size, "iters": args.iters}
-    ranks = run_local_world(args.stages, _worker, opts, timeout_s=3600)
-    errors = [r["error"] for r in ranks if "error" in r]
-    if errors:
-        raise SystemExit("\n".join(errors))
+    ranks = answers_or_exit(args.stages, _worker, opts)
     print(f"{args.model}, {args.schedule} P={args.stages} M={args.microbatches} b={args.microbatch_size}, "
           f"{args.iters} iterations (medians and quartiles over iterations)")
     columns = (("F", "forward in step / alone"), ("B", "backward in step / alone"),

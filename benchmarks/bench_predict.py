@@ -17,6 +17,13 @@ a prediction's tolerance from one minute to the next (``host_probe.py --drift``)
 several minutes instead of one, and on every case alike; one run per case (the default) measures each case in its
 own minute.
 
+``--bracket`` profiles again before every run and once after the last, and predicts each run by the mean of the
+predictions of the two profiles around it (a case's prediction is the mean over its runs). A host whose speed
+moves by tens of percent between minutes (a neighbour on the same cores) then moves the prediction with the run,
+and a miss measures the model, not the host; the table says which profiles each prediction comes from. A case
+then compares the mean of its runs' predictions with the mean of its runs' medians (each run against its own
+prediction; the median of steps pooled from runs at different host speeds would not be).
+
 After the table, "where the step went" sets each run's traced last step against the profile's simulated schedule:
 per rank, its computes' time over the profile's (``busy``: where this moves from run to run, the host's speed moved)
 and its extra idle time (waits the model did not predict).
@@ -32,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_probe import concurrent_slowdown, host_line, steal_seconds  # noqa: E402
@@ -52,7 +60,8 @@ def _run(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def profile(args: argparse.Namespace, out: pathlib.Path, name: str = "profile.json") -> pathlib.Path:
+def profile(args: argparse.Namespace, out: pathlib.Path, name: str = "profile.json", *,
+            quiet: bool = False) -> pathlib.Path:
     path = out / name
     cmd = [sys.executable, "-m", "evenpipe", "profile", *(["--hf-config", args.hf_config] if args.hf_config else
                                                            ["--model", args.model]),
@@ -61,9 +70,30 @@ def profile(args: argparse.Namespace, out: pathlib.Path, name: str = "profile.js
         + (["--seq-len", str(args.seq_len)] if args.seq_len else [])
     t0 = time.perf_counter()
     proc = _run(cmd, 3600)
-    print(proc.stdout)
-    print(f"(profiled in {time.perf_counter() - t0:.0f} s)\n")
+    if not quiet:
+        print(proc.stdout)
+    print(f"({name}: profiled in {time.perf_counter() - t0:.0f} s)" + ("" if quiet else "\n"), flush=True)
     return path
+
+
+def bracket(args: argparse.Namespace, out: pathlib.Path, runs: dict[tuple[str, int, int], list[dict]],
+            before: dict[tuple[tuple[str, int, int], int], pathlib.Path]) -> None:
+    """Profile once more after the last run, then predict each run by the mean of the predictions of the
+    profiles before it (its ``train --predict``) and after it (the next run's profile)."""
+    order = list(before)  # (case, round) in the order they ran
+    last = profile(args, out, f"profile_{len(order)}.json", quiet=True)
+    print(f"\n{'schedule':12s} {'V':>2s} {'b':>2s} {'round':>5s} {'pred before':>12s} {'pred after':>11s} "
+          f"{'meas step':>10s} {'error':>7s}   (profiles)")
+    for n, (case, round_) in enumerate(order):
+        after = before[order[n + 1]] if n + 1 < len(order) else last
+        doc = runs[case][round_]
+        early = doc["predicted_step_s"]
+        late = predict_from(args, after, *case)
+        doc["predicted_step_s"] = (early + late) / 2
+        meas = statistics.median(doc["measured_steps_s"])
+        print(f"{case[0]:12s} {case[1]:2d} {case[2]:2d} {round_ + 1:5d} {early * 1e3:10.1f}ms {late * 1e3:9.1f}ms "
+              f"{meas * 1e3:8.1f}ms {(doc['predicted_step_s'] - meas) / meas:+7.1%}   "
+              f"({before[(case, round_)].name}, {after.name})")
 
 
 def _tag(args: argparse.Namespace, schedule: str, b: int, round_: int) -> str:
@@ -85,7 +115,8 @@ def train(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Path, sched
     return doc["prediction"]
 
 
-def where_it_went(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Path,
+def where_it_went(args: argparse.Namespace, out: pathlib.Path,
+                  profile_of: Callable[[tuple[str, int, int], int], pathlib.Path],
                   rows: list[tuple[str, int, int, dict]]) -> None:
     """Each case's traced step (the last of each run) against the simulated schedule of the profile, medians over
     its runs: the pipeline's error; per rank, how much longer its computes took than profiled (busy; where this
@@ -98,13 +129,17 @@ def where_it_went(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Pat
     print(head)
     print("-" * len(head))
     for schedule, chunks, b, _ in rows:
-        sim_dir = out / f"sim_{schedule}_b{b}"
-        _run([sys.executable, "-m", "evenpipe", "simulate", "--profile", str(prof), "--schedule", schedule,
-              "--stages", str(args.stages), "--chunks", str(chunks), "--microbatches", str(args.microbatches),
-              "--microbatch-size", str(b), "--out", str(sim_dir)], 600)
-        pred = Trace.from_json((sim_dir / "trace.evenpipe.json").read_text())
         per_run = []
+        predicted: dict[pathlib.Path, Trace] = {}
         for round_ in range(args.rounds):
+            prof = profile_of((schedule, chunks, b), round_)
+            if prof not in predicted:
+                sim_dir = out / f"sim_{schedule}_b{b}_{prof.stem}"
+                _run([sys.executable, "-m", "evenpipe", "simulate", "--profile", str(prof), "--schedule", schedule,
+                      "--stages", str(args.stages), "--chunks", str(chunks), "--microbatches",
+                      str(args.microbatches), "--microbatch-size", str(b), "--out", str(sim_dir)], 600)
+                predicted[prof] = Trace.from_json((sim_dir / "trace.evenpipe.json").read_text())
+            pred = predicted[prof]
             tag = _tag(args, schedule, b, round_)
             meas = Trace.from_json((out / f"{tag}_trace.evenpipe.json").read_text())
             c = compare_traces(pred, meas)
@@ -117,14 +152,17 @@ def where_it_went(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Pat
         print(line)
 
 
-def pooled(preds: list[dict]) -> dict:
-    """One case's runs as one: the median over every run's steps after the first (the prediction and the peak
-    bytes are the same in every run; the peaks' largest is kept)."""
+def pooled(preds: list[dict], *, per_run: bool = False) -> dict:
+    """One case's runs as one: the median over every run's steps after the first and the runs' prediction, or
+    with ``per_run`` (each run has its own prediction, ``--bracket``) the mean of the runs' medians and the mean of
+    their predictions; and the largest peak bytes."""
     if len(preds) == 1:
         return preds[0]
     out = dict(preds[0])
+    out["predicted_step_s"] = statistics.mean(p["predicted_step_s"] for p in preds)
     out["measured_steps_s"] = [t for p in preds for t in p["measured_steps_s"]]
-    out["measured_step_s"] = statistics.median(out["measured_steps_s"])
+    out["measured_step_s"] = (statistics.mean(statistics.median(p["measured_steps_s"]) for p in preds) if per_run
+                              else statistics.median(out["measured_steps_s"]))
     out["measured_peak_bytes"] = [max(col) for col in zip(*(p["measured_peak_bytes"] for p in preds))]
     out["num_steps"] = len(out["measured_steps_s"])
     return out
@@ -175,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench_predict_out")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every case this many times, in turn, and pool each case's steps (see the module)")
+    ap.add_argument("--bracket", action="store_true",
+                    help="profile before every run and after the last; predict each run from the two around it")
     ap.add_argument("--reprofile", action="store_true",
                     help="profile again after the runs and predict every case from both profiles (host drift)")
     ap.add_argument("--no-host-probe", action="store_true",
@@ -189,9 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     wanted = args.schedules.split(",")
     cases = [(s, v, int(b)) for b in args.sizes.split(",") if b for s, v in CASES if s in wanted]
     cases += [("1f1b", 1, int(b)) for b in args.unprofiled.split(",") if b]
+    if args.bracket and args.profile:
+        raise SystemExit("--bracket measures its own profiles; leave out --profile")
     runs: dict[tuple[str, int, int], list[dict]] = {case: [] for case in cases}
+    before: dict[tuple[tuple[str, int, int], int], pathlib.Path] = {}  # (case, round) -> profile before its run
     for round_ in range(args.rounds):
         for schedule, chunks, b in cases:
+            if args.bracket and before:
+                prof = profile(args, out, f"profile_{len(before)}.json", quiet=True)
+            before[((schedule, chunks, b), round_)] = prof
             t0, stolen = time.perf_counter(), steal_seconds()
             runs[(schedule, chunks, b)].append(train(args, out, prof, schedule, chunks, b, round_))
             wall, stolen = time.perf_counter() - t0, steal_seconds() - stolen
@@ -202,9 +248,14 @@ def main(argv: list[str] | None = None) -> int:
             what = f" round {round_ + 1}" if args.rounds > 1 else ""
             print(f"  {schedule:12s} b={b}{what} done in {wall:5.1f} s (load {_load()}; vCPU time stolen by the "
                   f"host during the run {stolen:.1f} s{after})", flush=True)
-    rows = [(schedule, chunks, b, pooled(runs[(schedule, chunks, b)])) for schedule, chunks, b in cases]
+    if args.bracket:
+        bracket(args, out, runs, before)
+    rows = [(schedule, chunks, b, pooled(runs[(schedule, chunks, b)], per_run=args.bracket))
+            for schedule, chunks, b in cases]
     print(f"\nP={args.stages} M={args.microbatches}, {args.steps} steps per run, {args.rounds} run(s) per case "
-          f"(median of every run's steps after the first)")
+          f"(median of every run's steps after the first)"
+          + ("; each run predicted by the mean of the profiles before and after it, a case by the mean of its "
+             "runs' predictions and medians" if args.bracket else ""))
     head = (f"{'schedule':12s} {'V':>2s} {'b':>2s} {'pred step':>10s} {'meas step':>10s} {'error':>7s}   "
             + "   ".join(f"{'r' + str(r) + ' pred MiB':>12s} {'meas MiB':>9s} {'error':>7s}" for r in range(args.stages)))
     print(head)
@@ -221,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             line += f"   {pb / 2**20:12.2f} {mb / 2**20:9.2f} {em:+7.1%}"
         print(line)
     print(f"\nworst |error|: step time {worst_t:.1%}, peak activation bytes {worst_m:.1%}")
-    where_it_went(args, out, prof, rows)
+    where_it_went(args, out, lambda case, round_: before[(case, round_)], rows)
     if args.reprofile:
         print("\nprofiled again after the runs (drift: the second profile's prediction against the first's):")
         drift_table(args, out, prof, rows)

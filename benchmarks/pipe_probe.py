@@ -31,7 +31,8 @@ from torch import nn
 
 from evenpipe.runtime.stash import ActivationStash
 
-__all__ = ["Captured", "HeapSampler", "SavedBytes", "heap_bytes", "peak_rss_bytes", "run_local_world"]
+__all__ = ["Captured", "HeapSampler", "SavedBytes", "heap_bytes", "peak_rss_bytes", "run_local_world",
+           "answers_or_exit"]
 
 
 class SavedBytes(ActivationStash):
@@ -179,3 +180,12 @@ def run_local_world(world: int, fn: Callable[..., Any], *args: Any, timeout_s: f
                 p.kill()
                 p.join(timeout=5)
     return [results.get(r, {"error": f"rank {r}: no answer within {timeout_s:.0f} s"}) for r in range(world)]
+
+
+def answers_or_exit(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 3600.0) -> list[Any]:
+    """:func:`run_local_world`, exiting with every rank's error instead when any rank failed."""
+    ranks = run_local_world(world, fn, *args, timeout_s=timeout_s)
+    errors = [r["error"] for r in ranks if isinstance(r, dict) and "error" in r]
+    if errors:
+        raise SystemExit("\n".join(errors))
+    return ranks

@@ -275,11 +275,14 @@ def measured_trace_check() -> list[str]:
                           stash=ActivationStash(), trace=True)
     tokens, targets = global_batch(case, cfg.vocab, 0)
     ex.step(tokens, targets)
+    params = [p for m in stages.values() for p in m.parameters()]
+    for p in params:
+        p.grad = None
     res = ex.step(tokens, targets)  # second step: BPipe sizes known, receives posted in place
     recs: list = [None] * 4
     dist.all_gather_object(recs, res.records, group=groups.pp_group)
     trace = measured_trace(schedule, recs)
-    out = []
+    out = _early_receive_check(ex, tokens, targets, res.loss, params)
     if trace.source != "measured" or [len(a) for a in trace.actions] != [len(a) for a in schedule.actions]:
         out.append(f"measured trace: source {trace.source}, actions {[len(a) for a in trace.actions]}")
     moved = {k: sum(t.num_bytes for t in trace.transfers if t.kind is k) for k in (ActionKind.EVICT,
@@ -305,6 +308,50 @@ def measured_trace_check() -> list[str]:
         out.append(f"measured trace: transfer action ends before it starts: {late[0]}")
     out += _causality_problems(trace)
     return out + [ran(f"measured trace rank {groups.pp_rank}")]
+
+
+def _early_receive_check(ex: Any, tokens: Any, targets: Any, loss: float, params: list) -> list[str]:
+    """The same step again with ``early_receives``: the same loss and gradients, every receive posted early."""
+    import torch
+    import torch.distributed as dist
+
+    from evenpipe.runtime.trace import measured_trace
+    grads = [None if p.grad is None else p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    ex.early_receives = True
+    try:
+        res = ex.step(tokens, targets)
+    finally:
+        ex.early_receives = False
+    out = []
+    if res.loss != loss:
+        out.append(f"early receives: loss {res.loss} against {loss} posted in place")
+    if any((g is None) != (p.grad is None) or (g is not None and not torch.equal(g, p.grad))
+           for g, p in zip(grads, params)):
+        out.append("early receives: gradients differ from the step with receives posted in place")
+    recs: list = [None] * ex.groups.pp
+    dist.all_gather_object(recs, res.records, group=ex.groups.pp_group)
+    return out + _early_receive_problems(measured_trace(ex.schedule, recs))
+
+
+def _early_receive_problems(trace: Any) -> list[str]:
+    """With ``early_receives`` every pipeline receive is posted with the transfer run before its own: a receive
+    whose run has an earlier run on its rank is posted before the compute just before its own run starts."""
+    from evenpipe.schedule.ir import ActionKind
+    out = []
+    for acts in trace.actions:
+        runs, last_compute = 0, None
+        for i, rec in enumerate(acts):
+            if not rec.kind.is_transfer:
+                last_compute = rec
+                continue
+            runs += i == 0 or not acts[i - 1].kind.is_transfer
+            if rec.kind in (ActionKind.RECV_F, ActionKind.RECV_B) and runs > 1 and last_compute is not None \
+                    and rec.start > last_compute.start:
+                out.append(f"measured trace: {rec.action} on rank {rec.rank} posted at {rec.start * 1e3:.3f} ms, "
+                           f"after {last_compute.action} started at {last_compute.start * 1e3:.3f} ms")
+    return out[:3]
 
 
 def _causality_problems(trace: Any) -> list[str]:

@@ -149,13 +149,15 @@ class PipelineExecutor:
     stage takes the micro-batch ``inputs``, the last stage's output goes to ``loss_fn`` with the targets.
     ``stash`` is an :class:`evenpipe.runtime.stash.ActivationStash` (accounting and BPipe); without one, memory
     is not measured and BPipe actions are refused. ``grad_sync``, when given, replaces the data-parallel
-    gradient all-reduce at the end of a step (see :mod:`evenpipe.runtime.sharding`).
+    gradient all-reduce at the end of a step (see :mod:`evenpipe.runtime.sharding`). ``early_receives``
+    posts every pipeline receive with the transfer run before its own (off by default: see
+    :meth:`_StepRun.execute`).
     """
 
     def __init__(self, *, schedule: Schedule, stages: Mapping[int, nn.Module], groups: ParallelGroups,
                  loss_fn: LossFn, free_outputs: bool = True, stash: Any = None,
                  device: torch.device | str = "cpu", trace: bool = False,
-                 grad_sync: Callable[[], None] | None = None) -> None:
+                 grad_sync: Callable[[], None] | None = None, early_receives: bool = False) -> None:
         if schedule.num_ranks != groups.pp:
             raise ConfigError(f"schedule has {schedule.num_ranks} ranks but the pipeline has {groups.pp}")
         mine = schedule.stages_of(groups.pp_rank)
@@ -186,6 +188,12 @@ class PipelineExecutor:
         self._shapes: dict[tuple[int, ...], dict[int, tuple[tuple[int, ...], torch.dtype]]] = {}
         self._bpipe_sizes: dict[tuple[int, ...], dict[int, tuple[int, int]]] = {}  # learned on the first step
         self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in self.stages.items()}
+        if early_receives and dist.get_backend(groups.pp_group) != "gloo":
+            raise ConfigError("early_receives is for gloo; the pipeline group runs "
+                              f"{dist.get_backend(groups.pp_group)} (NCCL runs a group's transfers in order on "
+                              "one stream, where a receive posted early could wait)")
+        self.early_receives = early_receives
+        """Post each pipeline receive one transfer run early (see :meth:`_StepRun.execute`; gloo only)."""
         if dist.get_backend(groups.pp_group) == "nccl":  # NCCL: first call on a group must involve all its ranks
             for grp in (groups.pp_group, groups.bpipe_group, groups.dp_group):
                 if grp is not None:
@@ -361,17 +369,32 @@ class _StepRun:
 
     # -- loop ------------------------------------------------------------------------------------------------
     def execute(self) -> None:
+        """Run this rank's actions in order; each run of transfer actions between two computes is posted at once.
+
+        With ``early_receives`` a run also posts the pipeline receives of the next run (they are skipped there).
+        Over gloo posting a receive never waits, so posting it earlier cannot deadlock; it allocates the receive's
+        buffer one run earlier. Over gloo a send whose receive is not posted yet waits for it, and a message posted in place can
+        wait for the sender's communication thread on a busy core; posted early, the receiver's thread reads it
+        during the receiver's compute instead. On a 2-core host neither way won consistently
+        (``benchmarks/bench_early_receives.py``: late/early step 0.96-1.02), so it is off by default.
+        """
         acts, phases = self.ex.actions, self.ex.phases
         compute, host_move = Phase.COMPUTE, Phase.HOST_MOVE
+        early = self.ex.early_receives
+        posted_early: set[int] = set()
         i = 0
         while i < len(acts):
             a = acts[i]
             phase = phases[a.kind.code]
             if phase is not compute and phase is not host_move:
-                j = i
-                while j < len(acts) and phases[acts[j].kind.code] not in (compute, host_move):
-                    j += 1
-                self._post(list(range(i, j)))
+                j = self._run_end(i)
+                run = [k for k in range(i, j) if k not in posted_early]
+                if early:
+                    ahead = self._next_pipeline_receives(j)
+                    posted_early.update(ahead)
+                    run += ahead
+                if run:
+                    self._post(run)
                 i = j
                 continue
             self.current = a
@@ -398,6 +421,20 @@ class _StepRun:
         leftover = [k for k in self.recvs]
         assert not leftover, f"receives never consumed: {leftover}"
         self.bpipe = None  # type: ignore[assignment]  # break the run <-> BpipeOps cycle: free the step at once
+
+    def _run_end(self, i: int) -> int:
+        """End (exclusive) of the run of transfer actions starting at ``i``."""
+        acts, phases = self.ex.actions, self.ex.phases
+        while i < len(acts) and phases[acts[i].kind.code] not in (Phase.COMPUTE, Phase.HOST_MOVE):
+            i += 1
+        return i
+
+    def _next_pipeline_receives(self, j: int) -> list[int]:
+        """Indices of the pipeline receives (``RECV_F``/``RECV_B``) in the first transfer run at or after ``j``."""
+        acts, phases = self.ex.actions, self.ex.phases
+        while j < len(acts) and phases[acts[j].kind.code] in (Phase.COMPUTE, Phase.HOST_MOVE):
+            j += 1
+        return [k for k in range(j, self._run_end(j)) if acts[k].kind in (_K.RECV_F, _K.RECV_B)]
 
     def _retire_sends(self) -> None:
         """After each compute: wait for the sends posted before the compute that just ran, and release them.
