@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-host-probe", action="store_true",
                     help="skip the CPU host probe (GPU runs, where it measures nothing that matters, and dry runs)")
     args = ap.parse_args(argv)
+    if args.bracket and (args.profile or args.reprofile):
+        raise SystemExit("--bracket measures its own profiles, after the runs too; leave out --profile and "
+                         "--reprofile")
     probe = (lambda: print(host_line(), flush=True)) if not args.no_host_probe else (lambda: None)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -229,8 +232,6 @@ def main(argv: list[str] | None = None) -> int:
     wanted = args.schedules.split(",")
     cases = [(s, v, int(b)) for b in args.sizes.split(",") if b for s, v in CASES if s in wanted]
     cases += [("1f1b", 1, int(b)) for b in args.unprofiled.split(",") if b]
-    if args.bracket and args.profile:
-        raise SystemExit("--bracket measures its own profiles; leave out --profile")
     runs: dict[tuple[str, int, int], list[dict]] = {case: [] for case in cases}
     before: dict[tuple[tuple[str, int, int], int], pathlib.Path] = {}  # (case, round) -> profile before its run
     for round_ in range(args.rounds):

@@ -66,7 +66,8 @@ def test_bracket_predicts_each_run_from_the_profiles_around_it(fakes: dict, tmp_
     assert rows["1f1b"][3] == "117.5ms" and rows["1f1b"][4] == "130.0ms" and rows["1f1b"][5] == "-9.6%"
 
 
-def test_bracket_refuses_a_given_profile(fakes: dict, tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("extra", [["--profile", "p.json"], ["--reprofile"]])
+def test_bracket_refuses_other_profiles(fakes: dict, tmp_path: pathlib.Path, extra: list[str]) -> None:
     with pytest.raises(SystemExit, match="--bracket"):
-        bench_predict.main(["--out", str(tmp_path), "--profile", str(tmp_path / "p.json"), "--bracket",
-                            "--no-host-probe"])
+        bench_predict.main(["--out", str(tmp_path), *extra, "--bracket", "--no-host-probe"])
+    assert fakes["profiles"] == [] and fakes["trained_with"] == []
