@@ -96,8 +96,8 @@ def main() -> None:
                   f"{p90 * 1e3:7.2f}")
     pairs = [max(r["late"]["step"][i] for r in ranks) / max(r["early"]["step"][i] for r in ranks)
              for i in range(args.steps)]
-    print(f"step late / early, paired by iteration: median {statistics.median(pairs):.3f} "
-          f"[{statistics.quantiles(pairs, n=4)[0]:.3f}-{statistics.quantiles(pairs, n=4)[2]:.3f}]")
+    low, mid, high = statistics.quantiles(pairs, n=4)
+    print(f"step late / early, paired by iteration: median {mid:.3f} [{low:.3f}-{high:.3f}]")
 
 
 if __name__ == "__main__":

@@ -143,9 +143,11 @@ def where_it_went(args: argparse.Namespace, out: pathlib.Path,
             tag = _tag(args, schedule, b, round_)
             meas = Trace.from_json((out / f"{tag}_trace.evenpipe.json").read_text())
             c = compare_traces(pred, meas)
-            per_run.append([c.step.error or 0.0]
-                           + [x for r in range(args.stages) for x in (c.per_rank[r][1].measured / c.per_rank[r][1].predicted,
-                                                                       c.per_rank[r][2].measured - c.per_rank[r][2].predicted)])
+            row = [c.step.error or 0.0]
+            for r in range(args.stages):
+                busy, idle = c.per_rank[r][1], c.per_rank[r][2]
+                row += [busy.measured / busy.predicted, idle.measured - idle.predicted]
+            per_run.append(row)
         med = [statistics.median(col) for col in zip(*per_run)]
         line = f"{schedule:12s} {chunks:2d} {b:2d} {med[0]:+8.1%}   "
         line += "   ".join(f"{med[1 + 2 * r]:8.3f} {med[2 + 2 * r] * 1e3:+11.1f}" for r in range(args.stages))

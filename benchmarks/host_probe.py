@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import queue
 import os
 import statistics
 import time
@@ -64,7 +65,13 @@ def _in_copies(target: Any, args: tuple, copies: int) -> list[list[float]]:
     procs = [ctx.Process(target=target, args=(*args, q)) for _ in range(copies)]
     for p in procs:
         p.start()
-    results = [q.get() for _ in procs]
+    results: list[list[float]] = []
+    while len(results) < copies:  # a copy that died must not leave the probe waiting forever
+        try:
+            results.append(q.get(timeout=5.0))
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) and q.empty():
+                raise SystemExit(f"host probe: {copies - len(results)} of {copies} copies exited without a result")
     for p in procs:
         p.join()
     return results

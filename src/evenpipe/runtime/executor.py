@@ -373,9 +373,9 @@ class _StepRun:
 
         With ``early_receives`` a run also posts the pipeline receives of the next run (they are skipped there).
         Over gloo posting a receive never waits, so posting it earlier cannot deadlock; it allocates the receive's
-        buffer one run earlier. Over gloo a send whose receive is not posted yet waits for it, and a message posted in place can
-        wait for the sender's communication thread on a busy core; posted early, the receiver's thread reads it
-        during the receiver's compute instead. On a 2-core host neither way won consistently
+        buffer one run earlier. A send whose receive is not posted yet waits for it, so a message posted in place
+        can wait for the sender's communication thread on a busy core; posted early, the receiver's thread reads
+        it during the receiver's compute instead. On a 2-core host neither way won consistently
         (``benchmarks/bench_early_receives.py``: late/early step 0.96-1.02), so it is off by default.
         """
         acts, phases = self.ex.actions, self.ex.phases
@@ -388,7 +388,7 @@ class _StepRun:
             phase = phases[a.kind.code]
             if phase is not compute and phase is not host_move:
                 j = self._run_end(i)
-                run = [k for k in range(i, j) if k not in posted_early]
+                run = [k for k in range(i, j) if k not in posted_early] if early else list(range(i, j))
                 if early:
                     ahead = self._next_pipeline_receives(j)
                     posted_early.update(ahead)

@@ -51,6 +51,7 @@ from evenpipe.cost.profile import (
     Profile,
     ProfileError,
 )
+from evenpipe.runtime.executor import _run_backward
 from evenpipe.runtime.launch import hosted_rendezvous
 from evenpipe.runtime.split_backward import backward_input, backward_weight
 from evenpipe.runtime.stages import StageModule
@@ -254,7 +255,6 @@ class _LayerBench:
     def once(self, x0: torch.Tensor, extra: Sequence[torch.Tensor], sizes: dict[str, float]) -> dict[str, float]:
         """One run of every timed part at one size: F + B, then F (as recompute) + I + W; the byte counts go
         into ``sizes`` on the first run (an empty dict)."""
-        from evenpipe.runtime.executor import _run_backward
         # full backward
         x = self._inputs(x0)
         t_f, out, key = self._forward(x, extra, hold=True)
@@ -388,7 +388,6 @@ def _computes_before_the_optimizer(options: ProfileOptions, built: Any, chain: S
                                    device: torch.device, dtype: torch.dtype) -> dict[LayerKind, Callable[[], None]]:
     """Per kind, one forward and backward of its layers at the smallest profiled micro-batch size (gradients
     accumulate into theirs): what runs on a rank before its optimizer step."""
-    from evenpipe.runtime.executor import _run_backward
     b, s = min(options.microbatch_sizes), min(options.seq_lens or (options.model_config.seq_len,))
     tokens, hidden = _sample_inputs(options, b, s, device, dtype)
     stage = _blocks_as_stage(chain)
