@@ -119,12 +119,18 @@ def where_it_went(args: argparse.Namespace, out: pathlib.Path,
                   profile_of: Callable[[tuple[str, int, int], int], pathlib.Path],
                   rows: list[tuple[str, int, int, dict]]) -> None:
     """Each case's traced step (the last of each run) against the simulated schedule of the profile, medians over
-    its runs: the pipeline's error; per rank, how much longer its computes took than profiled (busy; where this
-    moves from run to run it is the host's speed, not the model) and how much longer it idled (waits)."""
+    its runs: the pipeline's error; the error of its replay (the schedule simulated with each compute's measured
+    time and the profile's links: what the communication model leaves); per rank, how much longer its computes
+    took than profiled (busy; where this moves from run to run it is the host's speed, not the model) and how much
+    longer it idled (waits)."""
+    from evenpipe.cost.profile import Profile
+    from evenpipe.cost.profile_fit import ProfileModel
     from evenpipe.sim import Trace
     from evenpipe.sim.compare import compare_traces
-    print("\nwhere the step went (each run's traced last step against the simulated schedule; medians over runs)")
-    head = (f"{'schedule':12s} {'V':>2s} {'b':>2s} {'pipeline':>8s}   "
+    from evenpipe.sim.replay import replay
+    print("\nwhere the step went (each run's traced last step against the simulated schedule, and against its replay "
+          "with the measured compute times; medians over runs)")
+    head = (f"{'schedule':12s} {'V':>2s} {'b':>2s} {'pipeline':>8s} {'replay':>7s}   "
             + "   ".join(f"{'r' + str(r) + ' busy':>8s} {'r' + str(r) + ' idle +ms':>11s}" for r in range(args.stages)))
     print(head)
     print("-" * len(head))
@@ -143,14 +149,15 @@ def where_it_went(args: argparse.Namespace, out: pathlib.Path,
             tag = _tag(args, schedule, b, round_)
             meas = Trace.from_json((out / f"{tag}_trace.evenpipe.json").read_text())
             c = compare_traces(pred, meas)
-            row = [c.step.error or 0.0]
+            costs = ProfileModel(Profile.from_json(prof.read_text())).sim_costs(meas.schedule, microbatch_size=b)
+            row = [c.step.error or 0.0, compare_traces(replay(meas, costs), meas).step.error or 0.0]
             for r in range(args.stages):
                 busy, idle = c.per_rank[r][1], c.per_rank[r][2]
                 row += [busy.measured / busy.predicted, idle.measured - idle.predicted]
             per_run.append(row)
         med = [statistics.median(col) for col in zip(*per_run)]
-        line = f"{schedule:12s} {chunks:2d} {b:2d} {med[0]:+8.1%}   "
-        line += "   ".join(f"{med[1 + 2 * r]:8.3f} {med[2 + 2 * r] * 1e3:+11.1f}" for r in range(args.stages))
+        line = f"{schedule:12s} {chunks:2d} {b:2d} {med[0]:+8.1%} {med[1]:+7.1%}   "
+        line += "   ".join(f"{med[2 + 2 * r]:8.3f} {med[3 + 2 * r] * 1e3:+11.1f}" for r in range(args.stages))
         print(line)
 
 

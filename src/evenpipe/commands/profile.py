@@ -106,6 +106,11 @@ def fit_report(profile: Profile, predict_sizes: tuple[int, ...] = ()) -> str:
         lines.append(f"point-to-point ({profile.machine.backend}): latency {link.latency_s * 1e6:.0f} us, "
                      f"bandwidth {bw / 1e9:.2f} GB/s (fit over {len(profile.link)} sizes, "
                      f"{profile.link[0].num_bytes} B .. {profile.link[-1].num_bytes / 2**20:.0f} MiB)")
+    if profile.handoff_latency_s > 0:
+        lines.append(f"a hand-off between computing processes ({profile.handoff_bytes / 2**10:.0f} KiB): "
+                     f"{profile.handoff_latency_s * 1e3:.2f} ms mean with its receive waiting (the link's latency: "
+                     f"{link.latency_s * 1e6:.0f} us), {profile.late_receive_s * 1e3:.2f} ms more when the receive "
+                     "is posted after the send")
     if profile.transfer_cpu_s_per_byte > 0:
         lines.append(f"a transfer's cost to the computes at both ends: {profile.transfer_cpu_s_per_byte * 2**20 * 1e3:.3f} "
                      "ms per MiB sent or received")

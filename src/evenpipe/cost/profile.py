@@ -188,6 +188,16 @@ class Profile:
     transfer_cpu_s_per_byte: float = 0.0
     """Seconds of compute each of two processes loses per byte it sends or receives meanwhile (a CPU host, where
     the backend's threads copy on the computing cores; 0 where not measured). Read by :class:`Link`."""
+    handoff_latency_s: float = 0.0
+    """Mean seconds a boundary message of the smallest profiled micro-batch takes between two processes that
+    compute the model's block between hand-offs, when its receive was posted before its send (0 where not
+    measured). Read by :func:`~evenpipe.cost.profile_fit.link_from_profile` as the link's latency at that size."""
+    late_receive_s: float = 0.0
+    """Mean extra seconds such a message takes when its receive is posted after its send (gloo moves it only then,
+    and on a CPU host the sender's communication thread waits for its busy core; 0 where not measured): the link's
+    ``late_receive_s``."""
+    handoff_bytes: int = 0
+    """Size of the messages ``handoff_latency_s`` and ``late_receive_s`` timed."""
     repeats: int = 0
     """Timed repeats per mean."""
     warmup: int = 0
@@ -218,6 +228,8 @@ class Profile:
             "optimizer_s": {k.value: v for k, v in self.optimizer_s.items()},
             "link": [asdict(s) for s in self.link], "step_overhead_s": self.step_overhead_s,
             "transfer_cpu_s_per_byte": self.transfer_cpu_s_per_byte,
+            "handoff_latency_s": self.handoff_latency_s, "late_receive_s": self.late_receive_s,
+            "handoff_bytes": self.handoff_bytes,
             "repeats": self.repeats, "warmup": self.warmup, "block_chain": self.block_chain,
         }
 
@@ -243,6 +255,9 @@ class Profile:
                        step_overhead_s=float(doc.get("step_overhead_s", 0.0)),
                        transfer_cpu_s_per_byte=_non_negative(doc.get("transfer_cpu_s_per_byte", 0.0),
                                                              "transfer_cpu_s_per_byte"),
+                       handoff_latency_s=_non_negative(doc.get("handoff_latency_s", 0.0), "handoff_latency_s"),
+                       late_receive_s=_non_negative(doc.get("late_receive_s", 0.0), "late_receive_s"),
+                       handoff_bytes=int(_non_negative(doc.get("handoff_bytes", 0), "handoff_bytes")),
                        repeats=int(doc.get("repeats", 0)),
                        warmup=int(doc.get("warmup", 0)), block_chain=int(doc.get("block_chain", 1)))
         except ProfileError:

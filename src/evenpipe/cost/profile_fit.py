@@ -268,18 +268,25 @@ def even_layout(num_blocks: int, num_stages: int) -> tuple[int, ...]:
 
 def link_from_profile(profile: Profile) -> Link:
     """Latency and bandwidth fitted to the profile's message times, relative residuals weighted alike from 4 B
-    to megabytes (a free link when none were measured), and the compute time a transfer takes from each end."""
+    to megabytes (a free link when none were measured), and the compute time a transfer takes from each end.
+    Where the profile timed hand-offs between computing processes, the latency is raised so that a message of
+    their size whose receive waits takes ``handoff_latency_s``, and a receive posted after its send costs
+    ``late_receive_s`` more: a pipeline's messages travel between busy processes, and on a CPU host that costs
+    more than the idle ping-pong shows."""
     cpu = profile.transfer_cpu_s_per_byte
-    if not profile.link:
-        return Link(cpu_s_per_byte=cpu)
+    latency, per_byte = 0.0, 0.0
     if len(profile.link) == 1:
-        return Link(latency_s=profile.link[0].seconds, cpu_s_per_byte=cpu)
-    fit = fit_least_squares(("1", "bytes"), [(1.0, float(s.num_bytes)) for s in profile.link],
-                            [s.seconds for s in profile.link], relative=True)
-    latency, per_byte = fit.coefficients
+        latency = profile.link[0].seconds
+    elif profile.link:
+        fit = fit_least_squares(("1", "bytes"), [(1.0, float(s.num_bytes)) for s in profile.link],
+                                [s.seconds for s in profile.link], relative=True)
+        latency, per_byte = fit.coefficients
+    per_byte = max(0.0, per_byte)
+    latency = max(0.0, latency, profile.handoff_latency_s - per_byte * profile.handoff_bytes)
+    late = profile.late_receive_s
     if per_byte <= 0:
-        return Link(latency_s=max(0.0, latency), cpu_s_per_byte=cpu)
-    return Link(latency_s=max(0.0, latency), bandwidth_bytes_per_s=1.0 / per_byte, cpu_s_per_byte=cpu)
+        return Link(latency_s=latency, cpu_s_per_byte=cpu, late_receive_s=late)
+    return Link(latency_s=latency, bandwidth_bytes_per_s=1.0 / per_byte, cpu_s_per_byte=cpu, late_receive_s=late)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -21,7 +21,13 @@ step, and two processes left to drift apart overlap only part of the time), and 
 training sees (shared caches and memory bandwidth); each time is the median over processes of their means. The
 same processes then time ping-pong messages between ranks 0 and 1 over the runtime's backend (gloo on CPU, NCCL
 with two GPUs), one small broadcast (the per-step fixed cost of sharing the loss) and, on a CPU host, how much a
-compute slows down while both processes send and receive 16 MiB (``Profile.transfer_cpu_s_per_byte``).
+compute slows down while both processes send and receive 16 MiB (``Profile.transfer_cpu_s_per_byte``) and how
+long the model's boundary message takes when the two processes hand it back and forth between computes of its
+block as pipeline ranks do: when its receive was waiting (``Profile.handoff_latency_s``) and how much longer
+when the receive came after the send (``Profile.late_receive_s``; gloo moves a message only once its receive is
+posted). Replaying measured steps of every schedule with their own compute times (``evenpipe.sim.replay``) left
+up to 7% of the step unexplained with the idle ping-pong's latency of 0.1 ms, and at most 2.8% with a 2 ms cost
+for late receives; this probe measures 0.2-1.9 ms for that cost, so part of it stays unexplained.
 """
 
 from __future__ import annotations
@@ -487,6 +493,99 @@ def _broadcast_time(repeats: int, device: torch.device) -> float:
     return statistics.median(ts)
 
 
+_HANDOFF_ROUNDS = 100
+"""Hand-offs timed by :func:`_handoffs` (after 4 untimed ones; their mean has a heavy tail)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Handoffs:
+    """What :func:`_handoffs` measured on one rank: its messages' delivery times, split by which was posted first."""
+
+    receive_first: tuple[float, ...]
+    """Seconds from the send's post to arrival, for messages whose receive was already posted."""
+    send_first: tuple[float, ...]
+    """Seconds from the receive's post to arrival, for messages whose send was posted before it."""
+    num_bytes: int
+    """Bytes per message."""
+
+
+def _handoffs(rank: int, options: ProfileOptions, device: torch.device, dtype: torch.dtype) -> Handoffs:
+    """Ranks 0 and 1 run 1F1B's steady state between two stages of one block each, the executor's way, and time
+    every message from the moment it is both sent and awaited (the later of the send's post time, carried in the
+    payload, and the receive's) to its arrival. Rank 0 runs a forward, posts ``[send activation, receive
+    gradient]``, waits for the gradient and runs the backward of an earlier micro-batch; rank 1 posts ``[send
+    gradient, receive activation]``, waits, runs forward and backward. Their cycles are as long, so as in a
+    pipeline either side is sometimes late: a receive posted after its message was sent waits for the sender's
+    communication thread, which on a CPU host competes with the sender's compute (gloo moves a message only once
+    its receive is posted). At the smallest profiled size. Every rank of the group calls it; ranks beyond 1 compute
+    alongside and time nothing."""
+    from evenpipe.runtime.comm import Transfer, post_batch
+    peer = 1 - rank if rank < 2 else -1
+    built = _build(options, device, dtype)
+    stage = _blocks_as_stage([built.parts.blocks[0]])
+    _, hidden = _sample_inputs(options, min(options.microbatch_sizes), (options.seq_lens or
+                                                                         (options.model_config.seq_len,))[0],
+                               device, dtype)
+    grad = torch.randn_like(hidden)
+    words = max(1, _nbytes(hidden) // 8)  # float64 words: the first carries the send's post time
+    group = dist.group.WORLD
+    receive_first: list[float] = []
+    send_first: list[float] = []
+    sending = None
+    held: list[torch.Tensor] = []  # rank 0: outputs of forwards whose backward comes a round later
+
+    def forward() -> None:
+        held.append(stage(hidden.detach().requires_grad_(True)))
+
+    def backward() -> None:
+        held.pop(0).backward(grad)
+
+    if rank == 0:
+        forward()
+    for i in range(_HANDOFF_ROUNDS + 4):
+        if peer < 0:
+            forward()
+            backward()
+            continue
+        if rank == 0:
+            forward()
+        out = torch.zeros(words, dtype=torch.float64)
+        into = torch.empty_like(out)
+        posted = time.perf_counter()
+        out[0] = posted
+        batch = post_batch([Transfer(send=True, tensor=out, peer=peer, group=group, tag=100 + i),
+                            Transfer(send=False, tensor=into, peer=peer, group=group, tag=100 + i)])
+        batch.wait_for(into)
+        arrived = time.perf_counter()
+        if sending is not None:
+            sending.wait_sends()
+        sending = batch
+        sent = float(into[0])
+        if i >= 4:
+            (send_first if sent < posted else receive_first).append(arrived - max(posted, sent))
+        if rank == 1:
+            forward()
+        backward()
+    if sending is not None:
+        sending.wait_sends()
+    held.clear()
+    for p in stage.parameters():
+        p.grad = None
+    return Handoffs(tuple(receive_first), tuple(send_first), 8 * words)
+
+
+def _handoff_terms(per_rank: Sequence[Handoffs]) -> tuple[float, float, int]:
+    """The link's latency for a message whose receive waits (mean over both ranks) and the extra a message takes
+    when its receive is posted after its send (difference of the means, at least 0), and their message size."""
+    first = [t for h in per_rank for t in h.receive_first]
+    late = [t for h in per_rank for t in h.send_first]
+    if not first and not late:
+        return 0.0, 0.0, 0
+    waiting = statistics.fmean(first) if first else 0.0
+    extra = max(0.0, statistics.fmean(late) - waiting) if late and first else 0.0
+    return waiting, extra, per_rank[0].num_bytes
+
+
 # ---- processes ------------------------------------------------------------------------------------------------
 
 def _worker(rank: int, world: int, port: int, options: ProfileOptions, show: bool, queue: Any) -> None:
@@ -509,6 +608,7 @@ def _worker(rank: int, world: int, port: int, options: ProfileOptions, show: boo
         progress.step("optimizer step")
         link: list[LinkSample] = []
         overhead = cpu_per_byte = 0.0
+        handoff = Handoffs((), (), 0)
         if world > 1 and (backend == "nccl" or device.type == "cpu"):
             dist.barrier()
             link = _ping_pong(rank, options.link_sizes, options.repeats, device if backend == "nccl"
@@ -517,8 +617,10 @@ def _worker(rank: int, world: int, port: int, options: ProfileOptions, show: boo
             if device.type == "cpu":
                 dist.barrier()
                 cpu_per_byte = _transfer_cpu_cost(rank, options.repeats)
+                dist.barrier()
+                handoff = _handoffs(rank, options, device, DTYPES[options.dtype])
         progress.step("point-to-point messages")
-        queue.put(("ok", rank, layers, opt, link, overhead, backend, cpu_per_byte))
+        queue.put(("ok", rank, layers, opt, link, overhead, backend, cpu_per_byte, handoff))
         if world > 1:
             dist.barrier()
             dist.destroy_process_group()
@@ -599,13 +701,15 @@ def _profile_in(options: ProfileOptions, world: int, port: int, *, show_progress
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = env_threads
-    layers, opt, link, overhead, backend, _ = results[0]
+    layers, opt, link, overhead, backend, _, _ = results[0]
     measured = [r for r in results.values() if r[0]]
     pair = [results[r][5] for r in (0, 1) if r in results]  # the two processes that exchanged
+    waiting, late, handoff_bytes = _handoff_terms([results[r][6] for r in (0, 1) if r in results])
     return Profile(machine=_machine(options, backend, world), model=_model_info(options),
                    layers=_merge_layers([r[0] for r in measured]),
                    optimizer_s={k: statistics.median(r[1][k] for r in measured) for k in opt}, link=tuple(link),
                    step_overhead_s=overhead, transfer_cpu_s_per_byte=statistics.mean(pair) if world > 1 else 0.0,
+                   handoff_latency_s=waiting, late_receive_s=late, handoff_bytes=handoff_bytes,
                    repeats=options.repeats, warmup=options.warmup,
                    block_chain=options.chain_length)
 

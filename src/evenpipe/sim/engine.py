@@ -15,6 +15,8 @@ Execution model (the runtime's as well):
   those transfers' exposed time. An acceptor's own ``F`` does not wait for its ``RETURN``s (that would stall
   it for a slow link; the BPipe transform bounds the overlap instead, see below);
 - host offload/reload use the rank's host link, ``costs.link(rank, rank)``, one transfer per direction at a time;
+- a message whose receive is posted after its send takes ``late_receive_s`` of its link longer (a rendezvous
+  backend on a busy CPU host, see :mod:`evenpipe.sim.costs`);
 - a link with ``cpu_s_per_byte`` (a CPU host, where the backend's threads copy on the cores that compute) gives
   each endpoint rank ``cpu_s_per_byte * bytes`` of work when the transfer starts; it runs once the rank's
   current compute ends (or at once on an idle rank), and the rank's next compute starts after it. Transfers
@@ -136,6 +138,8 @@ class _Xfer:
     """Whether the start allocates on the receiver (ACCEPT, LOAD, RELOAD)."""
     cpu: float = 0.0
     """Seconds of compute each endpoint rank gives to this transfer (``Link.cpu_s_per_byte``)."""
+    late: float = 0.0
+    """Seconds added when the receive was posted after the send (``Link.late_receive_s``)."""
 
 
 def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
@@ -161,13 +165,16 @@ def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
     return trace if trace is not None else simulate_events(schedule, costs)
 
 
-def simulate_events(schedule: Schedule, costs: SimCosts) -> Trace:
-    """The reference: simulate with the event engine described above (same contract as :func:`simulate`)."""
+def simulate_events(schedule: Schedule, costs: SimCosts, *,
+                    durations: dict[tuple[int, int], float] | None = None) -> Trace:
+    """The reference: simulate with the event engine described above (same contract as :func:`simulate`).
+    ``durations`` gives every compute its own duration, keyed by (rank, index in the rank's action list),
+    instead of its stage's (see :func:`evenpipe.sim.replay.replay`)."""
     _check_costs(schedule, costs)
     collecting = gc.isenabled()
     gc.disable()  # the run allocates ~10^6 small acyclic objects; cyclic GC passes would cost ~25%
     try:
-        return _Engine(schedule, costs).run()
+        return _Engine(schedule, costs, per_action=durations).run()
     finally:
         if collecting:
             gc.enable()
@@ -200,8 +207,8 @@ class _Engine:
     schedule: Schedule
     costs: SimCosts
     xfers: list[_Xfer] = field(default_factory=list)
-    time_of: dict[tuple[tuple[int, int], float], tuple[float, float]] = field(default_factory=dict)
-    """Transfer time and endpoint CPU time per (directed pair, bytes), computed once."""
+    time_of: dict[tuple[tuple[int, int], float], tuple[float, float, float]] = field(default_factory=dict)
+    """Transfer time, endpoint CPU time and late-receive cost per (directed pair, bytes), computed once."""
     duration: list[list[float]] = field(default_factory=list)
     """Per compute code (F, B, I, W, R) and stage, the action's duration."""
     codes: list[list[int]] = field(default_factory=list)
@@ -238,6 +245,8 @@ class _Engine:
     """Per rank, (time, bytes delta) in the order they were decided."""
     late: list[Hashable] = field(default_factory=list)
     """Compute-completion signals to announce at their end time (event ids after the transfers')."""
+    per_action: dict[tuple[int, int], float] | None = None
+    """Per (rank, action index), a compute's own duration instead of its stage's (a replay of measured times)."""
 
     # -- preparation --------------------------------------------------------------------------------------
     def _bytes_moved(self, stage: int, mb: int) -> float:
@@ -253,11 +262,13 @@ class _Engine:
             host_side = max(src, dst)  # a host transfer uses the rank's own pair (rank, rank)
             timing = self.costs.link(src, dst) if src != _HOST and dst != _HOST else \
                 self.costs.link(host_side, host_side)
-            times = self.time_of[(link, num_bytes)] = (timing.transfer_time(num_bytes), timing.cpu_time(num_bytes))
+            times = self.time_of[(link, num_bytes)] = (timing.transfer_time(num_bytes), timing.cpu_time(num_bytes),
+                                                       timing.late_receive_s)
         self.xfers.append(_Xfer(src, dst, kind, stage, mb, num_bytes, times[0], link,
                                 send_pos, recv_pos, tid if signal is None else signal,
                                 (send_pos is not None) + (recv_pos is not None), 0.0, -1.0, -1.0, 0.0,
-                                _FREES[kind.code], _ALLOCS[kind.code], times[1]))
+                                _FREES[kind.code], _ALLOCS[kind.code], times[1],
+                                times[2] if send_pos is not None and recv_pos is not None else 0.0))
         if send_pos is not None:
             self.xfer_at[send_pos[0]][send_pos[1]] = tid
         if recv_pos is not None:
@@ -498,7 +509,12 @@ class _Engine:
             self._charge_cpu(x, now)
         if x.allocs:
             self._alloc(x.dst, (x.stage, x.microbatch), now, x.num_bytes)
-        x.end = end = now + x.duration
+        end = now + x.duration
+        if x.late:  # the receive was posted after the send: the sender's side moves the data only now
+            sent, recv = x.send_pos, x.recv_pos
+            if self.starts[recv[0]][recv[1]] > self.starts[sent[0]][sent[1]]:  # type: ignore[index]
+                end += x.late
+        x.end = end
         self.links_free[x.link] = end
         if end <= self.now:
             self.soon.append(-(tid + 1))
@@ -587,7 +603,8 @@ class _Engine:
                 x.ready_data = now
             x.pending -= 1
             if not x.pending:
-                if x.duration == 0.0 and self.links_free.get(x.link, 0.0) <= now and not self.link_queue.get(x.link):
+                if x.duration == 0.0 and not x.late and self.links_free.get(x.link, 0.0) <= now \
+                        and not self.link_queue.get(x.link):
                     x.start = x.end = now  # instant on a free link: arrives now, link stays free
                     if x.cpu:
                         self._charge_cpu(x, now)
@@ -612,7 +629,7 @@ class _Engine:
         if self.gates[r][i]:
             self._expose_gate(r, i, start)
         stage = a.stage
-        end = start + self.duration[c][stage]
+        end = start + (self.duration[c][stage] if self.per_action is None else self.per_action[(r, i)])
         key = (stage, a.microbatch)
         held = self.held[r]
         if c == _F:

@@ -50,7 +50,7 @@ def simulate_free(schedule: Schedule, costs: SimCosts, *, trust_validation: bool
     A schedule that passed the validator (:func:`~evenpipe.schedule.validate.passed_validation`) is timed in one
     pass over its lists that relies on the validator's rules; ``trust_validation=False`` (the golden tests) takes
     the path that checks them itself, which every other schedule takes."""
-    if costs.charges_cpu:
+    if costs.event_engine_only:
         return None
     collecting = gc.isenabled()
     gc.disable()  # ~10^5 acyclic objects: cyclic collections would only cost time

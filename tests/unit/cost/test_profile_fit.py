@@ -210,3 +210,41 @@ def test_transfer_cpu_cost_lengthens_a_bpipe_prediction() -> None:
                            microbatch_size=4)
     assert charged.step_time > base.step_time
     assert charged.peak_activation_bytes == base.peak_activation_bytes
+
+
+def test_measured_hand_offs_reach_the_link() -> None:
+    """The link takes the hand-off's mean for a message of the hand-off's size whose receive waits (bandwidth
+    from the ping-pong) and the late-receive cost as measured; a hand-off faster than the ping-pong's latency leaves
+    it; older profiles read as not measured."""
+    p = make_profile()  # ping-pong: 1e-4 s latency, 1e9 B/s
+    slow = dataclasses.replace(p, handoff_latency_s=2e-3, late_receive_s=1.5e-3, handoff_bytes=500_000)
+    link = link_from_profile(slow)
+    assert link.transfer_time(500_000) == pytest.approx(2e-3, rel=1e-6)
+    assert link.late_receive_s == 1.5e-3
+    assert link.bandwidth_bytes_per_s == link_from_profile(p).bandwidth_bytes_per_s
+    fast = dataclasses.replace(p, handoff_latency_s=5e-5, handoff_bytes=500_000)
+    assert link_from_profile(fast).latency_s == pytest.approx(1e-4, rel=1e-3)
+    back = Profile.from_json(slow.to_json())
+    assert (back.handoff_latency_s, back.late_receive_s, back.handoff_bytes) == (2e-3, 1.5e-3, 500_000)
+    old = slow.to_dict()
+    del old["handoff_latency_s"], old["late_receive_s"], old["handoff_bytes"]
+    assert link_from_profile(Profile.from_dict(old)) == link_from_profile(p)
+
+
+def test_hand_offs_slow_the_predicted_step_where_messages_are_on_its_path() -> None:
+    sched = build_schedule("1f1b", num_ranks=2, num_microbatches=4)
+    p = make_profile()
+    base = predict_step(ProfileModel(p), sched, microbatch_size=1).step_time
+    slow = dataclasses.replace(p, handoff_latency_s=5e-3, handoff_bytes=100)
+    assert predict_step(ProfileModel(slow), sched, microbatch_size=1).step_time > base + 5e-3
+    late = dataclasses.replace(p, late_receive_s=5e-3)
+    assert predict_step(ProfileModel(late), sched, microbatch_size=1).step_time > base + 5e-3
+
+
+@pytest.mark.parametrize("field", ["handoff_latency_s", "late_receive_s"])
+def test_a_negative_hand_off_is_refused_in_one_line(field: str) -> None:
+    doc = make_profile().to_dict()
+    doc[field] = -1.0
+    with pytest.raises(ProfileError, match=field) as info:
+        Profile.from_dict(doc)
+    assert "\n" not in str(info.value)

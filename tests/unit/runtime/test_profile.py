@@ -151,6 +151,13 @@ def test_two_processes_measure_the_link() -> None:
     # what a 16 MiB exchange costs the computes: measured on a CPU host, >= 0, carried to the simulator's link
     assert 0 <= profile.transfer_cpu_s_per_byte < 1e-6
     assert link_from_profile(profile).cpu_s_per_byte == profile.transfer_cpu_s_per_byte
+    # hand-offs between computing processes: timed with the model's own boundary message (each round one receive
+    # waits and one comes after its send), and reaching the link the simulator uses
+    assert profile.handoff_latency_s > 0 and profile.late_receive_s >= 0
+    assert profile.handoff_bytes == 8 * (profile.layers[LayerKind.BLOCK][0].output_bytes // 8)
+    link = link_from_profile(profile)
+    assert link.transfer_time(profile.handoff_bytes) >= profile.handoff_latency_s * (1 - 1e-9)
+    assert link.late_receive_s == profile.late_receive_s
     assert Profile.from_json(profile.to_json()) == profile
 
 
@@ -163,6 +170,7 @@ def test_three_processes_finish_and_the_pair_measures_the_transfer_cost() -> Non
     profile = profile_model(opts, show_progress=False, timeout_s=300)
     assert profile.machine.num_processes == 3
     assert 0 <= profile.transfer_cpu_s_per_byte < 1e-6
+    assert profile.handoff_latency_s > 0  # the pair's hand-offs, with the third process computing alongside
 
 
 def test_the_profilers_processes_meet_on_a_store_this_process_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -197,3 +205,13 @@ def test_a_sequence_longer_than_the_models_is_refused_in_one_line() -> None:
     from evenpipe.models import model_config
     with pytest.raises(ProfileError, match="--seq-len 99999 must be between 1 and the model's"):
         ProfileOptions(model_name="gpt-tiny", model_config=model_config("gpt-tiny"), seq_lens=(99999,))
+
+
+def test_hand_off_terms_split_the_messages_by_which_side_posted_first() -> None:
+    from evenpipe.runtime.profile import Handoffs, _handoff_terms
+    a = Handoffs(receive_first=(1e-3, 3e-3), send_first=(4e-3,), num_bytes=512)
+    b = Handoffs(receive_first=(2e-3,), send_first=(6e-3, 8e-3), num_bytes=512)
+    assert _handoff_terms([a, b]) == pytest.approx((2e-3, 4e-3, 512))
+    quicker = Handoffs(receive_first=(5e-3,), send_first=(1e-3,), num_bytes=8)
+    assert _handoff_terms([quicker]) == (5e-3, 0.0, 8)  # late receives never make the link faster
+    assert _handoff_terms([Handoffs((), (), 0)]) == (0.0, 0.0, 0)

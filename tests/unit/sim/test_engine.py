@@ -374,3 +374,41 @@ def test_cpu_charging_links_are_simulated_by_the_engine() -> None:
 def test_bad_cpu_charge_is_refused(bad: float) -> None:
     with pytest.raises(ConfigError, match="cpu_s_per_byte"):
         Link(cpu_s_per_byte=bad)
+
+
+@pytest.mark.parametrize("family, chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1),
+                                            ("bpipe", 1)])
+def test_a_receive_posted_after_its_send_costs_the_links_late_receive_time(family: str, chunks: int) -> None:
+    """Every message whose receive was posted after its send takes ``late_receive_s`` longer than its link time,
+    every other message exactly its link time; the step is no shorter for it."""
+    from evenpipe.schedule import build_schedule
+    sched = build_schedule(family, num_ranks=4, num_microbatches=8, num_chunks=chunks)
+    stages = [StageCosts(forward=1.0 + 0.2 * (s % 3), backward_input=2.0, activation_bytes=10.0, output_bytes=20.0)
+              for s in range(sched.num_stages)]
+    plain = Link(latency_s=0.1, bandwidth_bytes_per_s=200.0)
+    late = Link(latency_s=0.1, bandwidth_bytes_per_s=200.0, late_receive_s=0.7)
+    trace = simulate(sched, SimCosts.from_stages(stages, default_link=late))
+    posted = {}
+    for acts in trace.actions:
+        for rec in acts:
+            if rec.action.kind.is_transfer:
+                posted.setdefault((rec.rank, rec.end, rec.action.microbatch), []).append(rec)
+    seen = {True: 0, False: 0}
+    for x in trace.transfers:
+        if x.src == x.dst:
+            continue
+        send = [r for r in posted[(x.src, x.end, x.microbatch)] if r.action.kind.name in
+                ("SEND_F", "SEND_B", "EVICT", "RETURN")]
+        recv = [r for r in posted[(x.dst, x.end, x.microbatch)] if r.action.kind.name in
+                ("RECV_F", "RECV_B", "ACCEPT", "LOAD")]
+        assert len(send) == 1 and len(recv) == 1, x
+        was_late = recv[0].start > send[0].start
+        seen[was_late] += 1
+        assert x.end - x.start == pytest.approx(plain.transfer_time(x.num_bytes) + (0.7 if was_late else 0.0))
+    assert seen[True] and seen[False]  # both kinds occur, so the test checks both
+    assert trace.step_time >= simulate(sched, SimCosts.from_stages(stages, default_link=plain)).step_time
+
+
+def test_a_negative_late_receive_time_is_refused() -> None:
+    with pytest.raises(ConfigError, match="late_receive_s"):
+        Link(late_receive_s=-1.0)
