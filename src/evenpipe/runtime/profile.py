@@ -27,7 +27,7 @@ block as pipeline ranks do: when its receive was waiting (``Profile.handoff_late
 when the receive came after the send (``Profile.late_receive_s``; gloo moves a message only once its receive is
 posted). Replaying measured steps of every schedule with their own compute times (``evenpipe.sim.replay``) left
 up to 7% of the step unexplained with the idle ping-pong's latency of 0.1 ms, and at most 2.8% with a 2 ms cost
-for late receives; this probe measures 0.2-1.9 ms for that cost, so part of it stays unexplained.
+for late receives; this probe measures 0.2-2.3 ms for that cost, so part of it stays unexplained.
 """
 
 from __future__ import annotations
