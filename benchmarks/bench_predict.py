@@ -125,7 +125,7 @@ def where_it_went(args: argparse.Namespace, out: pathlib.Path,
     longer it idled (waits)."""
     from evenpipe.cost.profile import Profile
     from evenpipe.cost.profile_fit import ProfileModel
-    from evenpipe.sim import Trace
+    from evenpipe.sim import SimCosts, Trace
     from evenpipe.sim.compare import compare_traces
     from evenpipe.sim.replay import replay
     print("\nwhere the step went (each run's traced last step against the simulated schedule, and against its replay "
@@ -136,7 +136,7 @@ def where_it_went(args: argparse.Namespace, out: pathlib.Path,
     print("-" * len(head))
     for schedule, chunks, b, _ in rows:
         per_run = []
-        predicted: dict[pathlib.Path, Trace] = {}
+        predicted: dict[pathlib.Path, tuple[Trace, SimCosts]] = {}  # per profile: its simulation and costs
         for round_ in range(args.rounds):
             prof = profile_of((schedule, chunks, b), round_)
             if prof not in predicted:
@@ -144,12 +144,13 @@ def where_it_went(args: argparse.Namespace, out: pathlib.Path,
                 _run([sys.executable, "-m", "evenpipe", "simulate", "--profile", str(prof), "--schedule", schedule,
                       "--stages", str(args.stages), "--chunks", str(chunks), "--microbatches",
                       str(args.microbatches), "--microbatch-size", str(b), "--out", str(sim_dir)], 600)
-                predicted[prof] = Trace.from_json((sim_dir / "trace.evenpipe.json").read_text())
-            pred = predicted[prof]
+                sim = Trace.from_json((sim_dir / "trace.evenpipe.json").read_text())
+                model = ProfileModel(Profile.from_json(prof.read_text()))
+                predicted[prof] = sim, model.sim_costs(sim.schedule, microbatch_size=b)
+            pred, costs = predicted[prof]
             tag = _tag(args, schedule, b, round_)
             meas = Trace.from_json((out / f"{tag}_trace.evenpipe.json").read_text())
             c = compare_traces(pred, meas)
-            costs = ProfileModel(Profile.from_json(prof.read_text())).sim_costs(meas.schedule, microbatch_size=b)
             row = [c.step.error or 0.0, compare_traces(replay(meas, costs), meas).step.error or 0.0]
             for r in range(args.stages):
                 busy, idle = c.per_rank[r][1], c.per_rank[r][2]

@@ -421,7 +421,8 @@ class _Compiler:
 def simulate_fast(schedule: Schedule, costs: SimCosts) -> Trace | None:
     """The trace :func:`evenpipe.sim.engine.simulate_events` would return, or ``None`` where this evaluation
     cannot vouch for being identical (the caller then runs the event engine). ``costs`` must describe every
-    stage. Links that charge CPU time to their endpoints (``Link.cpu_s_per_byte``) are the engine's alone."""
+    stage. Links that charge CPU time to their endpoints (``Link.cpu_s_per_byte``) or cost late receives more
+    (``Link.late_receive_s``) are the engine's alone."""
     if costs.event_engine_only:
         return None
     collecting = gc.isenabled()

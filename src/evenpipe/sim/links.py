@@ -55,7 +55,8 @@ class _Fallback(Exception):
 
 def simulate_links(schedule: Schedule, costs: SimCosts) -> Trace | None:
     """The trace the event engine would return, or ``None`` where these rules cannot vouch for it (a schedule
-    that did not pass the validator, other kinds of actions, links that charge CPU time, see the module)."""
+    that did not pass the validator, other kinds of actions, links that charge CPU time or cost late receives
+    more, see the module)."""
     if costs.event_engine_only or not passed_validation(schedule):
         return None
     collecting = gc.isenabled()
