@@ -111,6 +111,10 @@ def fit_report(profile: Profile, predict_sizes: tuple[int, ...] = ()) -> str:
                      f"{profile.handoff_latency_s * 1e3:.2f} ms mean with its receive waiting (the link's latency: "
                      f"{link.latency_s * 1e6:.0f} us), {profile.late_receive_s * 1e3:.2f} ms more when the receive "
                      "is posted after the send")
+    if profile.alternation_blocks > 0:
+        lines.append(f"two chunks of {profile.alternation_blocks} block(s) on one rank in interleaved order: "
+                     f"forward {profile.alternation_forward:.3f}x, backward {profile.alternation_backward:.3f}x "
+                     "their time alone (applied where a rank holds several stages)")
     if profile.transfer_cpu_s_per_byte > 0:
         lines.append(f"a transfer's cost to the computes at both ends: {profile.transfer_cpu_s_per_byte * 2**20 * 1e3:.3f} "
                      "ms per MiB sent or received")

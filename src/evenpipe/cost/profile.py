@@ -198,6 +198,15 @@ class Profile:
     ``late_receive_s``."""
     handoff_bytes: int = 0
     """Size of the messages ``handoff_latency_s`` and ``late_receive_s`` timed."""
+    alternation_forward: float = 1.0
+    """How many times its profiled time a block's forward (and recompute) takes on a rank that holds two chunks
+    of the model and runs them in an interleaved schedule's order, against one chunk run again and again as the
+    layer times are measured (1 where not measured). :meth:`~evenpipe.cost.profile_fit.ProfileModel.sim_costs`
+    applies it to schedules whose ranks hold more than one stage."""
+    alternation_backward: float = 1.0
+    """The same for a block's backward (and its ``I`` and ``W`` parts)."""
+    alternation_blocks: int = 0
+    """Blocks in each of the two chunks the alternation factors were timed with (0: not measured)."""
     repeats: int = 0
     """Timed repeats per mean."""
     warmup: int = 0
@@ -229,7 +238,8 @@ class Profile:
             "link": [asdict(s) for s in self.link], "step_overhead_s": self.step_overhead_s,
             "transfer_cpu_s_per_byte": self.transfer_cpu_s_per_byte,
             "handoff_latency_s": self.handoff_latency_s, "late_receive_s": self.late_receive_s,
-            "handoff_bytes": self.handoff_bytes,
+            "handoff_bytes": self.handoff_bytes, "alternation_forward": self.alternation_forward,
+            "alternation_backward": self.alternation_backward, "alternation_blocks": self.alternation_blocks,
             "repeats": self.repeats, "warmup": self.warmup, "block_chain": self.block_chain,
         }
 
@@ -258,6 +268,10 @@ class Profile:
                        handoff_latency_s=_non_negative(doc.get("handoff_latency_s", 0.0), "handoff_latency_s"),
                        late_receive_s=_non_negative(doc.get("late_receive_s", 0.0), "late_receive_s"),
                        handoff_bytes=int(_non_negative(doc.get("handoff_bytes", 0), "handoff_bytes")),
+                       alternation_forward=_positive(doc.get("alternation_forward", 1.0), "alternation_forward"),
+                       alternation_backward=_positive(doc.get("alternation_backward", 1.0),
+                                                      "alternation_backward"),
+                       alternation_blocks=int(_non_negative(doc.get("alternation_blocks", 0), "alternation_blocks")),
                        repeats=int(doc.get("repeats", 0)),
                        warmup=int(doc.get("warmup", 0)), block_chain=int(doc.get("block_chain", 1)))
         except ProfileError:
@@ -286,7 +300,21 @@ class Profile:
 
 def _non_negative(value: Any, name: str) -> float:
     """``value`` as a finite float >= 0, else ``ValueError`` naming ``name`` (reported as a damaged profile)."""
-    out = float(value)
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        out = math.nan
     if not (out >= 0 and math.isfinite(out)):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return out
+
+
+def _positive(value: Any, name: str) -> float:
+    """``value`` as a finite float > 0, else ``ValueError`` naming ``name`` (a time factor of 0 is no factor)."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        out = math.nan
+    if not (out > 0 and math.isfinite(out)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return out

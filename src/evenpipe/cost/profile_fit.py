@@ -194,13 +194,15 @@ class ProfileModel:
 
     # -- stages -------------------------------------------------------------------------------------------
     def stage_costs(self, *, blocks: int, first: bool, last: bool, microbatch_size: int, split_backward: bool,
-                    seq_len: int | None = None, action_overhead_s: float = 0.0) -> StageCosts:
+                    seq_len: int | None = None, action_overhead_s: float = 0.0,
+                    alternating: bool = False) -> StageCosts:
         """Costs of one stage holding ``blocks`` transformer blocks (plus the embedding / head).
 
         ``split_backward``: the schedule runs ``I`` and ``W`` (zero-bubble), so the backward is their two
         measured parts (on the first stage, whose input needs no gradient, ``I`` is empty and ``W`` the full
         backward, as the runtime runs them); otherwise ``B`` is the measured full backward (``backward_weight``
-        0)."""
+        0). ``alternating``: the stage's rank holds other stages too, so its blocks take the profile's
+        alternation factors times their times."""
         b = microbatch_size
         layers = ([self.predict(LayerKind.EMBEDDING, b, seq_len)] if first else []) \
             + [self.predict(LayerKind.BLOCK, b, seq_len)] * blocks \
@@ -213,8 +215,14 @@ class ProfileModel:
         elif layers:
             unit += max(0.0, layers[0].input_saved_bytes - held_input)
 
+        is_block = ([False] if first else []) + [True] * blocks + ([False] if last else [])
+        fwd, bwd = ((self.profile.alternation_forward, self.profile.alternation_backward) if alternating
+                    else (1.0, 1.0))
+
         def total(q: str) -> float:
-            return sum(getattr(lc, q) for lc in layers)
+            factor = fwd if q in ("forward_s", "recompute_s") else \
+                bwd if q in ("backward_s", "backward_input_s", "backward_weight_s") else 1.0  # bytes stay
+            return sum(getattr(lc, q) * (factor if blk else 1.0) for lc, blk in zip(layers, is_block))
         weight_grad = min(unit, total("weight_grad_bytes"))
         if split_backward and first:
             # the first stage's input (tokens) needs no gradient: the runtime's I does nothing and W is the whole
@@ -233,15 +241,18 @@ class ProfileModel:
     def sim_costs(self, schedule: Schedule, *, microbatch_size: int, layout: Sequence[int] | None = None,
                   seq_len: int | None = None) -> SimCosts:
         """Per-stage costs of ``schedule`` with ``layout`` blocks per stage (default :func:`even_layout`) and the
-        profile's link between every pair of ranks."""
+        profile's link between every pair of ranks; where a rank holds several stages (interleaved, V-shaped),
+        blocks take the profile's alternation factors."""
         n = schedule.num_stages
         counts = list(layout) if layout is not None else even_layout(self.profile.model.num_layers, n)
         if len(counts) != n or sum(counts) != self.profile.model.num_layers or min(counts) < 0:
             raise ProfileError(f"layout {counts} must give {n} stages blocks summing to the profiled model's "
                                f"{self.profile.model.num_layers}")
         split = any(a.kind is ActionKind.BACKWARD_INPUT for acts in schedule.actions for a in acts)
+        alternating = any(len(schedule.stages_of(r)) > 1 for r in range(schedule.num_ranks))
         stages = [self.stage_costs(blocks=counts[s], first=s == 0, last=s == n - 1, microbatch_size=microbatch_size,
-                                   split_backward=split, seq_len=seq_len) for s in range(n)]
+                                   split_backward=split, seq_len=seq_len, alternating=alternating)
+                  for s in range(n)]
         return SimCosts.from_stages(stages, default_link=link_from_profile(self.profile))
 
     def optimizer_s(self, schedule: Schedule, layout: Sequence[int] | None = None) -> tuple[float, ...]:

@@ -28,6 +28,12 @@ when the receive came after the send (``Profile.late_receive_s``; gloo moves a m
 posted). Replaying measured steps of every schedule with their own compute times (``evenpipe.sim.replay``) left
 up to 7% of the step unexplained with the idle ping-pong's latency of 0.1 ms, and at most 2.8% with a 2 ms cost
 for late receives; this probe measures 0.2-2.3 ms for that cost, so part of it stays unexplained.
+
+Several stages on one rank: an interleaved rank runs its chunks in turn, and on a CPU host each chunk's weights,
+gradients and saved activations have cooled in the caches by its next turn. The processes time one rank's
+interleaved order over two chunks of half a chain each against each chunk's forward and backward back to back
+(``Profile.alternation_forward`` / ``alternation_backward``; a tiny Llama's chunks of two blocks ran their forward
+about 5% and backward about 7% slower in turn, gpt-mini's 1-3%).
 """
 
 from __future__ import annotations
@@ -409,6 +415,90 @@ def _computes_before_the_optimizer(options: ProfileOptions, built: Any, chain: S
             LayerKind.HEAD: run(lambda: head(hidden.detach().requires_grad_(True), tokens))}
 
 
+# ---- two chunks on one rank -----------------------------------------------------------------------------------
+
+_ALTERNATION_MICROBATCHES = 8
+_ALTERNATION_ROUNDS_PER_REPEAT = 2  # a ratio of two ~0.5 s phases moves with the host: more rounds, their median
+
+
+@dataclass(frozen=True)
+class Alternation:
+    """One process's timing of one rank's interleaved order over two chunks against each chunk run alone."""
+
+    forward: float
+    """Forward seconds in the interleaved order over forward seconds alone (1 where not measured)."""
+    backward: float
+    """The same for the backward."""
+    blocks: int
+    """Blocks per chunk (0: not measured)."""
+
+
+def alternation_chunk_blocks(options: ProfileOptions) -> int:
+    """Blocks in each of the two chunks timed: half a timed chain (an interleaved rank's chunks are stages cut
+    smaller), 0 when the model has too few blocks for two chunks."""
+    k = max(1, options.chain_length // 2)
+    return k if 2 * k <= options.model_config.num_layers else 0
+
+
+def _alternation(options: ProfileOptions, device: torch.device, dtype: torch.dtype, *,
+                 sync: Callable[[], None] = lambda: None) -> Alternation:
+    """Rank 0's computes of an interleaved schedule (P=2, V=2, M=8; sample hidden states stand in for received
+    inputs, no messages) on two chunks of the model's blocks, against each chunk's forward and backward back to
+    back M times as the layer times are measured: ``warmup + 2 repeats`` rounds of both, ``sync`` before each,
+    the median of the rounds' ratios.
+    On a CPU host a chunk's weights, gradients and saved activations cool in the caches while the other chunk
+    runs; a GPU streams its weights from memory either way (expect 1)."""
+    from evenpipe.schedule import ActionKind, build_schedule
+    k = alternation_chunk_blocks(options)
+    if k == 0:
+        return Alternation(1.0, 1.0, 0)
+    torch.manual_seed(options.seed)
+    blocks = list(_build(options, device, dtype).parts.blocks)
+    chunks = {0: _blocks_as_stage(blocks[:k]), 2: _blocks_as_stage(blocks[k:2 * k])}
+    schedule = build_schedule("interleaved", num_ranks=2, num_microbatches=_ALTERNATION_MICROBATCHES, num_chunks=2)
+    order = [a for a in schedule.actions[0] if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
+    b, s = min(options.microbatch_sizes), min(options.seq_lens or (options.model_config.seq_len,))
+    _, hidden = _sample_inputs(options, b, s, device, dtype)
+    timer = _Timer(device)
+
+    def forward(stage: int) -> tuple[float, torch.Tensor]:
+        return timer.time(lambda: chunks[stage](hidden.detach().requires_grad_(True)))
+
+    def backward(out: torch.Tensor) -> float:
+        g = _output_grad(out)
+        return timer.time(lambda: _run_backward([out], [g], keep_graph=False))[0]
+
+    def interleaved() -> tuple[float, float]:
+        f = bw = 0.0
+        live: dict[tuple[int, int], torch.Tensor] = {}
+        for a in order:
+            if a.kind is ActionKind.FORWARD:
+                t, live[a.key] = forward(a.stage)
+                f += t
+            else:
+                bw += backward(live.pop(a.key))
+        return f, bw
+
+    def alone() -> tuple[float, float]:
+        f = bw = 0.0
+        for stage in chunks:
+            for _ in range(_ALTERNATION_MICROBATCHES):
+                t, out = forward(stage)
+                f, bw = f + t, bw + backward(out)
+        return f, bw
+
+    forward_ratios, backward_ratios = [], []
+    for i in range(options.warmup + _ALTERNATION_ROUNDS_PER_REPEAT * options.repeats):
+        sync()
+        mixed = interleaved()
+        sync()
+        apart = alone()
+        if i >= options.warmup:
+            forward_ratios.append(mixed[0] / apart[0])
+            backward_ratios.append(mixed[1] / apart[1])
+    return Alternation(statistics.median(forward_ratios), statistics.median(backward_ratios), k)
+
+
 # ---- point to point -------------------------------------------------------------------------------------------
 
 def _ping_pong(rank: int, sizes: Sequence[int], repeats: int, device: torch.device) -> list[LinkSample]:
@@ -600,12 +690,15 @@ def _worker(rank: int, world: int, port: int, options: ProfileOptions, show: boo
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=600))
         measuring = options.device == "cpu" or rank == 0  # one GPU: only rank 0 measures layers on it
-        steps = options.warmup + options.repeats + 2
+        steps = options.warmup + options.repeats + 3
         progress = _Progress(steps, enabled=show and rank == 0)
         sync = dist.barrier if world > 1 and options.device == "cpu" else (lambda: None)
         layers = measure_layers(options, progress=progress, sync=sync) if measuring else {}
         opt = _optimizer_times(options, repeats=options.repeats, sync=sync) if measuring else {}
         progress.step("optimizer step")
+        alternation = _alternation(options, device, DTYPES[options.dtype], sync=sync) if measuring \
+            else Alternation(1.0, 1.0, 0)
+        progress.step("two chunks in turn")
         link: list[LinkSample] = []
         overhead = cpu_per_byte = 0.0
         handoff = Handoffs((), (), 0)
@@ -620,7 +713,7 @@ def _worker(rank: int, world: int, port: int, options: ProfileOptions, show: boo
                 dist.barrier()
                 handoff = _handoffs(rank, options, device, DTYPES[options.dtype])
         progress.step("point-to-point messages")
-        queue.put(("ok", rank, layers, opt, link, overhead, backend, cpu_per_byte, handoff))
+        queue.put(("ok", rank, layers, opt, link, overhead, backend, cpu_per_byte, handoff, alternation))
         if world > 1:
             dist.barrier()
             dist.destroy_process_group()
@@ -701,15 +794,19 @@ def _profile_in(options: ProfileOptions, world: int, port: int, *, show_progress
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = env_threads
-    layers, opt, link, overhead, backend, _, _ = results[0]
+    layers, opt, link, overhead, backend, _, _, _ = results[0]
     measured = [r for r in results.values() if r[0]]
     pair = [results[r][5] for r in (0, 1) if r in results]  # the two processes that exchanged
     waiting, late, handoff_bytes = _handoff_terms([results[r][6] for r in (0, 1) if r in results])
+    alternations = [r[7] for r in measured]
     return Profile(machine=_machine(options, backend, world), model=_model_info(options),
                    layers=_merge_layers([r[0] for r in measured]),
                    optimizer_s={k: statistics.median(r[1][k] for r in measured) for k in opt}, link=tuple(link),
                    step_overhead_s=overhead, transfer_cpu_s_per_byte=statistics.mean(pair) if world > 1 else 0.0,
                    handoff_latency_s=waiting, late_receive_s=late, handoff_bytes=handoff_bytes,
+                   alternation_forward=statistics.mean(a.forward for a in alternations),
+                   alternation_backward=statistics.mean(a.backward for a in alternations),
+                   alternation_blocks=alternations[0].blocks,
                    repeats=options.repeats, warmup=options.warmup,
                    block_chain=options.chain_length)
 

@@ -248,3 +248,53 @@ def test_a_negative_hand_off_is_refused_in_one_line(field: str) -> None:
     with pytest.raises(ProfileError, match=field) as info:
         Profile.from_dict(doc)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("family, chunks", [("interleaved", 2), ("zb-v", None)])
+def test_alternation_factors_scale_blocks_where_a_rank_holds_several_stages(family: str, chunks: int | None) -> None:
+    """Blocks' forward and recompute take the forward factor, their backward parts the backward factor; the
+    embedding and the head keep their times; one-stage-per-rank schedules are untouched."""
+    p = make_profile(layers=8)
+    alt = dataclasses.replace(p, alternation_forward=1.25, alternation_backward=1.5, alternation_blocks=2)
+    sched = build_schedule(family, num_ranks=2, num_microbatches=4, num_chunks=chunks)
+    plain, scaled = ProfileModel(p).sim_costs(sched, microbatch_size=2), ProfileModel(alt).sim_costs(sched,
+                                                                                                   microbatch_size=2)
+    m = ProfileModel(p)
+    block, emb, head = (m.predict(k, 2) for k in (LayerKind.BLOCK, LayerKind.EMBEDDING, LayerKind.HEAD))
+    counts = even_layout(8, sched.num_stages)
+    split = family == "zb-v"
+    for s, (a, b) in enumerate(zip(plain.stages, scaled.stages)):
+        n = counts[s]
+        ends_f = (emb.forward_s if s == 0 else 0.0) + (head.forward_s if s == sched.num_stages - 1 else 0.0)
+        assert b.forward == pytest.approx(a.forward + 0.25 * n * block.forward_s)
+        assert b.forward - ends_f == pytest.approx(1.25 * (a.forward - ends_f))
+        assert b.recompute == pytest.approx(a.recompute + 0.25 * n * block.recompute_s)
+        if split and s > 0:
+            assert b.backward_input == pytest.approx(a.backward_input + 0.5 * n * block.backward_input_s)
+            assert b.backward_weight == pytest.approx(a.backward_weight + 0.5 * n * block.backward_weight_s)
+        elif not split:
+            assert b.backward_input == pytest.approx(a.backward_input + 0.5 * n * block.backward_s)
+        assert (b.activation_bytes, b.weight_grad_bytes, b.output_bytes) == \
+            (a.activation_bytes, a.weight_grad_bytes, a.output_bytes)
+    one = build_schedule("1f1b", num_ranks=2, num_microbatches=4)
+    assert ProfileModel(alt).sim_costs(one, microbatch_size=2) == ProfileModel(p).sim_costs(one, microbatch_size=2)
+    assert predict_step(ProfileModel(alt), sched, microbatch_size=2).step_time > \
+        predict_step(ProfileModel(p), sched, microbatch_size=2).step_time
+
+
+def test_alternation_round_trips_and_older_profiles_read_as_not_measured() -> None:
+    p = dataclasses.replace(make_profile(), alternation_forward=1.04, alternation_backward=1.07, alternation_blocks=2)
+    back = Profile.from_json(p.to_json())
+    assert (back.alternation_forward, back.alternation_backward, back.alternation_blocks) == (1.04, 1.07, 2)
+    old = p.to_dict()
+    del old["alternation_forward"], old["alternation_backward"], old["alternation_blocks"]
+    assert (Profile.from_dict(old).alternation_forward, Profile.from_dict(old).alternation_backward) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), "fast"])
+def test_a_non_positive_alternation_factor_is_refused_in_one_line(value: object) -> None:
+    doc = make_profile().to_dict()
+    doc["alternation_backward"] = value
+    with pytest.raises(ProfileError, match="alternation_backward") as info:
+        Profile.from_dict(doc)
+    assert "\n" not in str(info.value)

@@ -13,7 +13,7 @@ import torch
 from evenpipe.cost.profile import LayerKind, Profile, ProfileError
 from evenpipe.cost.profile_fit import ProfileModel, link_from_profile
 from evenpipe.models import model_config
-from evenpipe.runtime.profile import ProfileOptions, measure_layers, profile_model
+from evenpipe.runtime.profile import ProfileOptions, alternation_chunk_blocks, measure_layers, profile_model
 from evenpipe.runtime.stages import build_stage_modules
 from evenpipe.runtime.stash import ActivationStash
 
@@ -158,6 +158,9 @@ def test_two_processes_measure_the_link() -> None:
     link = link_from_profile(profile)
     assert link.transfer_time(profile.handoff_bytes) >= profile.handoff_latency_s * (1 - 1e-9)
     assert link.late_receive_s == profile.late_receive_s
+    # two chunks of two blocks in interleaved order against each alone: measured, a time ratio near 1
+    assert profile.alternation_blocks == alternation_chunk_blocks(opts) == 2
+    assert 0.5 < profile.alternation_forward < 2 and 0.5 < profile.alternation_backward < 2
     assert Profile.from_json(profile.to_json()) == profile
 
 
@@ -215,3 +218,28 @@ def test_hand_off_terms_split_the_messages_by_which_side_posted_first() -> None:
     quicker = Handoffs(receive_first=(5e-3,), send_first=(1e-3,), num_bytes=8)
     assert _handoff_terms([quicker]) == (5e-3, 0.0, 8)  # late receives never make the link faster
     assert _handoff_terms([Handoffs((), (), 0)]) == (0.0, 0.0, 0)
+
+
+def test_the_alternation_times_the_same_computes_in_both_orders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every compute timed alike, the interleaved order and the chunks alone give ratio 1 exactly: both
+    time M forwards and M backwards of each chunk, in rounds after the warm-up."""
+    from evenpipe.runtime import profile as prof
+    calls: list[int] = []
+
+    def fixed(self, fn):  # noqa: ANN001
+        calls.append(1)
+        return 1.0, fn()
+    monkeypatch.setattr(prof._Timer, "time", fixed)
+    cfg = model_config("gpt-tiny")
+    opts = ProfileOptions(model_name="gpt-tiny", model_config=cfg, microbatch_sizes=(2, 1), repeats=1, warmup=1)
+    got = prof._alternation(opts, torch.device("cpu"), torch.float32)
+    assert (got.forward, got.backward, got.blocks) == (1.0, 1.0, 2)
+    rounds = opts.warmup + 2 * opts.repeats
+    assert len(calls) == rounds * 2 * (2 * 2 * 8)  # (interleaved, alone) x (F, B) x 2 chunks x M=8
+
+
+@pytest.mark.parametrize("layers, chain, blocks", [(4, 4, 2), (8, 4, 2), (8, 8, 4), (3, 4, 1), (1, 4, 0), (2, 1, 1)])
+def test_alternation_chunks_are_half_a_chain_when_two_fit(layers: int, chain: int, blocks: int) -> None:
+    cfg = model_config("gpt-tiny", num_layers=layers)
+    opts = ProfileOptions(model_name="gpt-tiny", model_config=cfg, block_chain=chain)
+    assert alternation_chunk_blocks(opts) == blocks
