@@ -243,7 +243,11 @@ def explain_bpipe_profiled(model: ProfileModel, *, num_devices: int, global_batc
                    f"schedule: bubble {bp.bubble_fraction:.1%} vs {base.bubble_fraction:.1%}, exposed transfers "
                    f"{bp.exposed_transfer_s * 1e3:.1f} vs {base.exposed_transfer_s * 1e3:.1f} ms")
         else:
-            why = f"it fits only b={b_bp} against b={b_base}"
+            bp_fitting = [e for e in cands if e.fits and e.config.schedule is ScheduleFamily.BPIPE]
+            same_b = next((e for e in bp_fitting if e.config.microbatch_size == b_base), None)
+            why = (f"its fastest is b={b_bp}; at b={b_base} it takes {same_b.step_time_s * 1e3:.1f} ms/step"
+                   if same_b is not None else
+                   f"it fits b<={max(e.config.microbatch_size for e in bp_fitting)} against b={b_base}")
         verdict = "pays" if pays else "does not pay"
         lines.append(f"verdict: BPipe {verdict} here ({gain:+.1%} throughput; {why})")
     elif bp is not None:

@@ -186,6 +186,22 @@ def test_bpipe_pays_when_its_memory_buys_a_more_efficient_microbatch() -> None:
     assert "BPipe pays" in ans.text and "balanced memory fits b=4" in ans.text and "memory is the limit" in ans.text
 
 
+def test_bpipe_answer_names_its_time_at_the_larger_microbatch_it_could_have_used() -> None:
+    # memory no object: BPipe's fastest micro-batch is smaller than the other schedules', though the larger fits
+    from evenpipe.plan.profiled import ProfiledConfig, estimate_profiled, explain_bpipe_profiled
+    from evenpipe.schedule import ScheduleFamily
+    model = ProfileModel(make_profile(layers=8))
+    ans = explain_bpipe_profiled(model, num_devices=4, global_batch=16, memory_budget_bytes=1e12,
+                                 max_microbatch_size=4)
+    assert ans.with_bpipe is not None and ans.without is not None and not ans.pays
+    b_bp, b_base = ans.with_bpipe.config.microbatch_size, ans.without.config.microbatch_size
+    assert b_bp < b_base
+    at_base = estimate_profiled(model, ProfiledConfig(schedule=ScheduleFamily.BPIPE, num_ranks=4,
+                                                      microbatch_size=b_base, num_microbatches=16 // b_base))
+    assert at_base.step_time_s > ans.with_bpipe.step_time_s
+    assert f"its fastest is b={b_bp}; at b={b_base} it takes {at_base.step_time_s * 1e3:.1f} ms/step" in ans.text
+
+
 def test_transfer_cpu_cost_round_trips_and_reaches_the_link() -> None:
     p = dataclasses.replace(make_profile(), transfer_cpu_s_per_byte=3e-10)
     back = Profile.from_json(p.to_json())
