@@ -268,9 +268,10 @@ class Profile:
                        handoff_latency_s=_non_negative(doc.get("handoff_latency_s", 0.0), "handoff_latency_s"),
                        late_receive_s=_non_negative(doc.get("late_receive_s", 0.0), "late_receive_s"),
                        handoff_bytes=int(_non_negative(doc.get("handoff_bytes", 0), "handoff_bytes")),
-                       alternation_forward=_positive(doc.get("alternation_forward", 1.0), "alternation_forward"),
-                       alternation_backward=_positive(doc.get("alternation_backward", 1.0),
-                                                      "alternation_backward"),
+                       alternation_forward=_non_negative(doc.get("alternation_forward", 1.0), "alternation_forward",
+                                                         zero=False),
+                       alternation_backward=_non_negative(doc.get("alternation_backward", 1.0),
+                                                          "alternation_backward", zero=False),
                        alternation_blocks=int(_non_negative(doc.get("alternation_blocks", 0), "alternation_blocks")),
                        repeats=int(doc.get("repeats", 0)),
                        warmup=int(doc.get("warmup", 0)), block_chain=int(doc.get("block_chain", 1)))
@@ -298,23 +299,13 @@ class Profile:
                                + "; profile this model with `evenpipe profile`")
 
 
-def _non_negative(value: Any, name: str) -> float:
-    """``value`` as a finite float >= 0, else ``ValueError`` naming ``name`` (reported as a damaged profile)."""
+def _non_negative(value: Any, name: str, *, zero: bool = True) -> float:
+    """``value`` as a finite float >= 0 (> 0 without ``zero``: a time factor of 0 is no factor), else
+    ``ValueError`` naming ``name`` (reported as a damaged profile)."""
     try:
         out = float(value)
     except (TypeError, ValueError):
         out = math.nan
-    if not (out >= 0 and math.isfinite(out)):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return out
-
-
-def _positive(value: Any, name: str) -> float:
-    """``value`` as a finite float > 0, else ``ValueError`` naming ``name`` (a time factor of 0 is no factor)."""
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        out = math.nan
-    if not (out > 0 and math.isfinite(out)):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if not ((out >= 0 if zero else out > 0) and math.isfinite(out)):
+        raise ValueError(f"{name} must be a finite number {'>=' if zero else '>'} 0, got {value!r}")
     return out

@@ -204,10 +204,9 @@ class ProfileModel:
         0). ``alternating``: the stage's rank holds other stages too, so its blocks take the profile's
         alternation factors times their times."""
         b = microbatch_size
-        layers = ([self.predict(LayerKind.EMBEDDING, b, seq_len)] if first else []) \
-            + [self.predict(LayerKind.BLOCK, b, seq_len)] * blocks \
-            + ([self.predict(LayerKind.HEAD, b, seq_len)] if last else [])
         block = self.predict(LayerKind.BLOCK, b, seq_len)
+        layers = ([self.predict(LayerKind.EMBEDDING, b, seq_len)] if first else []) + [block] * blocks \
+            + ([self.predict(LayerKind.HEAD, b, seq_len)] if last else [])
         held_input = 0.0 if first else block.output_bytes
         unit = held_input + sum(lc.saved_bytes for lc in layers) + sum(lc.input_saved_bytes for lc in layers[1:])
         if first:
@@ -215,14 +214,12 @@ class ProfileModel:
         elif layers:
             unit += max(0.0, layers[0].input_saved_bytes - held_input)
 
-        is_block = ([False] if first else []) + [True] * blocks + ([False] if last else [])
-        fwd, bwd = ((self.profile.alternation_forward, self.profile.alternation_backward) if alternating
-                    else (1.0, 1.0))
+        factor = {q: self.profile.alternation_forward for q in ("forward_s", "recompute_s")} \
+            | {q: self.profile.alternation_backward for q in ("backward_s", "backward_input_s", "backward_weight_s")} \
+            if alternating else {}
 
-        def total(q: str) -> float:
-            factor = fwd if q in ("forward_s", "recompute_s") else \
-                bwd if q in ("backward_s", "backward_input_s", "backward_weight_s") else 1.0  # bytes stay
-            return sum(getattr(lc, q) * (factor if blk else 1.0) for lc, blk in zip(layers, is_block))
+        def total(q: str) -> float:  # the blocks' share taken ``factor`` times (bytes and the ends: once)
+            return sum(getattr(lc, q) for lc in layers) + (factor.get(q, 1.0) - 1.0) * blocks * getattr(block, q)
         weight_grad = min(unit, total("weight_grad_bytes"))
         if split_backward and first:
             # the first stage's input (tokens) needs no gradient: the runtime's I does nothing and W is the whole

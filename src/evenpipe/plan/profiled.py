@@ -204,7 +204,8 @@ def explain_bpipe_profiled(model: ProfileModel, *, num_devices: int, global_batc
     cands = plan_profiled(model, num_devices=num_devices, global_batch=global_batch,
                           memory_budget_bytes=memory_budget_bytes, schedules=others + [ScheduleFamily.BPIPE],
                           max_microbatch_size=max_microbatch_size)
-    bp = next((e for e in cands if e.fits and e.config.schedule is ScheduleFamily.BPIPE), None)
+    bp_fitting = [e for e in cands if e.fits and e.config.schedule is ScheduleFamily.BPIPE]
+    bp = bp_fitting[0] if bp_fitting else None
     base = next((e for e in cands if e.fits and e.config.schedule is not ScheduleFamily.BPIPE), None)
     blocked = next((e for e in cands if not e.fits and e.config.schedule is not ScheduleFamily.BPIPE), None)
     sizes = sorted({e.config.microbatch_size for e in (bp, base, blocked) if e is not None})
@@ -243,7 +244,6 @@ def explain_bpipe_profiled(model: ProfileModel, *, num_devices: int, global_batc
                    f"schedule: bubble {bp.bubble_fraction:.1%} vs {base.bubble_fraction:.1%}, exposed transfers "
                    f"{bp.exposed_transfer_s * 1e3:.1f} vs {base.exposed_transfer_s * 1e3:.1f} ms")
         else:
-            bp_fitting = [e for e in cands if e.fits and e.config.schedule is ScheduleFamily.BPIPE]
             same_b = next((e for e in bp_fitting if e.config.microbatch_size == b_base), None)
             why = (f"its fastest is b={b_bp}; at b={b_base} it takes {same_b.step_time_s * 1e3:.1f} ms/step"
                    if same_b is not None else

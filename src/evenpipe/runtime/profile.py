@@ -454,8 +454,8 @@ def _alternation(options: ProfileOptions, device: torch.device, dtype: torch.dty
         return Alternation(1.0, 1.0, 0)
     torch.manual_seed(options.seed)
     blocks = list(_build(options, device, dtype).parts.blocks)
-    chunks = {0: _blocks_as_stage(blocks[:k]), 2: _blocks_as_stage(blocks[k:2 * k])}
     schedule = build_schedule("interleaved", num_ranks=2, num_microbatches=_ALTERNATION_MICROBATCHES, num_chunks=2)
+    chunks = {stage: _blocks_as_stage(blocks[i * k:(i + 1) * k]) for i, stage in enumerate(schedule.stages_of(0))}
     order = [a for a in schedule.actions[0] if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
     b, s = min(options.microbatch_sizes), min(options.seq_lens or (options.model_config.seq_len,))
     _, hidden = _sample_inputs(options, b, s, device, dtype)
