@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     plot = pathlib.Path(args.plot) if args.plot else out.with_name("efficiency_vs_microbatch.png")
     sizes_all = sorted(set(profile.microbatch_sizes) | set(predict))
     save_efficiency(ProfileModel(profile).efficiency(sizes_all), plot,
-                    title=f"{profile.model.name}, one block, {profile.machine.device_name} "
-                          f"({profile.machine.dtype})")
+                    title=f"{pathlib.PurePath(profile.model.name).name}, one block\n{profile.machine.device_name} "
+                          f"({profile.machine.dtype})")  # a config.json's path would overflow the line
     print(f"\nwrote {plot}")
     return 0

@@ -24,7 +24,8 @@ def plot_efficiency(points: Sequence[EfficiencyPoint], ax: Axes, *, title: str =
     ax.set_xlabel("micro-batch size (sequences)")
     ax.set_ylabel("achieved GFLOP/s (one block, forward)")
     ax.set_xticks(xs)
-    ax.set_ylim(bottom=0)
+    top = max([p.predicted_flops_per_s / 1e9 for p in points] + [m[1] for m in meas], default=0.0)
+    ax.set_ylim(0, 1.1 * top if top > 0 else None)  # room above the highest point
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     if title:
