@@ -144,7 +144,7 @@ def _check_writable(out: pathlib.Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from evenpipe.commands.profile_args import load_profile
+    from evenpipe.cost.profile import load_profile
     if args.analyze:
         profile = load_profile(args.analyze)
         out = pathlib.Path(args.analyze)

@@ -24,7 +24,7 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model(args: argparse.Namespace) -> ProfileModel:
-    from evenpipe.commands.profile_args import load_profile
+    from evenpipe.cost.profile import load_profile
     profile = load_profile(args.profile)
     if getattr(args, "model", None) and args.model != profile.model.name:
         profile.check_model(args.model)

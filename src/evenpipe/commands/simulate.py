@@ -101,7 +101,7 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
 
 def _profiled(args: argparse.Namespace, sched: Any) -> Any:
     """The :class:`~evenpipe.cost.profile_fit.StepPrediction` of ``sched`` under ``--profile``."""
-    from evenpipe.commands.profile_args import load_profile
+    from evenpipe.cost.profile import load_profile
     from evenpipe.cost.profile_fit import ProfileModel, predict_step
     profile = load_profile(args.profile)
     b = args.microbatch_size or profile.microbatch_sizes[0]

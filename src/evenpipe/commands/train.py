@@ -139,7 +139,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     )
     check_fits_machine(config.model.resolve().num_params, config.model.name, world=config.world_size)
     if args.predict:  # a bad profile is refused here, before any process starts
-        from evenpipe.runtime.predict import check_profile_for_training
+        from evenpipe.plan.predict import check_profile_for_training
         check_profile_for_training(args.predict, model_name=config.model.name, model_config=config.model.resolve(),
                                    dtype=config.model.dtype.value,
                                    device="cuda" if backend is Backend.NCCL else "cpu")

@@ -28,13 +28,14 @@ from __future__ import annotations
 import enum
 import json
 import math
+import pathlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from evenpipe.errors import ConfigError, parse_choice
 
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "LayerKind", "LayerSample", "LinkSample", "Machine", "ModelInfo",
-           "Profile", "ProfileError", "TIME_FIELDS", "QUANTITIES"]
+           "Profile", "ProfileError", "TIME_FIELDS", "QUANTITIES", "load_profile"]
 
 PROFILE_FORMAT = "evenpipe.profile"
 """``format`` field of a profile's JSON form."""
@@ -309,3 +310,20 @@ def _non_negative(value: Any, name: str, *, zero: bool = True) -> float:
     if not ((out >= 0 if zero else out > 0) and math.isfinite(out)):
         raise ValueError(f"{name} must be a finite number {'>=' if zero else '>'} 0, got {value!r}")
     return out
+
+
+def load_profile(path: "str | pathlib.Path", *, model: str | None = None, num_layers: int | None = None,
+                 hidden: int | None = None) -> Profile:
+    """The profile at ``path`` (``--profile PATH`` of any command); with ``model`` (and sizes), refuse a profile of
+    another model. One-line :class:`ProfileError` for a missing file, another schema version or a damaged file."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ProfileError(f"profile {str(p)!r} does not exist (write one with `evenpipe profile --out {p}`)")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfileError(f"profile {str(p)!r} cannot be read: {e}") from None
+    profile = Profile.from_json(text, where=f"profile {str(p)!r}")
+    if model is not None:
+        profile.check_model(model, num_layers=num_layers, hidden=hidden)
+    return profile

@@ -30,7 +30,7 @@ from evenpipe.sim.costs import Link, SimCosts, StageCosts
 
 from evenpipe.cost.flops import attention_core_flops, head_gemm, layer_gemms, Gemm
 from evenpipe.cost.hardware import Hardware
-from evenpipe.cost.memory import activation_bytes
+from evenpipe.cost.activations import activation_bytes
 from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, stage_layers
 from evenpipe.cost.specs import Arch, ModelSpec
 

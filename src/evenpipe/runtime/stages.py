@@ -8,7 +8,7 @@ the schedule's ``stage_to_rank``, not this module's business.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from evenpipe.cost.parallel import check_layout
 from evenpipe.errors import ConfigError
 from evenpipe.models.lm import PipelineParts
 
-__all__ = ["partition_layers", "StageModule", "build_stage_modules", "param_count"]
+__all__ = ["partition_layers", "stage_block_counts", "StageModule", "build_stage_modules", "param_count"]
 
 
 def _check_layout(num_blocks: int, num_stages: int, layout: Sequence[int]) -> tuple[range, ...]:
@@ -82,6 +82,15 @@ def partition_layers(num_blocks: int, num_stages: int, *, layout: Sequence[int] 
     if any(not w >= 0 for w in weights + [first_weight, last_weight]):
         raise ConfigError(f"block weights must be >= 0, got {weights} (first {first_weight}, last {last_weight})")
     return _check_layout(num_blocks, num_stages, _balanced(weights, num_stages, first_weight, last_weight))
+
+
+def stage_block_counts(model_config: Any, num_stages: int, layout: Sequence[int] | None) -> tuple[int, ...]:
+    """Blocks per stage as the runtime builds them (the given layout, or balanced by parameters)."""
+    ranges = partition_layers(model_config.num_layers, num_stages, layout=layout,
+                              block_weights=[model_config.params_per_layer] * model_config.num_layers,
+                              first_weight=model_config.embedding_params,
+                              last_weight=model_config.final_norm_params + model_config.vocab * model_config.hidden)
+    return tuple(len(r) for r in ranges)
 
 
 def param_count(module: nn.Module) -> int:

@@ -313,11 +313,14 @@ def _prediction(job: _Job, reports: list[RankReport]) -> dict[str, Any] | None:
     out, cfg = job.config.output, job.config
     if not out.predict:
         return None
-    from evenpipe.runtime.predict import prediction_table, report_prediction
-    run = report_prediction(out.predict, model_name=cfg.model.name, model_config=cfg.model.resolve(),
+    from evenpipe.plan.predict import prediction_table, report_prediction
+    from evenpipe.runtime.stages import stage_block_counts
+    model_config = cfg.model.resolve()
+    run = report_prediction(out.predict, model_name=cfg.model.name, model_config=model_config,
                             schedule=job.schedule, microbatch_size=cfg.data.global_batch // (
                                 cfg.schedule.num_microbatches * cfg.runtime.dp),
-                            layout=cfg.schedule.layout, reports=reports, dtype=cfg.model.dtype.value)
+                            layout=stage_block_counts(model_config, job.schedule.num_stages, cfg.schedule.layout),
+                            reports=reports, dtype=cfg.model.dtype.value)
     log.info("\n" + prediction_table(run))
     return run.to_dict()
 

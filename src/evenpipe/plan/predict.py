@@ -1,4 +1,4 @@
-"""``evenpipe train --predict PROFILE``: the profile's prediction of this run, printed against what it measured.
+"""``evenpipe train --predict PROFILE`` (pure planning code, no torch): the profile's prediction of this run, printed against what it measured.
 
 Predicted: the schedule simulated with the profile's costs for this run's layout and micro-batch size, plus each
 rank's optimizer step and the fixed per-step cost (:func:`evenpipe.cost.profile_fit.predict_step`). Measured: the
@@ -12,11 +12,11 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from evenpipe.cost.profile import Profile, ProfileError
+from evenpipe.cost.profile import Profile, ProfileError, load_profile
 from evenpipe.cost.profile_fit import ProfileModel, StepPrediction, predict_step
 from evenpipe.schedule.ir import Schedule
 
-__all__ = ["check_profile_for_training", "stage_layout", "PredictedRun", "predicted_run", "prediction_table",
+__all__ = ["check_profile_for_training", "PredictedRun", "predicted_run", "prediction_table",
            "report_prediction"]
 
 
@@ -24,7 +24,6 @@ def check_profile_for_training(path: str, *, model_name: str, model_config: Any,
                                device: str | None = None) -> Profile:
     """Load ``path`` and refuse it unless it profiles this model, at this sequence length, in this dtype (and on
     this kind of device, when given): ProfileError, one line."""
-    from evenpipe.commands.profile_args import load_profile
     where = f"profile {path!r}"
     profile = load_profile(path, model=model_name, num_layers=model_config.num_layers, hidden=model_config.hidden)
     ProfileModel(profile).check_seq_len(model_config.seq_len)
@@ -33,16 +32,6 @@ def check_profile_for_training(path: str, *, model_name: str, model_config: Any,
     if device is not None and profile.machine.device != device:
         raise ProfileError(f"{where} was measured on {profile.machine.device}, training runs on {device}")
     return profile
-
-
-def stage_layout(model_config: Any, num_stages: int, layout: Sequence[int] | None) -> tuple[int, ...]:
-    """Blocks per stage as the runtime builds them (the given layout, or balanced by parameters)."""
-    from evenpipe.runtime.stages import partition_layers
-    ranges = partition_layers(model_config.num_layers, num_stages, layout=layout,
-                              block_weights=[model_config.params_per_layer] * model_config.num_layers,
-                              first_weight=model_config.embedding_params,
-                              last_weight=model_config.final_norm_params + model_config.vocab * model_config.hidden)
-    return tuple(len(r) for r in ranges)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,15 +96,15 @@ def prediction_table(run: PredictedRun) -> str:
 
 
 def report_prediction(profile_path: str, *, model_name: str, model_config: Any, schedule: Schedule,
-                      microbatch_size: int, layout: Sequence[int] | None, reports: Sequence[Any],
+                      microbatch_size: int, layout: Sequence[int], reports: Sequence[Any],
                       dtype: str = "float32") -> PredictedRun:
     """The prediction of a finished run (``reports``: every rank's ``RankReport``; replica 0 is compared) in
-    training dtype ``dtype``."""
+    training dtype ``dtype``; ``layout``: blocks per stage as the runtime built them."""
     profile = check_profile_for_training(profile_path, model_name=model_name, model_config=model_config,
                                          dtype=dtype)
     mine = [r for r in reports if r.dp_rank == 0]
     return predicted_run(profile, schedule, microbatch_size=microbatch_size,
-                         layout=stage_layout(model_config, schedule.num_stages, layout),
+                         layout=tuple(layout),
                          step_times=[r.step_times_s for r in mine],
                          peak_bytes=[max(r.peak_activation_bytes for r in mine if r.pp_rank == k)
                                      for k in range(schedule.num_ranks)],

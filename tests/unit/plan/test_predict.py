@@ -6,7 +6,7 @@ import pathlib
 import statistics
 import sys
 
-from evenpipe.runtime.predict import predicted_run
+from evenpipe.plan.predict import predicted_run
 from evenpipe.schedule import build_schedule
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cost"))
