@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from evenpipe.runtime.launch import hosted_rendezvous
+from evenpipe.runtime.rendezvous import hosted_rendezvous
 
 RankFn = Callable[[int, int], list[str]]
 

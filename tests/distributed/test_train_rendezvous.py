@@ -11,7 +11,8 @@ import socket
 import pytest
 import torch.distributed as dist
 
-import evenpipe.runtime.launch as launch
+import evenpipe.runtime.rendezvous as rendezvous
+import evenpipe.training.launch as launch
 from evenpipe.cli import main
 
 pytestmark = pytest.mark.distributed
@@ -32,28 +33,28 @@ def test_the_store_listens_before_any_worker_starts_and_the_job_trains(monkeypat
     start = launch._start
 
     def checked_start(config_path: str, status_dir: str, nproc: int, port: int):  # type: ignore[no-untyped-def]
-        seen.append((port, _listening(port), os.environ.get(launch.AGENT_STORE_ENV)))
+        seen.append((port, _listening(port), os.environ.get(rendezvous.AGENT_STORE_ENV)))
         return start(config_path, status_dir, nproc, port)
 
     monkeypatch.setattr(launch, "_start", checked_start)
     assert main(_TRAIN) == 0
     assert len(seen) == 1 and seen[0][1:] == (True, "True"), seen
     assert not _listening(seen[0][0])  # the store went with the job
-    assert launch.AGENT_STORE_ENV not in os.environ  # and the launcher's environment is as it was
+    assert rendezvous.AGENT_STORE_ENV not in os.environ  # and the launcher's environment is as it was
 
 
 def test_a_worker_joins_the_hosted_store_as_a_client() -> None:
-    with launch.hosted_rendezvous(2) as port:
+    with rendezvous.hosted_rendezvous(2) as port:
         client = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=False,
                                timeout=datetime.timedelta(seconds=30))
         client.set("probe", "1")
         assert client.get("probe") == b"1"
         del client
-    assert launch.AGENT_STORE_ENV not in os.environ
-    os.environ[launch.AGENT_STORE_ENV] = "False"
+    assert rendezvous.AGENT_STORE_ENV not in os.environ
+    os.environ[rendezvous.AGENT_STORE_ENV] = "False"
     try:
-        with launch.hosted_rendezvous(1):
-            assert os.environ[launch.AGENT_STORE_ENV] == "True"
-        assert os.environ[launch.AGENT_STORE_ENV] == "False"  # a value set before is put back
+        with rendezvous.hosted_rendezvous(1):
+            assert os.environ[rendezvous.AGENT_STORE_ENV] == "True"
+        assert os.environ[rendezvous.AGENT_STORE_ENV] == "False"  # a value set before is put back
     finally:
-        del os.environ[launch.AGENT_STORE_ENV]
+        del os.environ[rendezvous.AGENT_STORE_ENV]

@@ -18,7 +18,7 @@ _HF_GPT2 = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "ti
 def no_launch(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """Fail loudly if a bad option ever reaches the launcher."""
     launched: list[object] = []
-    import evenpipe.runtime.launch as launch
+    import evenpipe.training.launch as launch
 
     def fake(options: object, *, nproc: int) -> int:
         launched.append((options, nproc))

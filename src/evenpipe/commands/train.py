@@ -196,11 +196,12 @@ def _abs(path: str | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from evenpipe.runtime.launch import launch_local, under_torchrun
+    from evenpipe.runtime.rendezvous import under_torchrun
+    from evenpipe.training.launch import launch_local
 
     config = build_config(args)
     if under_torchrun():
-        from evenpipe.runtime.worker import run_worker
+        from evenpipe.training.worker import run_worker
         run_worker(config)
         return 0
     return launch_local(config, nproc=config.world_size)

@@ -30,14 +30,63 @@ from __future__ import annotations
 
 import datetime
 import enum
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from evenpipe.runtime.comm import DEFAULT_TIMEOUT_S, ParallelGroups
+__all__ = ["MeshDim", "MESH_DIMS", "mesh_ranks", "build_parallel_groups", "ParallelGroups", "DEFAULT_TIMEOUT_S"]
 
-__all__ = ["MeshDim", "MESH_DIMS", "mesh_ranks", "build_parallel_groups"]
+DEFAULT_TIMEOUT_S = 300.0
+"""Process-group timeout: the longest any rank waits for a peer before failing."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelGroups:
+    """This process's place in a ``dp x pp x tp`` layout and the process groups it talks through."""
+
+    pp: int
+    """Pipeline ranks per replica."""
+    dp: int
+    """Data-parallel replicas."""
+    pp_rank: int
+    """This process's rank inside its pipeline replica."""
+    dp_rank: int
+    """This process's replica index."""
+    pp_ranks: tuple[int, ...]
+    """Global ranks of this replica's pipeline ranks, indexed by pipeline rank."""
+    dp_ranks: tuple[int, ...]
+    """Global ranks of this pipeline rank in every replica, indexed by replica."""
+    pp_group: Any = field(repr=False)
+    """Process group of the replica: activations and gradients."""
+    bpipe_group: Any = field(repr=False)
+    """Second process group of the replica: BPipe evict/accept/return/load."""
+    dp_group: Any = field(repr=False)
+    """Process group across replicas for this pipeline rank (gradient all-reduce); ``None`` when dp == 1."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage."""
+    tp_rank: int = 0
+    """This process's tensor-parallel rank."""
+    tp_ranks: tuple[int, ...] = ()
+    """Global ranks of this stage's tensor-parallel ranks, indexed by tensor-parallel rank."""
+    tp_group: Any = field(default=None, repr=False)
+    """Process group of the tensor-parallel ranks (DTensor collectives); ``None`` when tp == 1."""
+    mesh: Any = field(default=None, repr=False)
+    """The ``torch.distributed.device_mesh.DeviceMesh`` ``[dp, pp, tp]`` this rank belongs to."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """How long any wait on these groups may take before it fails."""
+    embedding_group: Any = field(default=None, repr=False)
+    """Process group of the replica's first and last pipeline ranks (Megatron's embedding group): the gradients
+    of weights tied between the first and the last stage are summed over it; ``None`` when pp == 1."""
+
+    def global_rank(self, pp_rank: int) -> int:
+        """Global rank of pipeline rank ``pp_rank`` of this replica."""
+        return self.pp_ranks[pp_rank]
+
+    @property
+    def is_last_pp_rank(self) -> bool:
+        return self.pp_rank == self.pp - 1
 
 
 class MeshDim(enum.Enum):

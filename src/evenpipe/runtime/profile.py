@@ -64,7 +64,7 @@ from evenpipe.cost.profile import (
     ProfileError,
 )
 from evenpipe.runtime.executor import _run_backward
-from evenpipe.runtime.launch import hosted_rendezvous
+from evenpipe.runtime.rendezvous import hosted_rendezvous
 from evenpipe.runtime.split_backward import backward_input, backward_weight
 from evenpipe.runtime.stages import StageModule
 

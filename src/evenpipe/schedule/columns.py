@@ -4,7 +4,8 @@ A schedule of 10^5-10^6 actions costs a Python object per :class:`~evenpipe.sche
 (building, validating, simulating) read these columns instead, and a :class:`~evenpipe.schedule.ir.Schedule`
 built from columns materialises its ``Action`` objects only when a consumer asks for ``schedule.actions``
 (renderers, the executor, the text forms). Both forms describe the same schedule: ``peer`` is ``-1`` where an
-action has none, and a kind is its ``ActionKind.code``.
+action has none, and a kind is its ``ActionKind.code``. This module sits below :mod:`evenpipe.schedule.ir` (it
+reads only :mod:`evenpipe.schedule.action`), so a schedule converts between the forms without an import circle.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import operator
 from dataclasses import dataclass
 from typing import Sequence
 
-from evenpipe.schedule.ir import Action, ActionKind
+from evenpipe.schedule.action import Action, ActionKind
 
 __all__ = ["Columns", "columns_of_actions", "actions_of_columns"]
 

@@ -183,7 +183,7 @@ def test_the_profilers_processes_meet_on_a_store_this_process_hosts(monkeypatch:
     import os
     import socket
 
-    import evenpipe.runtime.launch as launch
+    import evenpipe.runtime.rendezvous as launch
     import evenpipe.runtime.profile as prof
     cfg = model_config("gpt-tiny")
     opts = ProfileOptions(model_name="gpt-tiny", model_config=cfg, microbatch_sizes=(1,), repeats=1, warmup=0,

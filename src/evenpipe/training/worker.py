@@ -1,6 +1,6 @@
-"""Entry point of one ``evenpipe train`` worker process: ``python -m evenpipe.runtime.worker CONFIG [--status-dir D]``.
+"""Entry point of one ``evenpipe train`` worker process: ``python -m evenpipe.training.worker CONFIG [--status-dir D]``.
 
-``CONFIG`` is the JSON file :func:`evenpipe.runtime.launch.launch_local` wrote from the typed
+``CONFIG`` is the JSON file :func:`evenpipe.training.launch.launch_local` wrote from the typed
 :class:`evenpipe.training.config.TrainConfig`; ``--status-dir`` is where this rank leaves its heartbeat and fault
 line for the launcher. Under a user's own ``torchrun ... -m evenpipe train ...`` each process parses the command
 line instead and calls :func:`run_worker` directly (fault lines then go to stderr).
@@ -62,7 +62,7 @@ def run_worker(config: TrainConfig, *, status_dir: str | None = None) -> TrainSu
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evenpipe.runtime.worker")
+    parser = argparse.ArgumentParser(prog="python -m evenpipe.training.worker")
     parser.add_argument("config", help="TrainConfig JSON file")
     parser.add_argument("--status-dir", default=None, help="directory for heartbeats and fault lines")
     args = parser.parse_args(argv)

@@ -8,15 +8,16 @@ SIGTERM (a worker answers by reporting what it was blocked on) and, ``kill_after
 line per failed rank, in rank order (see :mod:`evenpipe.training.fault`).
 
 Rendezvous. As torchrun's agent does, the launcher itself hosts the workers' rendezvous store, on a port the
-kernel picks when the store binds it (:func:`hosted_rendezvous`), and every worker, rank 0 included, joins it as a
-client. No other process can take the port between its choice and its use, which it could when rank 0 listened on
-a port the launcher had found free a moment before.
+kernel picks when the store binds it (:func:`evenpipe.runtime.rendezvous.hosted_rendezvous`), and every worker,
+rank 0 included, joins it as a client. No other process can take the port between its choice and its use, which it
+could when rank 0 listened on a port the launcher had found free a moment before.
+
+The launcher and the workers (:mod:`evenpipe.training.worker`) run training jobs, so they live on the training
+floor; the rendezvous they share with the profiler is the runtime's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import os
 import signal
 import subprocess
@@ -24,12 +25,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
 
+from evenpipe.runtime.rendezvous import hosted_rendezvous
 from evenpipe.training.config import TrainConfig
 from evenpipe.training.fault import fault_path, step_path
 
-__all__ = ["under_torchrun", "launch_local", "FaultPolicy"]
+__all__ = ["launch_local", "FaultPolicy"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,38 +43,6 @@ class FaultPolicy:
     """Seconds between SIGTERM and SIGKILL."""
     poll_s: float = 0.1
     """How often the launcher looks at its workers."""
-
-
-def under_torchrun() -> bool:
-    """True when torchrun (or another launcher) already set this process's RANK and WORLD_SIZE."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
-"""torch's switch (read by its ``env://`` and ``tcp://`` rendezvous) that makes every rank a client of a store
-hosted elsewhere."""
-
-
-@contextlib.contextmanager
-def hosted_rendezvous(world_size: int) -> Iterator[int]:
-    """Host a rendezvous store for ``world_size`` workers in this process while the block runs; yields its port.
-
-    The store binds a port the kernel picks and keeps it; while the block runs, this process's environment sets
-    :data:`AGENT_STORE_ENV`, so the workers started inside (which inherit it) join the store as clients instead
-    of rank 0 listening on the port itself. The environment is restored afterwards."""
-    import torch.distributed as dist
-    store: Any = dist.TCPStore("127.0.0.1", 0, world_size=world_size, is_master=True, wait_for_workers=False,
-                               timeout=datetime.timedelta(seconds=600))
-    before = os.environ.get(AGENT_STORE_ENV)
-    os.environ[AGENT_STORE_ENV] = "True"
-    try:
-        yield int(store.port)
-    finally:
-        if before is None:
-            os.environ.pop(AGENT_STORE_ENV, None)
-        else:
-            os.environ[AGENT_STORE_ENV] = before
-        del store
 
 
 def launch_local(config: TrainConfig, *, nproc: int, policy: FaultPolicy = FaultPolicy()) -> int:
@@ -102,13 +71,13 @@ def launch_local(config: TrainConfig, *, nproc: int, policy: FaultPolicy = Fault
 
 
 def _start(config_path: str, status_dir: str, nproc: int, port: int) -> list[subprocess.Popen[bytes]]:
-    """Start the workers, joining the rendezvous store on ``port`` (see :func:`hosted_rendezvous`)."""
+    """Start the workers, joining the rendezvous store on ``port`` (see :func:`~evenpipe.runtime.rendezvous.hosted_rendezvous`)."""
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "evenpipe.runtime.worker", config_path,
+        procs.append(subprocess.Popen([sys.executable, "-m", "evenpipe.training.worker", config_path,
                                        "--status-dir", status_dir], env=env))
     return procs
 
