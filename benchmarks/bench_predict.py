@@ -107,7 +107,7 @@ def train(args: argparse.Namespace, out: pathlib.Path, prof: pathlib.Path, sched
     model = ["--hf-config", args.hf_config] if args.hf_config else ["--model", args.model]
     cmd = [sys.executable, "-m", "evenpipe", "train", *model, "--schedule", schedule, "--stages", str(args.stages),
            "--chunks", str(chunks), "--microbatches", str(args.microbatches), "--microbatch-size", str(b),
-           "--steps", str(args.steps), "--random-tokens", "--json-out", str(summary), "--trace-json", str(trace),
+           "--steps", str(args.steps), "--dtype", args.dtype, "--random-tokens", "--json-out", str(summary), "--trace-json", str(trace),
            "--predict", str(prof)] + (["--backend", "nccl"] if args.device == "cuda" else ["--backend", "gloo"]) \
         + (["--seq-len", str(args.seq_len)] if args.seq_len else [])
     _run(cmd, 1800)
