@@ -25,7 +25,7 @@ from typing import Sequence
 from evenpipe.cost.profile import QUANTITIES, LayerKind, LayerSample, Profile, ProfileError
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.sim.costs import Link, SimCosts, StageCosts
-from evenpipe.sim.engine import simulate
+from evenpipe.sim.dispatch import simulate
 from evenpipe.sim.trace import Trace
 
 __all__ = ["Fit", "fit_least_squares", "ProfileModel", "link_from_profile", "StepPrediction",

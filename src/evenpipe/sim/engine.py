@@ -36,77 +36,35 @@ and its hosted units never exceed its hosted program-order peak, so it never hol
 the BPipe transform keeps within the budget.
 
 The engine uses a heap of timed events (plus a queue of events due now) and per-rank cursors:
-O(actions x log events), no scans. It is the reference: :func:`simulate` first tries the same rules evaluated as a
-dataflow (:mod:`evenpipe.sim.fast`, exact where it answers, checked against this engine by golden tests) and runs
-this engine where that path cannot vouch for an identical trace.
+O(actions x log events), no scans. It is the reference: :func:`evenpipe.sim.simulate` first tries the same rules
+evaluated by quicker evaluators (:mod:`evenpipe.sim.dispatch`, exact where they answer, checked against this engine
+by golden tests) and runs this engine where none can vouch for an identical trace.
 """
 
 from __future__ import annotations
 
-import gc
 import heapq
-import operator
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Hashable
 
 from evenpipe.errors import ConfigError, ScheduleValidationError
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
-from evenpipe.schedule.semantics import SEMANTICS, TABLES, kind_table
 from evenpipe.sim.costs import SimCosts
-from evenpipe.sim.trace import MemoryTimeline, TransferRecord, Trace
+from evenpipe.sim.kernel import PARKED, gc_paused, park, wait_or_park
+from evenpipe.sim.result import by_end, make_trace
+from evenpipe.sim.rules import (ALLOCS, EVENT, FREES, HOST, HOST_SIDE, KACCEPT, KB, KEVICT, KF, KI, KINDS, KLOAD,
+                                KOFFLOAD, KR, KRECV_B, KRECV_F, KRELOAD, KRETURN, KSEND_F, PEER, RECV, RECV_SHIFT,
+                                SEND, B, F, I, R, W)
+from evenpipe.sim.trace import TransferRecord, Trace
 
-__all__ = ["simulate", "simulate_events", "make_trace"]
+__all__ = ["NAME", "simulate_events", "check_costs", "run"]
 
-_K = ActionKind
-_HOST = -1
-"""Pseudo-rank standing for host memory in link keys."""
-_MEM_EPS = 1e-9
-"""Relative tolerance for float round-off in the memory balance."""
-
-# Integer event codes for the hot loop. Computes < _SEND <= sends < _RECV <= receives; a compute's code is its
-# kind's code (F, B, I, W, R come first in ActionKind).
-_F, _B, _I, _W, _R, _SEND, _SEND_FREES, _RECV, _RECV_ALLOC = range(9)
-assert [k.code for k in (_K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT, _K.RECOMPUTE)] == \
-    [_F, _B, _I, _W, _R]
-
-
-def _event_code(k: ActionKind) -> int:
-    sem = SEMANTICS[k]
-    if sem.is_compute:
-        return k.code
-    if sem.sends:
-        return _SEND_FREES if sem.frees_on_arrival else _SEND
-    return _RECV_ALLOC if sem.allocates_on_start else _RECV
-
-
-_CODE = kind_table("simulator", {k: _event_code(k) for k in ActionKind})
-"""Kind code -> event code; ``_SEND_FREES`` sends free the sender's copy on arrival, ``_RECV_ALLOC`` receives
-allocate when their transfer starts."""
-_MATCH = TABLES.peer_code
-"""Kind code -> code of the kind on the other side of the message."""
-_RECV_SHIFT = tuple(-TABLES.sender_stage_shift[p] if p >= 0 else 0 for p in TABLES.peer_code)
-"""Send kind code -> stage offset of its receive (SEND_F feeds stage s+1, SEND_B feeds s-1, BPipe keeps s)."""
-_HOST_SIDE = tuple(SEMANTICS[k].host_side for k in ActionKind)
-_FREES = tuple(SEMANTICS[k].frees_on_arrival for k in ActionKind)
-"""Transfer kind code -> whether arrival frees the sender's copy."""
-_ALLOCS = tuple((SEMANTICS[k].sends and not SEMANTICS[k].host_side
-                 and SEMANTICS[SEMANTICS[k].peer_kind or k].allocates_on_start)
-                or (SEMANTICS[k].host_side and not SEMANTICS[k].sends and SEMANTICS[k].allocates_on_start)
-                for k in ActionKind)
-"""Transfer kind code (a peer message is named by its send, a host move by itself) -> whether its start
-allocates on the receiving rank."""
-(_KF, _KB, _KI, _KR, _KSEND_F, _KRECV_F, _KRECV_B, _KEVICT, _KACCEPT, _KRETURN, _KLOAD, _KOFFLOAD,
- _KRELOAD) = (k.code for k in (_K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPUT, _K.RECOMPUTE, _K.SEND_F, _K.RECV_F,
-                               _K.RECV_B, _K.EVICT, _K.ACCEPT, _K.RETURN, _K.LOAD, _K.OFFLOAD, _K.RELOAD))
+NAME = "events"
+"""The evaluator's name in traces and in the dispatcher."""
 
 _Dep = tuple[Hashable, float, int]
 """(signal, delay after it, transfer id or -1): a compute waits until ``signal`` time + delay."""
-
-by_end = operator.attrgetter("end")
-"""Sort key of transfer records: their end."""
-_by_time = operator.itemgetter(0)
 
 
 @dataclass(slots=True)
@@ -142,45 +100,23 @@ class _Xfer:
     """Seconds added when the receive was posted after the send (``Link.late_receive_s``)."""
 
 
-def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
-    """Simulate one step of ``schedule`` and return its :class:`~evenpipe.sim.trace.Trace`.
-
-    Runs the instant-link evaluation over computes (:mod:`evenpipe.sim.free`), else for a validated schedule of
-    plain messages and BPipe moves the one-pass evaluation (:mod:`evenpipe.sim.links`), else the dataflow
-    evaluation (:mod:`evenpipe.sim.fast`), and where neither can vouch for an identical answer this module's event
-    engine (:func:`simulate_events`), which is the reference.
-    Raises :class:`ScheduleValidationError` for unmatched transfers or a schedule that deadlocks, and
-    :class:`ConfigError` when ``costs`` does not describe every stage.
-    """
-    _check_costs(schedule, costs)
-    from evenpipe.sim.fast import simulate_fast  # these import this module
-    from evenpipe.sim.free import simulate_free
-    from evenpipe.sim.links import simulate_links
-
-    trace = simulate_free(schedule, costs)
-    if trace is None:
-        trace = simulate_links(schedule, costs)
-    if trace is None:
-        trace = simulate_fast(schedule, costs)  # all answer None when a link charges CPU
-    return trace if trace is not None else simulate_events(schedule, costs)
-
-
 def simulate_events(schedule: Schedule, costs: SimCosts, *,
                     durations: dict[tuple[int, int], float] | None = None) -> Trace:
-    """The reference: simulate with the event engine described above (same contract as :func:`simulate`).
-    ``durations`` gives every compute its own duration, keyed by (rank, index in the rank's action list),
-    instead of its stage's (see :func:`evenpipe.sim.replay.replay`)."""
-    _check_costs(schedule, costs)
-    collecting = gc.isenabled()
-    gc.disable()  # the run allocates ~10^6 small acyclic objects; cyclic GC passes would cost ~25%
-    try:
+    """The reference: simulate with the event engine described above (same contract as
+    :func:`evenpipe.sim.simulate`). ``durations`` gives every compute its own duration, keyed by (rank, index in
+    the rank's action list), instead of its stage's (see :func:`evenpipe.sim.replay.replay`)."""
+    check_costs(schedule, costs)
+    with gc_paused():
         return _Engine(schedule, costs, per_action=durations).run()
-    finally:
-        if collecting:
-            gc.enable()
 
 
-def _check_costs(schedule: Schedule, costs: SimCosts) -> None:
+def run(schedule: Schedule, costs: SimCosts) -> Trace:
+    """The dispatcher's entry (costs already checked, collections paused): always answers."""
+    return _Engine(schedule, costs).run()
+
+
+def check_costs(schedule: Schedule, costs: SimCosts) -> None:
+    """Raise :class:`ConfigError` unless ``costs`` describes every stage of ``schedule``."""
     if len(costs.stages) != schedule.num_stages:
         raise ConfigError(f"costs describe {len(costs.stages)} stages but schedule {schedule.name!r} has "
                           f"{schedule.num_stages}; pass one StageCosts per stage")
@@ -260,14 +196,14 @@ class _Engine:
         times = self.time_of.get((link, num_bytes))
         if times is None:
             host_side = max(src, dst)  # a host transfer uses the rank's own pair (rank, rank)
-            timing = self.costs.link(src, dst) if src != _HOST and dst != _HOST else \
+            timing = self.costs.link(src, dst) if src != HOST and dst != HOST else \
                 self.costs.link(host_side, host_side)
             times = self.time_of[(link, num_bytes)] = (timing.transfer_time(num_bytes), timing.cpu_time(num_bytes),
                                                        timing.late_receive_s)
         self.xfers.append(_Xfer(src, dst, kind, stage, mb, num_bytes, times[0], link,
                                 send_pos, recv_pos, tid if signal is None else signal,
                                 (send_pos is not None) + (recv_pos is not None), 0.0, -1.0, -1.0, 0.0,
-                                _FREES[kind.code], _ALLOCS[kind.code], times[1],
+                                FREES[kind.code], ALLOCS[kind.code], times[1],
                                 times[2] if send_pos is not None and recv_pos is not None else 0.0))
         if send_pos is not None:
             self.xfer_at[send_pos[0]][send_pos[1]] = tid
@@ -291,26 +227,26 @@ class _Engine:
         self.duration = [[st.forward for st in stages], [st.backward for st in stages],
                          [st.backward_input for st in stages], [st.backward_weight for st in stages],
                          [st.recompute_time for st in stages]]
-        code = _CODE
+        code = EVENT
         self.codes = [[code[a.kind.code] for a in acts] for acts in sched.actions]  # type: ignore[misc]
-        self.recomputed = {a.key for acts, codes in zip(sched.actions, self.codes) if _R in codes
-                           for a, c in zip(acts, codes) if c == _R}
+        self.recomputed = {a.key for acts, codes in zip(sched.actions, self.codes) if R in codes
+                           for a, c in zip(acts, codes) if c == R}
         self.xfer_at = [[-1] * len(acts) for acts in sched.actions]
         unmatched: dict[tuple[int, int, int, int, int], tuple[int, int]] = {}  # one side seen, other not yet
         recv_index: list[dict[tuple[int, int, int], int]] = []
-        pop, match, shift, host_side = unmatched.pop, _MATCH, _RECV_SHIFT, _HOST_SIDE
+        pop, match, shift, host_side = unmatched.pop, PEER, RECV_SHIFT, HOST_SIDE
         for r, acts in enumerate(sched.actions):
             idx: dict[tuple[int, int, int], int] = {}
             codes = self.codes[r]
             for i, c in enumerate(codes):
-                if c < _SEND:
+                if c < SEND:
                     continue
                 a = acts[i]
                 kc = a.kind.code
                 peer = a.peer
                 if peer is None or host_side[kc]:  # host transfers: no peer rank
                     continue
-                if c < _RECV:
+                if c < RECV:
                     key = (r, peer, match[kc], a.stage + shift[kc], a.microbatch)
                     side = (r, i)
                 else:
@@ -326,7 +262,7 @@ class _Engine:
                     send_pos, recv_pos = (side, other) if side[0] >= 0 else (other, side)
                     recv_pos = (-1 - recv_pos[0], recv_pos[1])
                     send = sched.actions[send_pos[0]][send_pos[1]]
-                    if self.codes[send_pos[0]][send_pos[1]] == _SEND:  # activation/gradient: boundary output
+                    if self.codes[send_pos[0]][send_pos[1]] == SEND:  # activation/gradient: boundary output
                         num_bytes = stages[min(send.stage, key[3])].output_bytes
                     else:
                         num_bytes = self._bytes_moved(key[3], key[4])
@@ -336,7 +272,7 @@ class _Engine:
         for key, (r, i) in unmatched.items():
             if r >= 0:
                 raise self._fail("match", f"{sched.actions[r][i]} on rank {r} has no matching "
-                                 f"{TABLES.kinds[key[2]].value} on rank "
+                                 f"{KINDS[key[2]].value} on rank "
                                  f"{key[1]}", r, i)
             r = -1 - r
             raise self._fail("match", f"{sched.actions[r][i]} on rank {r} has no matching send on rank {key[0]}",
@@ -361,12 +297,12 @@ class _Engine:
         codes = self.codes[r]
         for i, a in enumerate(sched.actions[r]):
             c = codes[i]
-            if c == _RECV:  # activation / gradient receive: nothing to derive
+            if c == RECV:  # activation / gradient receive: nothing to derive
                 out.append(no_deps)
                 continue
             s, m = a.stage, a.microbatch
-            if c == _SEND:  # SEND_F / SEND_B: normally after the compute that produced the data
-                signal = ("F", s, m) if a.kind.code == _KSEND_F else ("G", s, m)
+            if c == SEND:  # SEND_F / SEND_B: normally after the compute that produced the data
+                signal = ("F", s, m) if a.kind.code == KSEND_F else ("G", s, m)
                 if signal not in done:
                     self._add_data_dep(xfer_at[i], signal)
                     self.needed.add(signal)
@@ -374,54 +310,54 @@ class _Engine:
                 continue
             kc = a.kind.code
             deps: list[_Dep] = []
-            if c < _SEND:
-                if kc == _KF and s > 0:
-                    deps.extend(self._input_dep(r, s, m, s - 1, _KRECV_F, "F", recv_index, done))
-                elif (kc == _KB or kc == _KI) and s < last:
-                    deps.extend(self._input_dep(r, s, m, s + 1, _KRECV_B, "G", recv_index, done))
-                if kc != _KF:
+            if c < SEND:
+                if kc == KF and s > 0:
+                    deps.extend(self._input_dep(r, s, m, s - 1, KRECV_F, "F", recv_index, done))
+                elif (kc == KB or kc == KI) and s < last:
+                    deps.extend(self._input_dep(r, s, m, s + 1, KRECV_B, "G", recv_index, done))
+                if kc != KF:
                     if (s, m) in back:
                         tid = xfer_at[back.pop((s, m))]
                         deps.append((tid, 0.0, tid))
                     elif (s, m) in away:
                         raise self._fail("evict", f"{a} on rank {r} needs activations that {away[(s, m)].value} "
                                          f"sent away and no load brings back before it", r, i)
-                if kc == _KF:
+                if kc == KF:
                     done.add(("F", s, m))
-                elif kc == _KB or kc == _KI:
+                elif kc == KB or kc == KI:
                     done.add(("G", s, m))
-                if evicting and (kc == _KF or kc == _KR):
+                if evicting and (kc == KF or kc == KR):
                     gates[i] = tuple(evicting)
                     evicting.clear()
-            elif kc == _KEVICT or kc == _KOFFLOAD:
+            elif kc == KEVICT or kc == KOFFLOAD:
                 away[(s, m)] = a.kind
-                if kc == _KEVICT:
+                if kc == KEVICT:
                     evicting.append(xfer_at[i])
-                if kc == _KOFFLOAD:
+                if kc == KOFFLOAD:
                     offloaded.add((s, m))
-                    self._new_xfer(r, _HOST, a.kind, s, m, self._bytes_moved(s, m), (r, i), None, (r, _HOST),
+                    self._new_xfer(r, HOST, a.kind, s, m, self._bytes_moved(s, m), (r, i), None, (r, HOST),
                                    signal=("off", r, s, m))
-            elif kc == _KLOAD or kc == _KRELOAD:
+            elif kc == KLOAD or kc == KRELOAD:
                 away.pop((s, m), None)
                 back[(s, m)] = i
-                if kc == _KRELOAD:
+                if kc == KRELOAD:
                     if (s, m) not in offloaded:
                         raise self._fail("offload", f"{a} on rank {r} reloads activations never offloaded", r, i)
-                    tid = self._new_xfer(_HOST, r, a.kind, s, m, self._bytes_moved(s, m), None, (r, i),
-                                         (_HOST, r))
+                    tid = self._new_xfer(HOST, r, a.kind, s, m, self._bytes_moved(s, m), None, (r, i),
+                                         (HOST, r))
                     self._add_data_dep(tid, ("off", r, s, m))
                 else:
                     self._gate_transfer(xfer_at[i], evicting)
-            elif kc == _KACCEPT:
+            elif kc == KACCEPT:
                 accepted[(s, m)] = i
                 self._gate_transfer(xfer_at[i], returning)
                 returning[:] = [xfer_at[i]]  # later ACCEPTs start after this one (and so after these RETURNs)
-            elif kc == _KRETURN:
+            elif kc == KRETURN:
                 if (s, m) not in accepted:
                     raise self._fail("evict", f"{a} on rank {r} returns activations it never accepted", r, i)
                 self._add_data_dep(xfer_at[i], xfer_at[accepted.pop((s, m))])
                 returning.append(xfer_at[i])
-            if (kc == _KEVICT or kc == _KOFFLOAD) and ("F", s, m) not in done:
+            if (kc == KEVICT or kc == KOFFLOAD) and ("F", s, m) not in done:
                 self._add_data_dep(xfer_at[i], ("F", s, m))
                 self.needed.add(("F", s, m))
             out.append(tuple(deps) if deps else no_deps)
@@ -494,7 +430,7 @@ class _Engine:
         """Queue a starting transfer's CPU work on both endpoint ranks (after their current compute)."""
         cpu_free, t_free = self.cpu_free, self.t_free
         for r in (x.src, x.dst):
-            if r != _HOST:
+            if r != HOST:
                 base = cpu_free[r]
                 if now > base:
                     base = now
@@ -568,30 +504,22 @@ class _Engine:
         xfer_at, starts, ends, avail, xfers = self.xfer_at[r], self.starts[r], self.ends[r], self.avail, self.xfers
         while i < n:
             c = codes[i]
-            if c < _SEND:
+            if c < SEND:
                 start = now
-                for key, delay, _ in self.deps[r][i]:
+                for key, delay, _ in self.deps[r][i]:  # inputs, each after its delay (implicit messages)
                     t = avail.get(key)
                     if t is None:
                         self.pc[r] = i
-                        waiting = self.waiters.get(key)
-                        if waiting is None:
-                            self.waiters[key] = [r]
-                        else:
-                            waiting.append(r)
+                        park(self.waiters, key, r)
                         return
                     if t + delay > start:
                         start = t + delay
                 gate = self.gates[r][i]
                 if gate:  # BPipe: this F/R allocates only after the rank's earlier evictions have landed
-                    for tid in gate:
-                        t = avail.get(tid)
-                        if t is None:
-                            self.pc[r] = i
-                            self.waiters.setdefault(tid, []).append(r)
-                            return
-                        if t > start:
-                            start = t
+                    start = wait_or_park(avail.get, gate, start, self.waiters, r)
+                    if start == PARKED:
+                        self.pc[r] = i
+                        return
                 if self.cpu_free[r] > start:  # transfer work charged to this rank comes first
                     start = self.cpu_free[r]
                 self._run_compute(r, i, c, acts[i], start)
@@ -599,7 +527,7 @@ class _Engine:
             tid = xfer_at[i]
             starts[i] = ends[i] = now
             x = xfers[tid]
-            if c < _RECV and x.ready_data < now:
+            if c < RECV and x.ready_data < now:
                 x.ready_data = now
             x.pending -= 1
             if not x.pending:
@@ -632,17 +560,17 @@ class _Engine:
         end = start + (self.duration[c][stage] if self.per_action is None else self.per_action[(r, i)])
         key = (stage, a.microbatch)
         held = self.held[r]
-        if c == _F:
+        if c == F:
             st = self.costs.stages[stage]
             num_bytes = st.checkpoint_bytes if key in self.recomputed else st.activation_bytes
             if num_bytes:
                 held[key] = held.get(key, 0.0) + num_bytes
                 self.mem[r].append((start, num_bytes))
-        elif c == _B or c == _W:  # frees everything the micro-batch still holds here
+        elif c == B or c == W:  # frees everything the micro-batch still holds here
             num_bytes = held.pop(key, 0.0)
             if num_bytes:
                 self.mem[r].append((end, -num_bytes))
-        elif c == _I:
+        elif c == I:
             self._free(r, key, end, max(0.0, held.get(key, 0.0) - self.costs.stages[stage].weight_grad_bytes))
         else:  # recompute
             st = self.costs.stages[stage]
@@ -651,8 +579,8 @@ class _Engine:
         self.ends[r][i] = end
         self.t_free[r] = end
         self.pc[r] = i + 1
-        if self.needed and c != _W and c != _R:
-            signal = ("F" if c == _F else "G", stage, a.microbatch)
+        if self.needed and c != W and c != R:
+            signal = ("F" if c == F else "G", stage, a.microbatch)
             if signal in self.needed:  # announced when the clock reaches ``end``, not before
                 self._push(end, -(len(self.xfers) + len(self.late) + 1))
                 self.late.append(signal)
@@ -730,37 +658,7 @@ class _Engine:
     def _result(self) -> Trace:
         new = tuple.__new__
         transfers = [
-            new(TransferRecord, (x.src if x.src != _HOST else x.dst, x.dst if x.dst != _HOST else x.src, x.kind,
+            new(TransferRecord, (x.src if x.src != HOST else x.dst, x.dst if x.dst != HOST else x.src, x.kind,
                                  x.stage, x.microbatch, x.num_bytes, x.start, x.end, x.exposed))
             for x in self.xfers]
-        return make_trace(self.schedule, self.costs, self.starts, self.ends, transfers, self.mem)
-
-
-def make_trace(sched: Schedule, costs: SimCosts, starts: list[list[float]], ends: list[list[float]],
-               transfers: list[TransferRecord], mem: list[list[tuple[float, float]]]) -> Trace:
-    """The trace of a finished run: per-action times, transfers (in creation order, sorted here by arrival) and
-    each rank's memory changes (time, bytes delta) in the order they were decided."""
-    transfers.sort(key=by_end)
-    step = max([max(e, default=0.0) for e in ends] + [t.end for t in transfers], default=0.0)
-    unit = unit_bytes(sched, costs)
-    memory = tuple(timeline(r, mem[r], unit[r]) for r in range(sched.num_ranks))
-    return Trace(schedule=sched, times=(starts, ends), transfers=tuple(transfers), memory=memory, unit_bytes=unit,
-                 step_time=step, source="sim")
-
-
-def unit_bytes(sched: Schedule, costs: SimCosts) -> tuple[float, ...]:
-    """Per rank, the bytes of one activation unit (the activation bytes of the stages it holds)."""
-    return tuple(sum(costs.stages[s].activation_bytes for s in sched.stages_of(r)) for r in range(sched.num_ranks))
-
-
-def timeline(r: int, events: list[tuple[float, float]], unit: float) -> MemoryTimeline:
-    """Rank ``r``'s memory timeline from its changes ``(time, bytes delta)`` in the order they were decided."""
-    events.sort(key=_by_time)  # stable: same-time changes keep the causal order they were recorded in
-    levels = list(accumulate(delta for _, delta in events))
-    tol = _MEM_EPS * max(unit, 1.0) * (1 + len(events))
-    lowest = min(levels, default=0.0)
-    assert lowest >= -tol, f"rank {r} activation memory went negative ({lowest})"
-    if lowest < 0:
-        levels = [max(0.0, b) for b in levels]
-    last_per_time = dict(zip((t for t, _ in events), levels))  # one point per time: the level after it
-    return MemoryTimeline(rank=r, points=((0.0, 0.0),) + tuple(last_per_time.items()))
+        return make_trace(self.schedule, self.costs, self.starts, self.ends, transfers, self.mem, evaluator=NAME)

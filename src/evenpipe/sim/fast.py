@@ -24,40 +24,26 @@ on the costs) is cached for the last few schedules simulated, so sweeps over cos
 
 from __future__ import annotations
 
-import gc
-from collections import Counter
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Hashable, TypeVar
 
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.schedule.memo import ObjectMemo
-from evenpipe.sim import engine as _ref
 from evenpipe.sim.costs import SimCosts
+from evenpipe.sim.kernel import PARKED, CannotVouch, attempt, compute_memory, served_first, sums_exact, wait_or_park
+from evenpipe.sim.result import make_trace
+from evenpipe.sim.rules import (ALLOCS, EVENT, FREES, HOST, HOST_SIDE, KACCEPT, KB, KEVICT, KF, KI, KINDS, KLOAD,
+                                KOFFLOAD, KR, KRECV_B, KRECV_F, KRELOAD, KRETURN, KSEND_F, PEER, RECV, RECV_SHIFT,
+                                SEND, R)
 from evenpipe.sim.trace import TransferRecord, Trace
 
-__all__ = ["simulate_fast", "compile_shape", "compute_memory"]
+__all__ = ["NAME", "applies", "run", "simulate_fast", "compile_shape", "Shape"]
 
-_F, _B, _I, _W, _R, _SEND, _SEND_FREES, _RECV, _RECV_ALLOC = range(9)
-_HOST = _ref._HOST
-_MATCH, _RECV_SHIFT, _HOST_SIDE = _ref._MATCH, _ref._RECV_SHIFT, _ref._HOST_SIDE
-_CODE: tuple[int, ...] = tuple(-1 if c is None else c for c in _ref._CODE)  # every kind is handled
-_FREES, _ALLOCS = _ref._FREES, _ref._ALLOCS
-_KINDS = tuple(ActionKind)
-(_KF, _KB, _KI, _KR, _KSEND_F, _KRECV_F, _KRECV_B, _KEVICT, _KACCEPT, _KRETURN, _KLOAD, _KOFFLOAD,
- _KRELOAD) = (_ref._KF, _ref._KB, _ref._KI, _ref._KR, _ref._KSEND_F, _ref._KRECV_F, _ref._KRECV_B, _ref._KEVICT,
-              _ref._KACCEPT, _ref._KRETURN, _ref._KLOAD, _ref._KOFFLOAD, _ref._KRELOAD)
-_EXACT_LIMIT = 2 ** 53
+NAME = "fast"
+"""The evaluator's name in traces and in the dispatcher."""
 _CACHE_SIZE = 4  # a shape of 4*10^5 actions holds tens of MB
 _CACHE_ACTIONS = 1_000_000
 """Beyond ``_CACHE_SIZE`` shapes, more are kept while their schedules hold this many actions in all."""
-
-
-_Key = TypeVar("_Key", bound=Hashable)
-
-
-class _Fallback(Exception):
-    """An assumption of the dataflow evaluation does not hold: let the event engine decide."""
 
 
 @dataclass(slots=True)
@@ -144,18 +130,18 @@ _cache: ObjectMemo[Shape] = ObjectMemo(_CACHE_SIZE, weight=lambda s: sum(map(len
 
 
 def compile_shape(schedule: Schedule) -> Shape:
-    """The cost-independent part of a simulation (raises ``_Fallback`` for schedules the engine must judge)."""
+    """The cost-independent part of a simulation (raises ``CannotVouch`` for schedules the engine must judge)."""
     return _cache.get(schedule, None, lambda: _Compiler(schedule).run())
 
 
 class _Compiler:
-    """The engine's preparation with integer signals, in two passes; any irregularity raises ``_Fallback``."""
+    """The engine's preparation with integer signals, in two passes; any irregularity raises ``CannotVouch``."""
 
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
         cols = schedule.columns  # the integer form: the passes below touch no Action object
         self.kcodes = cols.kinds
-        self.codes = [list(map(_CODE.__getitem__, kc)) for kc in self.kcodes]
+        self.codes = [list(map(EVENT.__getitem__, kc)) for kc in self.kcodes]
         self.stages = cols.stages
         self.mbs = cols.microbatches
         self.peers = cols.peers
@@ -177,7 +163,7 @@ class _Compiler:
         self.delay_specs: list[tuple[int, int, int]] = []
         self.implicit: dict[int, tuple[int, int]] = {}  # producer key -> (delayed signal, slot)
         recomputed = frozenset((s, m) for codes, ss, ms in zip(self.codes, self.stages, self.mbs)
-                               if _R in codes for c, s, m in zip(codes, ss, ms) if c == _R)
+                               if R in codes for c, s, m in zip(codes, ss, ms) if c == R)
         self.recomputed = recomputed
         produced: list[dict[int, int]] = []
         ops_all = []
@@ -190,14 +176,14 @@ class _Compiler:
             q = s2r[key >> 33]
             at = produced[q].get(key)
             if at is None:
-                raise _Fallback
+                raise CannotVouch
             op = ops_all[q][at]
             gate, announce, delayed = op[7] or ((), (), ())
             ops_all[q][at] = op[:7] + ((gate, announce, delayed + ((sig, slot),)),)
-        kinds = _KINDS
+        kinds = KINDS
         if len(self.host_x) != len(hosts):
-            raise _Fallback
-        host_rows = [(src, dst, kind, st, mb, (src, i) if dst == _HOST else None, None if dst == _HOST else (dst, i),
+            raise CannotVouch
+        host_rows = [(src, dst, kind, st, mb, (src, i) if dst == HOST else None, None if dst == HOST else (dst, i),
                       (src, dst), 1, st) for (src, dst, kind, st, mb), (_, i) in zip(self.host_x, hosts)]
         host_cols = list(zip(*host_rows)) if host_rows else [()] * 10
         cols = [peers.src + list(host_cols[0]), peers.dst + list(host_cols[1]),
@@ -221,7 +207,7 @@ class _Compiler:
         """Pair every send with its receive, numbering the messages in the engine's order (when the later side
         is met, ranks in order); host moves are numbered after them, in rank and program order."""
         codes_all, kcodes, xfer_at = self.codes, self.kcodes, self.xfer_at
-        match, shift, host_side = _MATCH, _RECV_SHIFT, _HOST_SIDE
+        match, shift, host_side = PEER, RECV_SHIFT, HOST_SIDE
         send_keys: list[tuple[int, int, int, int, int]] = []
         recv_keys: list[tuple[int, int, int, int, int]] = []
         send_at: list[int] = []  # positions as rank * 2^32 + index: ints compare fast
@@ -230,11 +216,11 @@ class _Compiler:
         recv_index: list[dict[tuple[int, int, int], int]] = []
         for r in range(self.schedule.num_ranks):
             codes, kc_r, st_r, mb_r = codes_all[r], kcodes[r], self.stages[r], self.mbs[r]
-            moves = [i for i, c in enumerate(codes) if c >= _SEND]
+            moves = [i for i, c in enumerate(codes) if c >= SEND]
             peer_of = dict(zip(moves, map(self.peers[r].__getitem__, moves)))
             hosts += [(r, i) for i in moves if host_side[kc_r[i]]]
-            sends = [i for i in moves if codes[i] < _RECV and not host_side[kc_r[i]]]
-            recvs = [i for i in moves if codes[i] >= _RECV and not host_side[kc_r[i]]]
+            sends = [i for i in moves if codes[i] < RECV and not host_side[kc_r[i]]]
+            recvs = [i for i in moves if codes[i] >= RECV and not host_side[kc_r[i]]]
             base = r << 32
             send_keys += [(r, peer_of[i], match[kc_r[i]], st_r[i] + shift[kc_r[i]], mb_r[i]) for i in sends]
             send_at += [base + i for i in sends]
@@ -246,7 +232,7 @@ class _Compiler:
         partner = list(map(recv_of.get, send_keys))
         if len(recv_of) != len(recv_keys) or len(send_keys) != len(recv_keys) or None in partner \
                 or len(set(partner)) != len(partner):
-            raise _Fallback  # unmatched or repeated messages: the engine names them
+            raise CannotVouch  # unmatched or repeated messages: the engine names them
         # the engine numbers a message when it meets its later side, ranks in order
         later = list(map(max, send_at, map(recv_at.__getitem__, partner)))  # type: ignore[arg-type]
         low = (1 << 32) - 1
@@ -261,7 +247,7 @@ class _Compiler:
         stages = self.stages
         send_stage = [stages[a][i] for a, i in zip(src, si)]
         recv_stage = [send_keys[k][3] for k in order]
-        moved = [0 if codes_all[a][i] == _SEND else 1 for a, i in zip(src, si)]  # 1: saved activations move
+        moved = [0 if codes_all[a][i] == SEND else 1 for a, i in zip(src, si)]  # 1: saved activations move
         peers = _PeerColumns(
             src=src, dst=dst, kind=[kcodes[a][i] for a, i in zip(src, si)], stage=send_stage,
             mb=[send_keys[k][4] for k in order], moved=moved,
@@ -301,11 +287,11 @@ class _Compiler:
         returning: list[int] = []
         ops: list[tuple] = []  # type: ignore[type-arg]
         for i, c, kc, s, m in zip(range(len(xat)), self.codes[r], self.kcodes[r], self.stages[r], self.mbs[r]):
-            if c == _RECV:
+            if c == RECV:
                 ops.append((c, xat[i]))
                 continue
-            if c == _SEND:
-                key = (s << 33) | (m << 1) | (kc != _KSEND_F)
+            if c == SEND:
+                key = (s << 33) | (m << 1) | (kc != KSEND_F)
                 if key not in done:
                     sig = wanted.get(key)
                     if sig is None:
@@ -313,33 +299,33 @@ class _Compiler:
                     self._data_dep(xat[i], sig)
                 ops.append((c, xat[i]))
                 continue
-            if c < _SEND:
+            if c < SEND:
                 if s2r[s] != r:
-                    raise _Fallback
+                    raise CannotVouch
                 deps: list[int] = []
                 used: list[int] = []
-                if kc == _KF and s > 0:
-                    self._input(r, s, m, s - 1, _KRECV_F, 0, recv_index, done, wanted, deps, used)
-                elif (kc == _KB or kc == _KI) and s < last:
-                    self._input(r, s, m, s + 1, _KRECV_B, 1, recv_index, done, wanted, deps, used)
+                if kc == KF and s > 0:
+                    self._input(r, s, m, s - 1, KRECV_F, 0, recv_index, done, wanted, deps, used)
+                elif (kc == KB or kc == KI) and s < last:
+                    self._input(r, s, m, s + 1, KRECV_B, 1, recv_index, done, wanted, deps, used)
                 mk = (s, m)
-                if kc != _KF:
+                if kc != KF:
                     if mk in back:
                         tid = xat[back.pop(mk)]
                         deps.append(tid)
                         used.append(tid)
                     elif mk in away:
-                        raise _Fallback
+                        raise CannotVouch
                 announce: tuple[int, ...] = ()
-                if kc == _KF or kc == _KB or kc == _KI:
-                    key = (s << 33) | (m << 1) | (kc != _KF)
+                if kc == KF or kc == KB or kc == KI:
+                    key = (s << 33) | (m << 1) | (kc != KF)
                     if key in done:
-                        raise _Fallback  # produced twice
+                        raise CannotVouch  # produced twice
                     done[key] = i
                     if key in wanted:
                         announce = (wanted.pop(key),)
                 gate: tuple[int, ...] = ()
-                if evicting and (kc == _KF or kc == _KR):
+                if evicting and (kc == KF or kc == KR):
                     gate = tuple(evicting)
                     evicting.clear()
                 ops.append((c, c * num_stages + s, s, mk, s + num_stages if mk in recomputed else s, tuple(deps) + gate,
@@ -348,13 +334,13 @@ class _Compiler:
             tid = xat[i]
             ops.append((c, tid))
             mk = (s, m)
-            if kc == _KEVICT or kc == _KOFFLOAD:
+            if kc == KEVICT or kc == KOFFLOAD:
                 away.add(mk)
-                if kc == _KEVICT:
+                if kc == KEVICT:
                     evicting.append(tid)
                 else:
                     offloaded[mk] = tid
-                    self.host_x.append((r, _HOST, _KINDS[kc], s, m))
+                    self.host_x.append((r, HOST, KINDS[kc], s, m))
                     self.mixed.add(r)
                 key = (s << 33) | (m << 1)
                 if key not in done:
@@ -362,33 +348,33 @@ class _Compiler:
                     if sig is None:
                         sig = wanted[key] = self._signal()
                     self._data_dep(tid, sig)
-            elif kc == _KLOAD or kc == _KRELOAD:
+            elif kc == KLOAD or kc == KRELOAD:
                 away.discard(mk)
                 back[mk] = i
-                if kc == _KRELOAD:
+                if kc == KRELOAD:
                     if mk not in offloaded:
-                        raise _Fallback
-                    self.host_x.append((_HOST, r, _KINDS[kc], s, m))
+                        raise CannotVouch
+                    self.host_x.append((HOST, r, KINDS[kc], s, m))
                     self.mixed.add(r)
                     self._data_dep(tid, offloaded[mk])
                 else:
                     self._gate(tid, evicting)
                     self.mixed.add(r)
-            elif kc == _KACCEPT:
+            elif kc == KACCEPT:
                 accepted[mk] = i
                 self._gate(tid, returning)
                 returning[:] = [tid]
                 self.mixed.add(r)
-            elif kc == _KRETURN:
+            elif kc == KRETURN:
                 if mk not in accepted:
-                    raise _Fallback
+                    raise CannotVouch
                 self._data_dep(tid, xat[accepted.pop(mk)])
                 returning.append(tid)
                 self.mixed.add(r)
-            if kc == _KEVICT:
+            if kc == KEVICT:
                 self.mixed.add(r)
         if wanted:
-            raise _Fallback  # a completion waited for that this rank never produces: the engine reports it
+            raise CannotVouch  # a completion waited for that this rank never produces: the engine reports it
         return ops, done
 
     def _input(self, r: int, s: int, m: int, src_stage: int, recv_code: int, gradient: int,
@@ -418,23 +404,23 @@ class _Compiler:
         deps.append(sig)
 
 
+def applies(schedule: Schedule, costs: SimCosts) -> bool:
+    """Links that charge CPU time to their endpoints (``Link.cpu_s_per_byte``) or cost late receives more
+    (``Link.late_receive_s``) are the engine's alone."""
+    return not costs.event_engine_only
+
+
+def run(schedule: Schedule, costs: SimCosts) -> Trace:
+    """The dataflow evaluation; raises :class:`~evenpipe.sim.kernel.CannotVouch` where it cannot vouch for being
+    identical to the event engine's."""
+    return _Run(schedule, compile_shape(schedule), costs).run()
+
+
 def simulate_fast(schedule: Schedule, costs: SimCosts) -> Trace | None:
     """The trace :func:`evenpipe.sim.engine.simulate_events` would return, or ``None`` where this evaluation
     cannot vouch for being identical (the caller then runs the event engine). ``costs`` must describe every
-    stage. Links that charge CPU time to their endpoints (``Link.cpu_s_per_byte``) or cost late receives more
-    (``Link.late_receive_s``) are the engine's alone."""
-    if costs.event_engine_only:
-        return None
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        shape = compile_shape(schedule)
-        return _Run(schedule, shape, costs).run()
-    except _Fallback:
-        return None
-    finally:
-        if collecting:
-            gc.enable()
+    stage."""
+    return attempt(lambda: run(schedule, costs)) if applies(schedule, costs) else None
 
 
 class _Run:
@@ -454,7 +440,7 @@ class _Run:
             st = stages[bstage]
             num_bytes = st.output_bytes if moved == 0 else (st.checkpoint_bytes if rec else st.activation_bytes)
             src, dst = sh.link_keys[lid]
-            if src != _HOST and dst != _HOST:
+            if src != HOST and dst != HOST:
                 timing = costs.link(src, dst)
             else:
                 host = max(src, dst)
@@ -481,6 +467,7 @@ class _Run:
         wgb = [st.weight_grad_bytes for st in stages]
         num_x = len(x_dur)
         avail: list[float | None] = [None] * sh.num_signals
+        avail_at = avail.__getitem__
         waiters: dict[int, list[int]] = {sig: [-1 - t for t in tids] for sig, tids in sh.data_waiters.items()}
         x_pending = list(sh.x_pending)
         x_ready = [0.0] * num_x
@@ -493,8 +480,8 @@ class _Run:
         link_next = [0] * len(instant)
         link_end = [0.0] * len(instant)
         x_src, x_dst, x_stage, x_mb, x_send, x_recv = sh.x_src, sh.x_dst, sh.x_stage, sh.x_mb, sh.x_send, sh.x_recv
-        x_frees = [_FREES[k.code] for k in sh.x_kind]
-        x_allocs = [_ALLOCS[k.code] for k in sh.x_kind]
+        x_frees = [FREES[k.code] for k in sh.x_kind]
+        x_allocs = [ALLOCS[k.code] for k in sh.x_kind]
         gated = sh.gated
         # instant messages nobody else waits to land and that move no saved activations complete inline
         plain = [instant[lid] and not fr and not al for lid, fr, al in zip(x_link, x_frees, x_allocs)]
@@ -547,9 +534,9 @@ class _Run:
                     if pos > 0:
                         before = x_ready[order[pos - 1]]
                         prev = order[pos - 1]
-                        if not (t > before or t == before and _served_first(x_trig[prev], x_trig2[prev],
+                        if not (t > before or t == before and served_first(x_trig[prev], x_trig2[prev],
                                                                              x_trig[tid], x_trig2[tid])):
-                            raise _Fallback  # maybe not served in FIFO order: the engine decides
+                            raise CannotVouch  # maybe not served in FIFO order: the engine decides
                         if link_end[lid] > t:
                             t = link_end[lid]
                     x_start[tid] = t
@@ -599,10 +586,10 @@ class _Run:
             while i < count:
                 op = ops[i]
                 c = op[0]
-                if c >= _SEND:
+                if c >= SEND:
                     tid = op[1]
                     st_r[i] = en_r[i] = now
-                    if c < _RECV and x_rdata[tid] < now:
+                    if c < RECV and x_rdata[tid] < now:
                         x_rdata[tid] = now
                     rt = x_ready[tid]
                     if rt < now or x_trig[tid] == -2:
@@ -630,17 +617,8 @@ class _Run:
                     i += 1
                     continue
                 _, dk, s, key, mk, waits, used, extra = op
-                start = now
-                for sig in waits:  # its inputs, then the evictions gating it
-                    t = avail[sig]
-                    if t is None:
-                        break
-                    if t > start:
-                        start = t
-                else:
-                    sig = -1
-                if sig >= 0:  # blocked: wait for the signal
-                    waiters.setdefault(sig, []).append(r)
+                start = wait_or_park(avail_at, waits, now, waiters, r)  # its inputs, then the evictions gating it
+                if start == PARKED:
                     break
                 for tid in used:
                     rd = x_rdata[tid]
@@ -667,17 +645,17 @@ class _Run:
             t_free[r] = now
 
         if any(pc != len(c) for pc, c in zip(pcs, sh.codes)) or (num_x and min(x_end) < 0.0):
-            raise _Fallback  # stuck here: a deadlock, or a link order the engine would not take
+            raise CannotVouch  # stuck here: a deadlock, or a link order the engine would not take
         for r in sh.mixed:
-            if not _sums_exact(mem[r]):
-                raise _Fallback
+            if not sums_exact(mem[r]):
+                raise CannotVouch
         src, dst = x_src, x_dst
-        if _HOST in x_src or _HOST in x_dst:  # a host move names its rank on both sides
-            src = [d if s == _HOST else s for s, d in zip(x_src, x_dst)]
-            dst = [s if d == _HOST else d for s, d in zip(x_src, x_dst)]
+        if HOST in x_src or HOST in x_dst:  # a host move names its rank on both sides
+            src = [d if s == HOST else s for s, d in zip(x_src, x_dst)]
+            dst = [s if d == HOST else d for s, d in zip(x_src, x_dst)]
         records = list(map(tuple.__new__, repeat(TransferRecord),
                            zip(src, dst, sh.x_kind, x_stage, x_mb, x_bytes, x_start, x_end, x_exposed)))
-        return _ref.make_trace(sched, costs, starts, ends, records, mem)
+        return make_trace(sched, costs, starts, ends, records, mem, evaluator=NAME)
 
     @staticmethod
     def _expose_gate(deps: tuple[int, ...], gate: tuple[int, ...], avail: list[float | None], x_end: list[float],
@@ -693,56 +671,3 @@ class _Run:
             if end > base:
                 x_exposed[tid] += end - base
                 base = end
-
-
-def compute_memory(code: int, key: _Key, start: float, end: float, forward_bytes: float,
-                   rebuilt_bytes: float, weight_grad_bytes: float, held: dict[_Key, float],
-                   mem: list[tuple[float, float]]) -> None:
-    """A compute's change to its rank's activation memory (the engine's rules): ``F`` saves ``forward_bytes``
-    at its start, ``R`` adds ``rebuilt_bytes`` at its start, ``B``/``W`` free what the micro-batch holds at their
-    end, ``I`` keeps ``weight_grad_bytes`` of it. ``held`` maps (stage, mb), in any one encoding, to bytes;
-    ``mem`` gets (time, delta)."""
-    if code == _F:
-        if forward_bytes:
-            held[key] = held.get(key, 0.0) + forward_bytes
-            mem.append((start, forward_bytes))
-    elif code == _B or code == _W:
-        nb = held.pop(key, 0.0)
-        if nb:
-            mem.append((end, -nb))
-    elif code == _I:
-        h = held.get(key, 0.0)
-        nb = h - weight_grad_bytes
-        if nb > 0.0:
-            held[key] = h - nb
-            mem.append((end, -nb))
-    elif rebuilt_bytes > 0.0:
-        held[key] = held.get(key, 0.0) + rebuilt_bytes
-        mem.append((start, rebuilt_bytes))
-
-
-def _served_first(first: int, first2: int, then: int, then2: int) -> bool:
-    """Whether the engine's FIFO surely queues a message before another one on its link ready at the same time.
-
-    Each is described by the positions (``rank << 32 | index``) of the send or receive reached at that time
-    (the second -2 when only one was; -1 first when a signal took part, whose place among the events of that
-    instant the engine decides). A message is queued when the last of its conditions is met, and a rank meets
-    its actions in program order; so the first one is surely ahead when each of its positions has a later
-    position of the second message on the same rank."""
-    if first < 0 or then < 0:
-        return False
-    later = (then,) if then2 < 0 else (then, then2)
-    return all(any(b >> 32 == a >> 32 and b > a for b in later) for a in ((first,) if first2 < 0 else (first, first2)))
-
-
-def _sums_exact(events: list[tuple[float, float]]) -> bool:
-    """Whether every partial sum of these deltas, in any order, is exact in binary floating point."""
-    counts = Counter(delta for _, delta in events)
-    den = 1
-    for delta in counts:
-        den = max(den, delta.as_integer_ratio()[1])  # powers of two: the largest is a common multiple
-    total = 0
-    for delta, count in counts.items():
-        num, q = delta.as_integer_ratio()
-        total += abs(num) * (den // q) * count
-    return total < _EXACT_LIMIT

@@ -15,87 +15,52 @@ the validator already made and is timed, memory included, in one pass over its l
 
 from __future__ import annotations
 
-import gc
 from itertools import accumulate, compress, repeat
 from operator import sub
 
-from evenpipe.schedule.ir import ActionKind, Schedule
+from evenpipe.schedule.ir import Schedule
 from evenpipe.schedule.validate import passed_validation
-from evenpipe.sim import engine as _ref
-from evenpipe.sim.costs import SimCosts, StageCosts
-from evenpipe.sim.fast import compute_memory
+from evenpipe.sim.costs import SimCosts
+from evenpipe.sim.kernel import (PARKED, CannotVouch, attempt, compute_memory, cross_rank_inputs, recomputed_slots,
+                                 stage_tables, wait_or_park)
+from evenpipe.sim.result import by_end, timeline, unit_bytes
+from evenpipe.sim.rules import (CHANNEL, IS_COMPUTE, KINDS, KRECV_B, KRECV_F, KSEND_B, KSEND_F, PLAIN, RECV_SHIFT,
+                                SENDER_SHIFT, B, F, I, R)
 from evenpipe.sim.trace import TransferRecord, Trace
 
-__all__ = ["simulate_free"]
+__all__ = ["NAME", "applies", "run", "simulate_free"]
 
-_K = ActionKind
-_F, _B, _I, _W, _R = (k.code for k in (_K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT,
-                                       _K.RECOMPUTE))
-_SF, _RF, _SB, _RB = (k.code for k in (_K.SEND_F, _K.RECV_F, _K.SEND_B, _K.RECV_B))
-_KINDS = tuple(ActionKind)
-_ALLOWED = frozenset({_F, _B, _I, _W, _R, _SF, _RF, _SB, _RB})
-_IS_COMPUTE = tuple(int(k.is_compute) for k in ActionKind)
-_SENDING_STAGE = {_SF: 0, _SB: 0, _RF: -1, _RB: 1}
-"""Offset from an action's stage to the stage that sends its message."""
-_CHANNEL = {_SF: 0, _RF: 0, _SB: 1, _RB: 1}
+NAME = "free"
+"""The evaluator's name in traces and in the dispatcher."""
 
 
-class _NotFree(Exception):
-    """The schedule or the costs leave the instant-link rules: another path decides."""
+def applies(schedule: Schedule, costs: SimCosts) -> bool:
+    """Computes and stage-to-stage messages only, on links that charge no CPU time and no late-receive cost."""
+    return not costs.event_engine_only and all(PLAIN.issuperset(ks) for ks in schedule.columns.kinds)
+
+
+def run(schedule: Schedule, costs: SimCosts, *, trust_validation: bool = True) -> Trace:
+    """Time the schedule on instant links; raises :class:`~evenpipe.sim.kernel.CannotVouch` where a link takes
+    time or the schedule leaves the instant-link rules. A schedule that passed the validator
+    (:func:`~evenpipe.schedule.validate.passed_validation`) is timed in one pass over its lists that relies on the
+    validator's rules; ``trust_validation=False`` (the golden tests) takes the path that checks them itself, which
+    every other schedule takes."""
+    free = _FreeRun(schedule, costs)
+    return free.run_validated() if trust_validation and passed_validation(schedule) else free.run()
 
 
 def simulate_free(schedule: Schedule, costs: SimCosts, *, trust_validation: bool = True) -> Trace | None:
-    """The trace the event engine would return, or ``None`` where the instant-link rules do not apply.
-
-    A schedule that passed the validator (:func:`~evenpipe.schedule.validate.passed_validation`) is timed in one
-    pass over its lists that relies on the validator's rules; ``trust_validation=False`` (the golden tests) takes
-    the path that checks them itself, which every other schedule takes."""
-    if costs.event_engine_only:
+    """The trace the event engine would return, or ``None`` where the instant-link rules do not apply (see
+    :func:`run`)."""
+    if not applies(schedule, costs):
         return None
-    collecting = gc.isenabled()
-    gc.disable()  # ~10^5 acyclic objects: cyclic collections would only cost time
-    try:
-        run = _FreeRun(schedule, costs)
-        return run.run_validated() if trust_validation and passed_validation(schedule) else run.run()
-    except _NotFree:
-        return None
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def _stage_tables(stages: tuple[StageCosts, ...]) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Durations indexed by ``kind code * stages + stage`` (F, B, I, W, R), and per stage the activation,
-    checkpoint and weight-gradient bytes."""
-    table = ([st.forward for st in stages] + [st.backward for st in stages]
-             + [st.backward_input for st in stages] + [st.backward_weight for st in stages]
-             + [st.recompute_time for st in stages])
-    return (table, [st.activation_bytes for st in stages], [st.checkpoint_bytes for st in stages],  # type: ignore[misc]
-            [st.weight_grad_bytes for st in stages])
-
-
-def _recomputed_slots(schedule: Schedule) -> set[int]:
-    """``stage * M + mb`` of every (stage, micro-batch) the schedule recomputes."""
-    cols, M = schedule.columns, schedule.num_microbatches
-    return {s * M + m for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches) if _R in ks
-            for c, s, m in zip(ks, ss, ms) if c == _R}
-
-
-def _cross_rank_inputs(layout: tuple[int, ...]) -> tuple[list[bool], list[bool]]:
-    """Per stage: whether its forward's input comes from another rank, and whether its backward's output
-    gradient does (what a validated schedule then receives in a message)."""
-    S = len(layout)
-    return ([s > 0 and layout[s - 1] != layout[s] for s in range(S)],
-            [s + 1 < S and layout[s + 1] != layout[s] for s in range(S)])
+    return attempt(lambda: run(schedule, costs, trust_validation=trust_validation))
 
 
 class _FreeRun:
     def __init__(self, schedule: Schedule, costs: SimCosts) -> None:
         self.schedule, self.costs = schedule, costs
-        cols = schedule.columns
-        if any(c not in _ALLOWED for ks in cols.kinds for c in set(ks)):
-            raise _NotFree
-        self.cols = cols
+        self.cols = schedule.columns
 
     def _messages(self) -> tuple[dict[int, int], dict[int, int]]:
         """Send and receive positions (``rank << 32 | index``) by message key ``(channel, sending stage, mb)``."""
@@ -104,24 +69,24 @@ class _FreeRun:
         sends: dict[int, int] = {}
         recvs: dict[int, int] = {}
         num_sends = num_recvs = 0
-        offset = [(_CHANNEL[c] * S + _SENDING_STAGE[c]) * M if c in _CHANNEL else 0 for c in range(len(_KINDS))]
+        offset = [(CHANNEL[c] * S + SENDER_SHIFT[c]) * M if CHANNEL[c] >= 0 else 0 for c in range(len(KINDS))]
         for r, (ks, ss, ms) in enumerate(zip(cols.kinds, cols.stages, cols.microbatches)):
             base = r << 32
-            send_at = [i for i, c in enumerate(ks) if c == _SF or c == _SB]
-            recv_at = [i for i, c in enumerate(ks) if c == _RF or c == _RB]
+            send_at = [i for i, c in enumerate(ks) if c == KSEND_F or c == KSEND_B]
+            recv_at = [i for i, c in enumerate(ks) if c == KRECV_F or c == KRECV_B]
             sends.update(zip([offset[ks[i]] + ss[i] * M + ms[i] for i in send_at], [base | i for i in send_at]))
             recvs.update(zip([offset[ks[i]] + ss[i] * M + ms[i] for i in recv_at], [base | i for i in recv_at]))
             num_sends += len(send_at)
             num_recvs += len(recv_at)
         if len(sends) != num_sends or len(recvs) != num_recvs or sends.keys() != recvs.keys():
-            raise _NotFree  # unmatched or repeated messages: the engine names them
+            raise CannotVouch  # unmatched or repeated messages: the engine names them
         peers = cols.peers
         low = (1 << 32) - 1
         for key, sp in sends.items():
             rp = recvs[key]
             src, dst = sp >> 32, rp >> 32
             if peers[src][sp & low] != dst or peers[dst][rp & low] != src:
-                raise _NotFree
+                raise CannotVouch
         return sends, recvs
 
     def run(self) -> Trace:
@@ -139,18 +104,19 @@ class _FreeRun:
             if link not in checked:
                 checked.add(link)
                 if costs.link(link[0], link[1]).transfer_time(stages[link[2]].output_bytes):
-                    raise _NotFree
+                    raise CannotVouch
         # computes per rank: positions, and the compute index before each position (-1: none)
-        cpos = [[i for i, c in enumerate(ks) if _IS_COMPUTE[c]] for ks in cols.kinds]
-        before = [list(accumulate(map(_IS_COMPUTE.__getitem__, ks))) for ks in cols.kinds]  # computes up to i
+        cpos = [[i for i, c in enumerate(ks) if IS_COMPUTE[c]] for ks in cols.kinds]
+        before = [list(accumulate(map(int, map(IS_COMPUTE.__getitem__, ks)))) for ks in cols.kinds]  # computes up to i
         offset = list(accumulate([0] + [len(c) for c in cpos]))  # global compute id = offset[r] + j
         num_computes = offset[-1]
         deps = self._compute_deps(cpos, before, offset, recvs, sends)
-        recomputed = {(s, m) for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches) if _R in ks
-                      for c, s, m in zip(ks, ss, ms) if c == _R}
-        table, act, ckpt, wgb = _stage_tables(stages)
+        recomputed = {(s, m) for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches) if R in ks
+                      for c, s, m in zip(ks, ss, ms) if c == R}
+        table, act, ckpt, wgb = stage_tables(stages)
         cstart: list[float] = [0.0] * num_computes
         cend: list[float | None] = [None] * num_computes
+        end_of = cend.__getitem__
         waiters: dict[int, list[int]] = {}
         pcs = [0] * P
         t_free = [0.0] * P
@@ -161,17 +127,8 @@ class _FreeRun:
             positions, deps_r, base = cpos[r], deps[r], offset[r]
             j, count, now = pcs[r], len(positions), t_free[r]
             while j < count:
-                start = now
-                blocked = -1
-                for g in deps_r[j]:
-                    t = cend[g]
-                    if t is None:
-                        blocked = g
-                        break
-                    if t > start:
-                        start = t
-                if blocked >= 0:
-                    waiters.setdefault(blocked, []).append(r)
+                start = wait_or_park(end_of, deps_r[j], now, waiters, r)
+                if start == PARKED:
                     break
                 i = positions[j]
                 end = start + table[ks[i] * S + ss[i]]
@@ -186,7 +143,7 @@ class _FreeRun:
             pcs[r] = j
             t_free[r] = now
         if any(pc != len(c) for pc, c in zip(pcs, cpos)):
-            raise _NotFree  # a deadlock: the engine reports it
+            raise CannotVouch  # a deadlock: the engine reports it
         mem: list[list[tuple[float, float]]] = []
         for r, positions in enumerate(cpos):  # memory changes in program order, as the engine records them
             ks, ss, ms, base = cols.kinds[r], cols.stages[r], cols.microbatches[r], offset[r]
@@ -202,17 +159,17 @@ class _FreeRun:
         def times_and_transfers() -> tuple[tuple[list[list[float]], list[list[float]]], tuple[TransferRecord, ...]]:
             starts, ends, reach = self._action_times(cpos, offset, cstart, ends_of)
             records = self._records(sends, recvs, reach, ends, low)
-            records.sort(key=_ref.by_end)
+            records.sort(key=by_end)
             return (starts, ends), tuple(records)
         # what make_trace derives from the full times, from the computes alone (a message arrives when the later
         # of its ends is reached, i.e. at some compute's end, so no message ends after the last compute)
-        unit = _ref.unit_bytes(sched, costs)
+        unit = unit_bytes(sched, costs)
         spans = [(sum(map(sub, ends_of[a:b], cstart[a:b])), min(cstart[a:b], default=float("inf")),
                   max(ends_of[a:b], default=float("-inf"))) for a, b in zip(offset, offset[1:])]
-        return Trace.deferred(schedule=sched, memory=tuple(_ref.timeline(r, mem[r], unit[r]) for r in range(P)),
+        return Trace.deferred(schedule=sched, memory=tuple(timeline(r, mem[r], unit[r]) for r in range(P)),
                               unit_bytes=unit, step_time=max(max(ends_of, default=0.0), 0.0), spans=spans,
                               num_transfers=len(sends), exposed_transfer_time=0.0,
-                              times_and_transfers=times_and_transfers)
+                              times_and_transfers=times_and_transfers, evaluator=NAME)
 
     def run_validated(self) -> Trace:
         """:meth:`run` for a schedule that passed the validator, in one pass over each rank's list.
@@ -232,16 +189,16 @@ class _FreeRun:
             a, b = layout[s], layout[s + 1]
             nb = stages[s].output_bytes
             if a != b and (costs.link(a, b).transfer_time(nb) or costs.link(b, a).transfer_time(nb)):
-                raise _NotFree
-        recomputed = _recomputed_slots(sched)
-        table, act, ckpt, wgb = _stage_tables(stages)
+                raise CannotVouch
+        recomputed = recomputed_slots(sched)
+        table, act, ckpt, wgb = stage_tables(stages)
         slot = [0.0] * (2 * S * M)  # 2u: when F(u)'s input was sent; 2u + 1: B/I(u)'s output gradient
         posted = bytearray(2 * S * M)
-        cross_in, cross_grad = _cross_rank_inputs(layout)
+        cross_in, cross_grad = cross_rank_inputs(layout)
         # receives add nothing on instant links (the consumer waits for the send itself): drop them
         lists = []
         for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches):
-            keep = [c != _RF and c != _RB for c in ks]
+            keep = [c != KRECV_F and c != KRECV_B for c in ks]
             lists.append((list(compress(ks, keep)), list(compress(ss, keep)), list(compress(ms, keep))))
         waiters: dict[int, list[int]] = {}
         pcs, t_free = [0] * P, [0.0] * P
@@ -249,7 +206,7 @@ class _FreeRun:
         ends: list[list[float]] = [[] for _ in range(P)]
         mem: list[list[tuple[float, float]]] = [[] for _ in range(P)]
         held: list[dict[int, float]] = [{} for _ in range(P)]
-        F, B, I, SF, SB = _F, _B, _I, _SF, _SB
+        FWD, BWD, BIN, SF, SB = F, B, I, KSEND_F, KSEND_B
         todo = list(range(P - 1, -1, -1))
         while todo:
             r = todo.pop()
@@ -270,9 +227,9 @@ class _FreeRun:
                     i += 1
                     continue
                 start = now
-                if c == F or c == B or c == I:
-                    k = 2 * u if c == F else 2 * u + 1
-                    if cross_in[s] if c == F else cross_grad[s]:
+                if c == FWD or c == BWD or c == BIN:
+                    k = 2 * u if c == FWD else 2 * u + 1
+                    if cross_in[s] if c == FWD else cross_grad[s]:
                         if not posted[k]:
                             waiters.setdefault(k, []).append(r)
                             break
@@ -286,27 +243,27 @@ class _FreeRun:
                 i += 1
             pcs[r], t_free[r] = i, now
         if any(pc != len(ks) for pc, (ks, _, _) in zip(pcs, lists)):
-            raise _NotFree  # cannot happen after the dry run; the engine would report it
+            raise CannotVouch  # cannot happen after the dry run; the engine would report it
         num_transfers = sum(ks.count(SF) + ks.count(SB) for ks in cols.kinds)
 
         def times_and_transfers() -> tuple[tuple[list[list[float]], list[list[float]]], tuple[TransferRecord, ...]]:
             sends, recvs = self._messages()
-            cpos = [[i for i, c in enumerate(ks) if _IS_COMPUTE[c]] for ks in cols.kinds]
+            cpos = [[i for i, c in enumerate(ks) if IS_COMPUTE[c]] for ks in cols.kinds]
             offset = list(accumulate([0] + [len(c) for c in cpos]))
             cstart = [t for row in starts for t in row]
             cend = [t for row in ends for t in row]
             times, finish, reach = self._action_times(cpos, offset, cstart, cend)
             records = self._records(sends, recvs, reach, finish, (1 << 32) - 1)
-            records.sort(key=_ref.by_end)
+            records.sort(key=by_end)
             return (times, finish), tuple(records)
-        unit = _ref.unit_bytes(sched, costs)
+        unit = unit_bytes(sched, costs)
         spans = [(sum(map(sub, en, st)), min(st, default=float("inf")), max(en, default=float("-inf")))
                  for st, en in zip(starts, ends)]
-        return Trace.deferred(schedule=sched, memory=tuple(_ref.timeline(r, mem[r], unit[r]) for r in range(P)),
+        return Trace.deferred(schedule=sched, memory=tuple(timeline(r, mem[r], unit[r]) for r in range(P)),
                               unit_bytes=unit, step_time=max(max((max(en, default=0.0) for en in ends),
                                                                  default=0.0), 0.0),
                               spans=spans, num_transfers=num_transfers, exposed_transfer_time=0.0,
-                              times_and_transfers=times_and_transfers)
+                              times_and_transfers=times_and_transfers, evaluator=NAME)
 
     def _compute_deps(self, cpos: list[list[int]], before: list[list[int]], offset: list[int],
                       recvs: dict[int, int], sends: dict[int, int]) -> list[list[tuple[int, ...]]]:
@@ -325,10 +282,10 @@ class _FreeRun:
             for i in positions:
                 c, s, m = ks[i], ss[i], ms[i]
                 if layout[s] != r:
-                    raise _NotFree
-                if c == _F:
+                    raise CannotVouch
+                if c == F:
                     src_stage, slot, channel = s - 1, 0, 0
-                elif (c == _B or c == _I) and s < last:
+                elif (c == B or c == I) and s < last:
                     src_stage, slot, channel = s + 1, 1, 1
                 else:
                     src_stage = -1
@@ -336,25 +293,25 @@ class _FreeRun:
                 if 0 <= src_stage < S:
                     if layout[src_stage] == r:
                         if (slot, src_stage, m) not in produced:
-                            raise _NotFree  # consumer before its producer: the engine decides
+                            raise CannotVouch  # consumer before its producer: the engine decides
                     else:
                         key = (channel * S + src_stage) * M + m
                         rp = recvs.get(key)
                         if rp is None or rp >> 32 != r or rp & low > i:
-                            raise _NotFree  # no receive here (an implicit message), or it comes too late
+                            raise CannotVouch  # no receive here (an implicit message), or it comes too late
                         sp = sends[key]
                         q, k = sp >> 32, before[sp >> 32][sp & low] - 1
                         if k >= 0:
                             dep = (offset[q] + k,)
-                if c == _F or c == _B or c == _I:
-                    mark = (0 if c == _F else 1, s, m)
+                if c == F or c == B or c == I:
+                    mark = (0 if c == F else 1, s, m)
                     if mark in produced:
-                        raise _NotFree  # produced twice
+                        raise CannotVouch  # produced twice
                     produced[mark] = i
                 row.append(dep)
             for i, c in enumerate(ks):  # a send follows what it sends (else its data is late)
-                if (c == _SF or c == _SB) and produced.get((0 if c == _SF else 1, ss[i], ms[i]), i) >= i:
-                    raise _NotFree
+                if (c == KSEND_F or c == KSEND_B) and produced.get((0 if c == KSEND_F else 1, ss[i], ms[i]), i) >= i:
+                    raise CannotVouch
             out.append(row)
         return out
 
@@ -400,10 +357,10 @@ class _FreeRun:
             ends[q][i] = e
         for q, i, e in zip(dst, ri, arrive):
             ends[q][i] = e
-        kinds = [_KINDS[cols.kinds[q][i]] for q, i in zip(src, si)]
+        kinds = [KINDS[cols.kinds[q][i]] for q, i in zip(src, si)]
         stage = [cols.stages[q][i] for q, i in zip(src, si)]
         mb = [cols.microbatches[q][i] for q, i in zip(src, si)]
-        nbytes = [stages[s if k is _K.SEND_F else s - 1].output_bytes for k, s in zip(kinds, stage)]
+        nbytes = [stages[min(s, s + RECV_SHIFT[k.code])].output_bytes for k, s in zip(kinds, stage)]
         return list(map(tuple.__new__, repeat(TransferRecord),
                         zip(src, dst, kinds, stage, mb, nbytes, arrive, arrive, repeat(0.0))))
 

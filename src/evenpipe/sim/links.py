@@ -26,58 +26,47 @@ event engine's, float for float.
 
 from __future__ import annotations
 
-import gc
 from itertools import repeat
 
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.schedule.validate import passed_validation
-from evenpipe.sim import engine as _ref
 from evenpipe.sim.costs import SimCosts
-from evenpipe.sim.fast import _served_first, _sums_exact, compute_memory
-from evenpipe.sim.free import _cross_rank_inputs, _recomputed_slots, _stage_tables
+from evenpipe.sim.kernel import (PARKED, CannotVouch, attempt, compute_memory, cross_rank_inputs, recomputed_slots,
+                                 served_first, stage_tables, sums_exact, wait_or_park)
+from evenpipe.sim.result import by_end, timeline, unit_bytes
+from evenpipe.sim.rules import (BRINGS_BACK, FIRST_MOVE, FIRST_TRANSFER, KACCEPT, KEVICT, KRECV_F, KRETURN, KSEND_B,
+                                KSEND_F, PEER_ONLY, B, F, I, R)
 from evenpipe.sim.trace import TransferRecord, Trace
 
-__all__ = ["simulate_links"]
+__all__ = ["NAME", "applies", "run", "simulate_links"]
 
+NAME = "links"
+"""The evaluator's name in traces and in the dispatcher."""
 _K = ActionKind
-_F, _B, _I, _W, _R = (k.code for k in (_K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT,
-                                       _K.RECOMPUTE))
-_SF, _RF, _SB, _RB = (k.code for k in (_K.SEND_F, _K.RECV_F, _K.SEND_B, _K.RECV_B))
-_EV, _AC, _RET, _LD = (k.code for k in (_K.EVICT, _K.ACCEPT, _K.RETURN, _K.LOAD))
-_ALLOWED = frozenset({_F, _B, _I, _W, _R, _SF, _RF, _SB, _RB, _EV, _AC, _RET, _LD})
-assert _SF < _RF < _SB < _RB < _EV and {_AC, _RET, _LD} == {_EV + 1, _EV + 2, _EV + 3}, \
-    "the loop tells transfers and moves apart by kind code"
 
 
-class _Fallback(Exception):
-    """The schedule or an evaluation leaves these rules: another path decides."""
+def applies(schedule: Schedule, costs: SimCosts) -> bool:
+    """A validated schedule without host moves, on links that charge no CPU time and no late-receive cost."""
+    return not costs.event_engine_only and passed_validation(schedule) and \
+        all(PEER_ONLY.issuperset(ks) for ks in schedule.columns.kinds)
+
+
+def run(schedule: Schedule, costs: SimCosts) -> Trace:
+    """The one pass; raises :class:`~evenpipe.sim.kernel.CannotVouch` where it cannot vouch for the engine's
+    answer."""
+    return _LinkRun(schedule, costs).run()
 
 
 def simulate_links(schedule: Schedule, costs: SimCosts) -> Trace | None:
     """The trace the event engine would return, or ``None`` where these rules cannot vouch for it (a schedule
     that did not pass the validator, other kinds of actions, links that charge CPU time or cost late receives
     more, see the module)."""
-    if costs.event_engine_only or not passed_validation(schedule):
-        return None
-    collecting = gc.isenabled()
-    gc.disable()  # ~10^5 acyclic objects: cyclic collections would only cost time
-    try:
-        return _LinkRun(schedule, costs).run()
-    except _Fallback:
-        return None
-    finally:
-        if collecting:
-            gc.enable()
+    return attempt(lambda: run(schedule, costs)) if applies(schedule, costs) else None
 
 
 class _LinkRun:
     def __init__(self, schedule: Schedule, costs: SimCosts) -> None:
-        kinds = set()
-        for ks in schedule.columns.kinds:
-            kinds.update(ks)
-        if not kinds <= _ALLOWED:
-            raise _Fallback
-        self.has_moves = _EV in kinds
+        self.has_moves = any(KEVICT in ks for ks in schedule.columns.kinds)
         self.schedule, self.costs = schedule, costs
 
     def _cuts(self) -> tuple[list[float], list[float], list[int], list[int], list[bool]]:
@@ -111,13 +100,13 @@ class _LinkRun:
         dur, lid, nbytes = [0.0] * n, [0] * n, [0.0] * n
         time_of: dict[tuple[int, float], float] = {}
         for r, (ks, ss, ms, ps) in enumerate(zip(cols.kinds, cols.stages, cols.microbatches, cols.peers)):
-            if _EV not in ks and _RET not in ks:
+            if KEVICT not in ks and KRETURN not in ks:
                 continue
             for i, c in enumerate(ks):
-                if c == _EV or c == _RET:
+                if c == KEVICT or c == KRETURN:
                     s, u, dst = ss[i], ss[i] * M + ms[i], ps[i]
                     nb = ckpt[s] if u in recomputed else act[s]
-                    j = 2 * u + (c == _RET)
+                    j = 2 * u + BRINGS_BACK[c]
                     lid[j] = link = r * P + dst
                     nbytes[j] = nb
                     t = time_of.get((link, nb))
@@ -130,14 +119,14 @@ class _LinkRun:
 
     def run(self) -> Trace:
         """The one pass of the module's rules over every rank's list. One function with closures over its local
-        lists, because the hot loop's speed is local-variable access; raises ``_Fallback`` where it cannot vouch."""
+        lists, because the hot loop's speed is local-variable access; raises ``CannotVouch`` where it cannot vouch."""
         sched, costs, cols = self.schedule, self.costs, self.schedule.columns
         P, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
         layout = sched.stage_to_rank
-        table, act, ckpt, wgb = _stage_tables(costs.stages)
+        table, act, ckpt, wgb = stage_tables(costs.stages)
         dur_f, dur_b, link_f, link_b, instant = self._cuts()
-        recomputed = _recomputed_slots(sched)
-        cross_in, cross_grad = _cross_rank_inputs(layout)
+        recomputed = recomputed_slots(sched)
+        cross_in, cross_grad = cross_rank_inputs(layout)
         NK = 2 * S * M  # message slots: 2u, the input of F(u); 2u + 1, the output gradient of B/I(u); then moves
         moves = self.has_moves
         bdur, blid, bbytes = self._moves(recomputed, act, ckpt, instant) if moves else ([], [], [])
@@ -253,8 +242,8 @@ class _LinkRun:
                     duration = bdur[k - NK]
                 if h:
                     before = ready[q[h - 1]]
-                    if not (t > before or t == before and _served_first(*triggers(q[h - 1]), *triggers(k))):
-                        raise _Fallback  # maybe not served in FIFO order: the engine decides
+                    if not (t > before or t == before and served_first(*triggers(q[h - 1]), *triggers(k))):
+                        raise CannotVouch  # maybe not served in FIFO order: the engine decides
                     if busy > t:
                         t = busy
                 if k < NK:  # finish(k, t, duration), inlined for the common case
@@ -280,7 +269,9 @@ class _LinkRun:
         returning: list[list[int]] = [[] for _ in range(P)]  # the last ACCEPT's move and the RETURNs since
         back: list[dict[int, int]] = [{} for _ in range(P)]  # u -> its LOAD's move, until a compute consumes it
         pcs, t_free = [0] * P, [0.0] * P
-        F, B, I, R, SF, SB, RF, EV, AC, RET = _F, _B, _I, _R, _SF, _SB, _RF, _EV, _AC, _RET
+        FWD, BWD, BIN, RE, SF, SB, RF, EV, AC, RET = F, B, I, R, KSEND_F, KSEND_B, KRECV_F, KEVICT, KACCEPT, KRETURN
+        MOVE, TRANSFER = FIRST_MOVE, FIRST_TRANSFER
+        mend_at = mend.__getitem__
         while todo:
             r = todo.pop()
             ks, ss, ms = cols.kinds[r], cols.stages[r], cols.microbatches[r]
@@ -292,10 +283,10 @@ class _LinkRun:
                 c = ks[i]
                 s = ss[i]
                 u = s * M + ms[i]
-                if c >= EV:  # a BPipe move's end: reached now
+                if c >= MOVE:  # a BPipe move's end: reached now
                     st_r[i] = en_r[i] = now
                     if c == EV or c == RET:
-                        k = NK + 2 * u + (c == RET)
+                        k = NK + 2 * u + BRINGS_BACK[c]
                         sreach[k], spos[k] = now, base | i
                         if c == EV:
                             rdata[k - NK] = now
@@ -308,7 +299,7 @@ class _LinkRun:
                         if not instant[blid[k - NK]]:
                             queue[blid[k - NK]].append(k)
                     else:
-                        k = NK + 2 * u + (c != AC)
+                        k = NK + 2 * u + BRINGS_BACK[c]
                         rreach[k], rpos[k] = now, base | i
                         for g in ret_r if c == AC else ev_r:
                             wait_landing(k, g)
@@ -323,7 +314,7 @@ class _LinkRun:
                         start_moves()
                     i += 1
                     continue
-                if c >= SF:  # a send or a receive: reached now
+                if c >= TRANSFER:  # a send or a receive: reached now
                     st_r[i] = en_r[i] = now
                     if c == SF or c == SB:
                         k = 2 * (u + M) if c == SF else 2 * (u - M) + 1
@@ -352,9 +343,9 @@ class _LinkRun:
                     continue
                 start = now
                 k_in = k_back = -1
-                if c == F or c == B or c == I:
-                    k = 2 * u if c == F else 2 * u + 1
-                    if cross_in[s] if c == F else cross_grad[s]:
+                if c == FWD or c == BWD or c == BIN:
+                    k = 2 * u if c == FWD else 2 * u + 1
+                    if cross_in[s] if c == FWD else cross_grad[s]:
                         e = mend[k]
                         if e < 0.0:
                             waiters.setdefault(k, []).append(r)
@@ -362,7 +353,7 @@ class _LinkRun:
                         k_in = k
                         if e > start:
                             start = e
-                if back_r and c != F and u in back_r:  # the first compute after a LOAD waits for the return
+                if back_r and c != FWD and u in back_r:  # the first compute after a LOAD waits for the return
                     k_back = back_r[u]
                     e = mend[k_back]
                     if e < 0.0:
@@ -370,18 +361,10 @@ class _LinkRun:
                         break
                     if e > start:
                         start = e
-                gate = ev_r if (c == F or c == R) and ev_r else None
-                if gate is not None:  # this F/R allocates only after the rank's evictions since the last landed
-                    blocked = -1
-                    for g in gate:
-                        e = mend[g]
-                        if e < 0.0:
-                            blocked = g
-                            break
-                        if e > start:
-                            start = e
-                    if blocked >= 0:
-                        waiters.setdefault(blocked, []).append(r)
+                gate = ev_r if (c == FWD or c == RE) and ev_r else None
+                if gate is not None:  # this FWD/RE allocates only after the rank's evictions since the last landed
+                    start = wait_or_park(mend_at, gate, start, waiters, r)
+                    if start == PARKED:
                         break
                 base_t = now  # the engine's exposure rules: each input's lateness beyond the rank being free
                 if k_in >= 0:
@@ -415,12 +398,12 @@ class _LinkRun:
                 i += 1
             pcs[r], t_free[r] = i, now
         if any(pc != len(ks) for pc, ks in zip(pcs, cols.kinds)):
-            raise _Fallback  # the evaluation stopped (a link order it cannot take): the dataflow path decides
+            raise CannotVouch  # the evaluation stopped (a link order it cannot take): the dataflow path decides
         if moves:
             if any(mend[k] < 0.0 for k in range(NK, total) if sreach[k] >= 0.0):
-                raise _Fallback
-            if not all(_sums_exact(mem[r]) for r in range(P) if mixed[r]):
-                raise _Fallback  # the memory points could depend on the order of same-time changes
+                raise CannotVouch
+            if not all(sums_exact(mem[r]) for r in range(P) if mixed[r]):
+                raise CannotVouch  # the memory points could depend on the order of same-time changes
         return self._trace(starts, ends, mem, sreach, spos, rpos, mstart, mend, exposed, bbytes)
 
     def _trace(self, starts: list[list[float]], ends: list[list[float]], mem: list[list[tuple[float, float]]],
@@ -435,19 +418,20 @@ class _LinkRun:
         late = [k for k, x in enumerate(exposed) if x]  # by arrival, then the engine's numbering (unique)
         late = [k for _, _, k in sorted(zip(map(mend.__getitem__, late), _numbers(late, spos, rpos), late))]
         total = sum(map(exposed.__getitem__, late), 0.0)  # in the records' order, as Trace sums them
-        unit = _ref.unit_bytes(sched, costs)
+        unit = unit_bytes(sched, costs)
 
         def times_and_transfers() -> tuple[tuple[list[list[float]], list[list[float]]], tuple[TransferRecord, ...]]:
             records = self._records(sreach, spos, rpos, mstart, mend, exposed, move_bytes)
-            records.sort(key=_ref.by_end)
+            records.sort(key=by_end)
             return (starts, ends), tuple(records)
-        return Trace.deferred(schedule=sched, memory=tuple(_ref.timeline(r, m, unit[r]) for r, m in enumerate(mem)),
+        return Trace.deferred(schedule=sched, memory=tuple(timeline(r, m, unit[r]) for r, m in enumerate(mem)),
                               unit_bytes=unit, step_time=max(max((max(e, default=0.0) for e in ends), default=0.0),
                                                              0.0),
                               spans=None, num_transfers=sum(t >= 0.0 for t in sreach),
                               exposed_transfer_time=total, times_and_transfers=times_and_transfers,
                               times=(starts, ends),
-                              waited=tuple(self._records_of(late, spos, rpos, mstart, mend, exposed, move_bytes)))
+                              waited=tuple(self._records_of(late, spos, rpos, mstart, mend, exposed, move_bytes)),
+                              evaluator=NAME)
 
     def _records(self, sreach: list[float], spos: list[int], rpos: list[int], mstart: list[float],
                  mend: list[float], exposed: list[float], move_bytes: list[float]) -> list[TransferRecord]:

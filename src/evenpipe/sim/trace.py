@@ -116,11 +116,11 @@ class Trace:
     Made from per-rank :class:`ActionRecord` tuples (``actions``) or, by the simulator, from per-rank start and
     end times (``times``), in which case the records (and the schedule's ``Action`` objects) are built only when
     ``actions`` is first read; the summaries (busy time, bubbles, counts) read the times directly. Immutable;
-    equality compares every field.
+    equality compares every field but ``evaluator`` (two evaluators that agree make equal traces).
     """
 
     __slots__ = ("schedule", "_actions", "_times", "_transfers", "memory", "unit_bytes", "step_time", "source",
-                 "_spans", "_deferred", "_counts", "_waited")
+                 "_spans", "_deferred", "_counts", "_waited", "evaluator")
 
     schedule: Schedule
     """The schedule that ran."""
@@ -132,6 +132,9 @@ class Trace:
     """Makespan: the last end time of any action or transfer."""
     source: str
     """``sim`` for the simulator, ``measured`` for a runtime trace."""
+    evaluator: str
+    """Which of the simulator's evaluators made the trace (``free``, ``links``, ``fast``, ``events``; see
+    :mod:`evenpipe.sim.dispatch`); empty for a measured trace or one read from JSON written before the field."""
     _actions: tuple[tuple[ActionRecord, ...], ...] | None
     _times: tuple[list[list[float]], list[list[float]]] | None
     _spans: list[tuple[float, float, float]] | None
@@ -143,20 +146,21 @@ class Trace:
     def __init__(self, *, schedule: Schedule, transfers: tuple[TransferRecord, ...],
                  memory: tuple[MemoryTimeline, ...], unit_bytes: tuple[float, ...], step_time: float,
                  source: str = "sim", actions: tuple[tuple[ActionRecord, ...], ...] | None = None,
-                 times: tuple[list[list[float]], list[list[float]]] | None = None) -> None:
+                 times: tuple[list[list[float]], list[list[float]]] | None = None, evaluator: str = "") -> None:
         if (actions is None) == (times is None):
             raise ValueError("a trace needs exactly one of actions and times")
         self._init(schedule, actions, times, transfers, memory, unit_bytes, step_time, source, None, None, None,
-                   None)
+                   None, evaluator)
 
     def _init(self, schedule: Schedule, actions: object, times: object, transfers: object, memory: object,
               unit_bytes: object, step_time: float, source: str, spans: object, deferred: object,
-              counts: object, waited: object) -> None:
+              counts: object, waited: object, evaluator: str) -> None:
         init = object.__setattr__
         for name, value in (("schedule", schedule), ("_actions", actions), ("_times", times),
                             ("_transfers", transfers), ("memory", memory), ("unit_bytes", unit_bytes),
                             ("step_time", step_time), ("source", source), ("_spans", spans),
-                            ("_deferred", deferred), ("_counts", counts), ("_waited", waited)):
+                            ("_deferred", deferred), ("_counts", counts), ("_waited", waited),
+                            ("evaluator", evaluator)):
             init(self, name, value)
 
     @classmethod
@@ -165,16 +169,16 @@ class Trace:
                  exposed_transfer_time: float,
                  times_and_transfers: "Callable[[], tuple[tuple[list[list[float]], list[list[float]]], "
                                       "tuple[TransferRecord, ...]]]",
-                 times: tuple[list[list[float]], list[list[float]]] | None = None,
+                 evaluator: str, times: tuple[list[list[float]], list[list[float]]] | None = None,
                  waited: tuple[TransferRecord, ...] | None = None) -> "Trace":
         """A simulated trace whose per-action times and transfer records are computed only when first read
         (``times_and_transfers``); the summaries a caller reads most (step time, bubbles from ``spans``, memory
         peaks, the number of transfers and their exposed time) are known up front, and so are the per-action
         ``times`` and the records some compute ``waited`` on (in order of arrival) where the caller has them
-        (``spans`` may then be ``None``: they follow from the times)."""
+        (``spans`` may then be ``None``: they follow from the times); ``evaluator`` names who made it."""
         self = cls.__new__(cls)
         self._init(schedule, None, times, None, memory, unit_bytes, step_time, "sim", spans, times_and_transfers,
-                   (num_transfers, exposed_transfer_time), waited)
+                   (num_transfers, exposed_transfer_time), waited, evaluator)
         return self
 
     def _resolve(self) -> None:
@@ -237,7 +241,7 @@ class Trace:
 
     def __reduce__(self) -> tuple[object, ...]:
         return (_trace_from_state, (self.schedule, self.actions, self.transfers, self.memory, self.unit_bytes,
-                                    self.step_time, self.source))
+                                    self.step_time, self.source, self.evaluator))
 
     def __repr__(self) -> str:
         return (f"Trace(source={self.source!r}, schedule={self.schedule.name!r}, step_time={self.step_time!r}, "
@@ -274,7 +278,8 @@ class Trace:
     def to_json(self) -> str:
         """The trace as JSON text (times in seconds, bytes as numbers, actions as IR tokens)."""
         doc: dict[str, Any] = {
-            "format": TRACE_FORMAT, "version": TRACE_VERSION, "source": self.source, "step_time": self.step_time,
+            "format": TRACE_FORMAT, "version": TRACE_VERSION, "source": self.source, "evaluator": self.evaluator,
+            "step_time": self.step_time,
             "unit_bytes": list(self.unit_bytes), "schedule": json.loads(self.schedule.to_json()),
             "actions": [[[rec.index, str(rec.action), rec.start, rec.end] for rec in acts] for acts in self.actions],
             "transfers": [[t.src, t.dst, t.kind.name, t.stage, t.microbatch, t.num_bytes, t.start, t.end, t.exposed_s]
@@ -307,7 +312,7 @@ class Trace:
                            for r, pts in enumerate(doc["memory"]))
             return cls(schedule=schedule, actions=actions, transfers=transfers, memory=memory,
                        unit_bytes=tuple(float(u) for u in doc["unit_bytes"]), step_time=float(doc["step_time"]),
-                       source=str(doc["source"]))
+                       source=str(doc["source"]), evaluator=str(doc.get("evaluator", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"damaged trace: {type(e).__name__}: {e}") from None
 
@@ -402,9 +407,9 @@ class Trace:
 
 def _trace_from_state(schedule: Schedule, actions: tuple[tuple[ActionRecord, ...], ...],
                       transfers: tuple[TransferRecord, ...], memory: tuple[MemoryTimeline, ...],
-                      unit_bytes: tuple[float, ...], step_time: float, source: str) -> Trace:
+                      unit_bytes: tuple[float, ...], step_time: float, source: str, evaluator: str = "") -> Trace:
     return Trace(schedule=schedule, actions=actions, transfers=transfers, memory=memory, unit_bytes=unit_bytes,
-                 step_time=step_time, source=source)
+                 step_time=step_time, source=source, evaluator=evaluator)
 
 
 SimResult: TypeAlias = Trace

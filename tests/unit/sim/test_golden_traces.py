@@ -30,10 +30,9 @@ from evenpipe.schedule.comm import derive_communication
 from evenpipe.schedule.ir import Schedule
 from evenpipe.schedule.validate import passed_validation, validate
 from evenpipe.sim import Link, SimCosts, StageCosts, simulate
+from evenpipe.sim.dispatch import EVALUATORS
 from evenpipe.sim.engine import simulate_events
-from evenpipe.sim.fast import simulate_fast
-from evenpipe.sim.free import simulate_free
-from evenpipe.sim.links import simulate_links
+from evenpipe.sim.kernel import attempt
 from evenpipe.sim.replay import replay
 from evenpipe.sim.trace import Trace
 
@@ -42,10 +41,6 @@ SIZES = {(2, 4): ("free", "latency"), (3, 5): ("pairs", "late"),
          (4, 6): ("latency", "pairs", "late", "cpu")}
 """(ranks, micro-batches) -> link settings ("late" and "cpu" are the event engine's alone); interleaved rounds the
 micro-batches to a multiple of the ranks."""
-
-EVALUATORS: dict[str, Callable[[Schedule, SimCosts], Trace | None]] = {
-    "free": simulate_free, "links": simulate_links, "fast": simulate_fast, "events": simulate_events}
-"""The evaluators in the order :func:`simulate` tries them."""
 
 
 # -- the matrix ----------------------------------------------------------------------------------------------------
@@ -136,17 +131,12 @@ def _schedule_from(doc: dict[str, Any]) -> Schedule:
     return sched
 
 
-def _answering(sched: Schedule, costs: SimCosts) -> str:
-    """The first evaluator, in :func:`simulate`'s order, that answers."""
-    return next(name for name, run in EVALUATORS.items() if run(sched, costs) is not None)
-
-
 def _generate() -> dict[str, list[dict[str, Any]]]:
     files: dict[str, list[dict[str, Any]]] = {}
     for name, sched, costs in _cases():
         trace = simulate(sched, costs)
         case = {"name": name, "validated": passed_validation(sched), "schedule": json.loads(sched.to_json()),
-                "costs": _costs_doc(costs), "evaluator": _answering(sched, costs), "trace": _trace_doc(trace)}
+                "costs": _costs_doc(costs), "evaluator": trace.evaluator, "trace": _trace_doc(trace)}
         if name.endswith("-plain-latency") or name.endswith("-bpipe-pairs"):
             slower = dataclasses.replace(costs, stages=tuple(dataclasses.replace(st, forward=st.forward * 1.3)
                                                              for st in costs.stages))
@@ -172,7 +162,7 @@ def test_matrix_covers_every_family_and_path() -> None:
     assert len(names) == len(set(names)) and len(names) > 250
     for fam in ScheduleFamily:
         assert any(n.startswith(f"{fam.value}-P") for n in names), fam
-    assert {c["evaluator"] for c in CASES} == set(EVALUATORS)
+    assert {c["evaluator"] for c in CASES} == {e.name for e in EVALUATORS}
     assert sum("replay" in c for c in CASES) > 20
     for variant in ("recompute", "bpipe", "offload", "compute-only", "unvalidated", "late", "cpu", "pairs"):
         assert any(f"-{variant}" in n for n in names), variant
@@ -182,14 +172,18 @@ def test_matrix_covers_every_family_and_path() -> None:
 def test_trace_is_unchanged(case: dict[str, Any]) -> None:
     sched, costs = _schedule_from(case), _costs_from(case["costs"])
     expected = case["trace"]
-    assert _trace_doc(simulate(sched, costs)) == expected
-    assert _trace_doc(simulate_events(sched, costs)) == expected
+    trace = simulate(sched, costs)
+    assert _trace_doc(trace) == expected
+    assert trace.evaluator == case["evaluator"]
+    reference = simulate_events(sched, costs)
+    assert _trace_doc(reference) == expected and reference.evaluator == "events"
     answered = []
-    for name, run in EVALUATORS.items():  # every evaluator that answers answers the same
-        trace = run(sched, costs)
-        if trace is not None:
-            assert _trace_doc(trace) == expected, name
-            answered.append(name)
+    for evaluator in EVALUATORS:  # every evaluator that applies and answers answers the same
+        if evaluator.applies(sched, costs):
+            other = attempt(lambda: evaluator.run(sched, costs))
+            if other is not None:
+                assert _trace_doc(other) == expected and other.evaluator == evaluator.name
+                answered.append(evaluator.name)
     assert answered[0] == case["evaluator"]
     if "replay" in case:
         measured = simulate(sched, _costs_from(case["replay_costs"]))

@@ -54,3 +54,21 @@ def test_trace_round_trips_json_and_refuses_foreign_text() -> None:
                        ({k: v for k, v in doc.items() if k != "memory"}, "damaged")):
         with pytest.raises(ConfigError, match=match):
             Trace.from_json(json.dumps(bad))
+
+
+def test_trace_names_its_evaluator_in_json_and_reads_old_json_without_it() -> None:
+    import json
+    import pickle
+
+    from evenpipe.schedule import build_schedule
+    from evenpipe.sim import SimCosts, Trace, simulate
+    from evenpipe.sim.engine import simulate_events
+    s = build_schedule("1f1b", num_ranks=2, num_microbatches=3)
+    costs = SimCosts.uniform(num_stages=2)
+    quick, reference = simulate(s, costs), simulate_events(s, costs)
+    assert quick.evaluator == "free" and reference.evaluator == "events"
+    assert quick == reference  # provenance is not content
+    back = Trace.from_json(quick.to_json())
+    assert back.evaluator == "free" and pickle.loads(pickle.dumps(quick)).evaluator == "free"
+    old = {k: v for k, v in json.loads(quick.to_json()).items() if k != "evaluator"}
+    assert Trace.from_json(json.dumps(old)).evaluator == ""
