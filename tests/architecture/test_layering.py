@@ -60,8 +60,6 @@ UPWARD_ALLOWLIST: set[tuple[str, str]] = set()
 exist, so none goes stale. Empty: keep it so."""
 
 CIRCLE_ALLOWLIST = [
-    # TEMPORARY, owned by helper `simcore`: one simulator core removes the evaluators' ring.
-    {"evenpipe.sim.engine", "evenpipe.sim.fast", "evenpipe.sim.free", "evenpipe.sim.links"},
     # TEMPORARY, owned by helper `runtime`: a step context and a stash protocol both depend on.
     {"evenpipe.runtime.bpipe", "evenpipe.runtime.executor"},
 ]
