@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -17,12 +18,14 @@ UNITS = (500_000, 510_000, 520_000, 700_000)
 
 def _fake_run(tmp_path: pathlib.Path, schedule: str, *, peaks: list[int], hosted: list[int] | None = None,
               evicted: list[int] | None = None, losses: list[float] | None = None,
-              trace_events: list[dict] | None = None) -> demo.TrainRun:
+              trace_events: list[dict] | None = None, prediction: dict | None = None) -> demo.TrainRun:
     hosted = hosted or [0] * P
     raw = {"losses": losses or [5.0, 4.5], "step_time_s": 0.1, "tokens_per_s": 10240.0,
            "peak_activation_bytes": peaks, "peak_own_bytes": [p - h for p, h in zip(peaks, hosted)],
            "peak_hosted_bytes": hosted, "evicted_bytes_per_step": evicted or [0] * P,
            "config": {"schedule": {"family": schedule}}}
+    if prediction is not None:
+        raw["prediction"] = prediction
     path = tmp_path / f"{schedule}.json"
     path.write_text(json.dumps(raw))
     trace = tmp_path / f"{schedule}_trace.json"
@@ -126,3 +129,68 @@ def test_whole_demo_trains_both_schedules_with_equal_losses(tmp_path: pathlib.Pa
     assert sum(runs["bpipe"]["evicted_bytes_per_step"]) > 0
     for n in demo.DEMO_SCHEDULES:
         assert (tmp_path / "measured" / f"{n}_trace.json").stat().st_size > 0
+
+
+def _timed(predicted_ms: float, measured_ms: float, schedule: str = "1f1b", ranks: int = 2) -> demo.TimedStep:
+    return demo.TimedStep(schedule=schedule, num_ranks=ranks, predicted_s=predicted_ms / 1e3,
+                          measured_s=measured_ms / 1e3)
+
+
+def test_final_line_says_agreement_only_within_the_stated_accuracy() -> None:
+    ok = demo.step_verdict([_timed(31.0, 33.0), _timed(34.0, 33.0, "bpipe")], num_ranks=4, num_cores=4,
+                           accuracy=0.10)
+    assert ok.startswith("predicted and measured steps agree within 6.1%") and "stated accuracy 10%" in ok
+    miss = demo.step_verdict([_timed(31.0, 33.0), _timed(40.0, 33.0, "bpipe")], num_ranks=4, num_cores=4,
+                             accuracy=0.10)
+    assert miss.startswith("predicted step off by +21.2%, more than the stated 10%") and "agree" not in miss
+    assert "bpipe at P=2 40.0 ms vs 33.0 ms" in miss
+
+
+def test_final_line_gives_the_reason_when_nothing_could_be_timed() -> None:
+    line = demo.step_verdict([], num_ranks=4, num_cores=1)
+    assert line.startswith("step times not compared: this host has 1 core(s)") and "\n" not in line
+
+
+def test_timed_run_has_one_process_per_core() -> None:
+    assert [demo.timed_ranks(4, c) for c in (1, 2, 3, 4, 16)] == [0, 2, 3, 4, 4]
+    assert demo.host_cores() >= 1
+
+
+def test_timing_times_a_run_per_core_when_the_pipeline_shares_cores(tmp_path: pathlib.Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """With fewer cores than ranks, the P=4 runs are not predicted; one 1F1B run at P=cores is, from a profile
+    taken just before it."""
+    calls: list[tuple[str, int, object]] = []
+
+    def fake_profile(out: pathlib.Path, *, num_processes: int) -> pathlib.Path:
+        calls.append(("profile", num_processes, None))
+        return out / "profile.json"
+
+    def fake_train(schedule: str, out: pathlib.Path, *, steps: int, num_ranks: int,
+                   predict: pathlib.Path | None) -> demo.TrainRun:
+        calls.append((schedule, num_ranks, predict))
+        run = _fake_run(tmp_path, schedule, peaks=[1, 1])
+        return dataclasses.replace(run, num_ranks=num_ranks, predicted_step_s=0.0304, measured_step_s=0.032)
+
+    monkeypatch.setattr(demo, "profile_run", fake_profile)
+    monkeypatch.setattr(demo, "train_run", fake_train)
+    runs = {"1f1b": _fake_1f1b(tmp_path), "bpipe": _fake_run(tmp_path, "bpipe", peaks=[3 * UNITS[0]] * P)}
+    timed = demo.run_timing(runs, tmp_path / "timed", steps=2, num_cores=2)
+    assert calls == [("profile", 2, None), ("1f1b", 2, tmp_path / "timed" / "profile.json")]
+    assert [(t.schedule, t.num_ranks) for t in timed] == [("1f1b", 2)]
+    out = capsys.readouterr().out
+    assert "P=4 step times are not predicted" in out and "-5.0%" in out
+    assert demo.step_verdict(timed, num_ranks=P, num_cores=2).startswith("predicted and measured steps agree")
+    calls.clear()
+    assert demo.run_timing(runs, tmp_path / "timed", steps=2, num_cores=1) == [] and calls == []
+
+
+def test_timing_uses_the_pipeline_runs_when_each_rank_had_a_core(tmp_path: pathlib.Path) -> None:
+    pred = {"predicted_step_s": 0.05, "measured_step_s": 0.04}
+    runs = {n: _fake_run(tmp_path, n, peaks=[1] * P, prediction=pred) for n in demo.DEMO_SCHEDULES}
+    assert runs["bpipe"].predicted_step_s == 0.05 and runs["bpipe"].num_ranks == P
+    timed = demo.run_timing(runs, tmp_path / "timed", steps=2, num_cores=8)
+    assert [t.schedule for t in timed] == list(demo.DEMO_SCHEDULES) and timed[0].error == pytest.approx(0.25)
+    line = demo.step_verdict(timed, num_ranks=P, num_cores=8)
+    assert line.startswith("predicted step off by +25.0%") and "run it again on a quiet host" in line
