@@ -58,6 +58,34 @@ def test_table_output_and_files(capsys: pytest.CaptureFixture[str], tmp_path: pa
                                                     "trace.evenpipe.json"}
 
 
+def test_unit_costs_are_labelled_as_units_not_seconds_and_bytes(capsys: pytest.CaptureFixture[str],
+                                                                 tmp_path: pathlib.Path) -> None:
+    """Without a profile or a model the costs are unit costs: no seconds, no bytes; with a model they are real."""
+    assert main(["simulate", "--schedule", "bpipe", "--stages", "4", "--microbatches", "8", "--output-bytes", "1",
+                 "--link-bandwidth", "0.5", "--activation-bytes", "3000"]) == 0
+    text = capsys.readouterr().out
+    assert "time units   bubble" in text and "peak size units" in text and "3000" in text
+    assert " B" not in text and "KiB" not in text and " s " not in text and "peak bytes" not in text
+    assert "unit costs: times in the unit of --forward-time" in text
+    assert main(["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["units"] == "unit costs"
+    assert main(["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--model", "gpt-tiny",
+                 "--gpu", "a100-80gb"]) == 0
+    text = capsys.readouterr().out
+    assert "peak bytes" in text and " s   bubble" in text and "time units" not in text and "unit costs" not in text
+
+
+def test_unit_cost_pictures_label_time_in_units(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import evenpipe.report.bundle as bundle
+    labels: list[str] = []
+    monkeypatch.setattr(bundle, "write_bundle", lambda trace, out, *, time_label: labels.append(time_label) or [])
+    assert main(["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--out",
+                 str(tmp_path)]) == 0
+    assert main(["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--model", "gpt-tiny",
+                 "--gpu", "a100-80gb", "--out", str(tmp_path)]) == 0
+    assert labels == ["time (time units)", "time (s)"]
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--schedule", "nope", "--stages", "2", "--microbatches", "2"], "unknown schedule 'nope'"),
     (["--schedule", "1f1b", "--stages", "0", "--microbatches", "2"], "num_ranks"),

@@ -16,7 +16,11 @@ from evenpipe.schedule import ScheduleFamily, build_schedule
 from evenpipe.schedule.build import plan_durations_for
 from evenpipe.sim import Link, SimCosts, Trace, simulate
 
-__all__ = ["add_arguments", "run", "trace_from_args", "summary_json"]
+__all__ = ["add_arguments", "run", "trace_from_args", "summary_json", "UNIT_COSTS_NOTE"]
+
+UNIT_COSTS_NOTE = ("unit costs: times in the unit of --forward-time (not seconds), sizes in the unit of "
+                   "--activation-bytes (not bytes); --profile, or --model with --gpu, gives seconds and bytes")
+"""The line under the tables of a schedule simulated without a profile or a model."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,16 +31,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=int, default=None, metavar="V",
                         help="stages per rank for interleaved / looped-bfs (default 2); the other families fix it "
                         "(1, or 2 for the V-shaped zb-v, v-half, v-min, dualpipev)")
-    times = parser.add_argument_group("durations per micro-batch of one rank's layers (seconds)")
+    times = parser.add_argument_group("durations per micro-batch of one rank's layers (unit costs: any one time "
+                                      "unit, seconds only if you give seconds)")
     times.add_argument("--forward-time", type=float, default=1.0, metavar="F", help="forward (default 1)")
     times.add_argument("--backward-time", type=float, default=2.0, metavar="B",
                        help="input-gradient backward (default 2)")
     times.add_argument("--weight-time", type=float, default=0.0, metavar="W",
                        help="weight-gradient backward (default 0); a full backward takes B+W")
-    link = parser.add_argument_group("links and sizes (default: free links)")
-    link.add_argument("--link-latency", type=float, default=0.0, metavar="S", help="seconds per message")
-    link.add_argument("--link-bandwidth", type=float, default=math.inf, metavar="BYTES_PER_S",
-                      help="bytes per second of every rank-to-rank link (default: infinite)")
+    link = parser.add_argument_group("links and sizes (default: free links; sizes in any one unit, bytes only if "
+                                     "you give bytes)")
+    link.add_argument("--link-latency", type=float, default=0.0, metavar="S", help="time per message (unit of --forward-time)")
+    link.add_argument("--link-bandwidth", type=float, default=math.inf, metavar="BW",
+                      help="size units (of --activation-bytes) per time unit, every rank-to-rank link "
+                      "(default: infinite)")
     link.add_argument("--activation-bytes", type=float, default=1.0, metavar="N",
                       help="activation bytes one micro-batch saves on one rank (default 1); BPipe moves these")
     link.add_argument("--output-bytes", type=float, default=0.0, metavar="N",
@@ -78,7 +85,7 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
         if value is not None and not value >= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     if not args.link_bandwidth > 0:
-        raise ConfigError(f"--link-bandwidth must be > 0 bytes/s, got {args.link_bandwidth}")
+        raise ConfigError(f"--link-bandwidth must be > 0, got {args.link_bandwidth}")
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         sched = build_schedule(family, num_ranks=args.stages, num_microbatches=args.microbatches,
@@ -166,24 +173,28 @@ def run(args: argparse.Namespace) -> int:
         trace = pred.trace
     else:
         trace = trace_from_args(args)
+    unit_costs = pred is None and not any_model_given(args)
     files = []
     if args.out:
         from evenpipe.report.bundle import write_bundle  # imports matplotlib
 
-        files = [str(p) for p in write_bundle(trace, args.out)]
+        files = [str(p) for p in write_bundle(trace, args.out,
+                                              time_label="time (time units)" if unit_costs else "time (s)")]
     if args.json:
-        doc = dict(summary_json(trace), files=files)
+        doc = dict(summary_json(trace), files=files, units="unit costs" if unit_costs else "seconds and bytes")
         if pred is not None:
             doc.update(schedule_time=trace.step_time, step_time=pred.step_time,
                        peak_activation_bytes=list(pred.peak_activation_bytes),
                        rank_step_times=list(pred.rank_step_times), optimizer_s=list(pred.optimizer_s))
         print(json.dumps(doc))
         return 0
-    print(summary_table(trace))
+    print(summary_table(trace, unit_costs=unit_costs))
     print()
     if pred is not None:
         print(_prediction_lines(pred))
-    print(exposed_table(trace))
+    print(exposed_table(trace, unit_costs=unit_costs))
+    if unit_costs:
+        print(f"\n({UNIT_COSTS_NOTE})")
     if files:
         print("\nwrote " + ", ".join(files))
     return 0

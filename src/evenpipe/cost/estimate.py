@@ -34,8 +34,6 @@ __all__ = ["Estimate", "TimeBreakdown", "estimate", "LIMITS"]
 LIMITS = ("memory", "bubble", "communication", "compute")
 """Values of :attr:`Estimate.limited_by`."""
 
-_OVERHEAD_SHARE = 0.10
-"""An overhead (bubble or exposed communication) this large a share of the step names the limit."""
 _MEMORY_NEAR = 0.90
 """A fitting configuration using this share of usable memory is called memory-limited."""
 
@@ -257,17 +255,20 @@ def _breakdown(pipeline: _Pipeline, rank: int, lt: LayerTimes, dp_exposed: float
                          optimizer=optimizer)
 
 
-def _limit(fits: bool, peak_gib: float, usable_gib: float, bd: TimeBreakdown, step: float) -> str:
-    """``memory`` if it does not fit; else the larger of bubble and exposed communication when it is at least
-    10% of the step; else ``memory`` when within 90% of usable memory; else ``compute``."""
+def _limit(fits: bool, peak_gib: float, usable_gib: float, bd: TimeBreakdown) -> str:
+    """``memory`` if it does not fit; else whichever of compute (kernels, recomputation, optimizer), exposed
+    communication (tp, pp, BPipe, dp) and bubble takes the largest share of the critical rank's step; a
+    compute-bound configuration within 90% of usable memory is called ``memory`` (a larger micro-batch or less
+    recomputation, which would use the compute better, would not fit)."""
     if not fits:
         return "memory"
-    comm = bd.tp_comm + bd.pp_comm + bd.bpipe_transfer + bd.dp_comm
-    if max(bd.bubble, comm) >= _OVERHEAD_SHARE * step:
-        return "bubble" if bd.bubble >= comm else "communication"
-    if peak_gib >= _MEMORY_NEAR * usable_gib:
+    shares = {"compute": bd.compute + bd.recompute + bd.optimizer,
+              "communication": bd.tp_comm + bd.pp_comm + bd.bpipe_transfer + bd.dp_comm,
+              "bubble": bd.bubble}
+    largest = max(shares, key=lambda k: shares[k])
+    if largest == "compute" and peak_gib >= _MEMORY_NEAR * usable_gib:
         return "memory"
-    return "compute"
+    return largest
 
 
 def estimate(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
@@ -300,7 +301,7 @@ def estimate(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
         mfu=model_flops_per_step(model, cfg.global_batch) / peak_flops, hfu=executed / peak_flops,
         tflops_per_gpu=executed / (step * cfg.num_gpus) / 1e12, bubble_fraction=pipeline.bubble_fraction,
         memory_per_stage_gib=totals, peak_memory_gib=peak, fits=fits, breakdown=bd, stage_memory=mem,
-        critical_rank=critical, limited_by=_limit(fits, peak, hw.usable_memory_gib, bd, step),
+        critical_rank=critical, limited_by=_limit(fits, peak, hw.usable_memory_gib, bd),
         activation_peak_simulated_gib=tuple(b / GIB for b in pipeline.peak_activation_bytes), layout=layout,
     )
 

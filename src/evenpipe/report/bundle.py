@@ -13,10 +13,11 @@ __all__ = ["write_bundle", "BUNDLE_FILES"]
 BUNDLE_FILES = ("timeline.png", "memory.png", "trace.json", "schedule.txt", "trace.evenpipe.json")
 
 
-def write_bundle(trace: Trace, out_dir: str | pathlib.Path) -> list[pathlib.Path]:
+def write_bundle(trace: Trace, out_dir: str | pathlib.Path, *, time_label: str = "time (s)") -> list[pathlib.Path]:
     """Write :data:`BUNDLE_FILES` for ``trace`` under ``out_dir`` (created if needed); return their paths.
 
-    The memory picture draws the BPipe budget when the schedule's ``meta`` carries one.
+    The memory picture draws the BPipe budget when the schedule's ``meta`` carries one; ``time_label`` names the
+    pictures' time axis (unit costs are not seconds).
     """
     from evenpipe.report.memory import save_memory  # matplotlib only when pictures are asked for
     from evenpipe.report.timeline import save_timeline
@@ -24,8 +25,9 @@ def write_bundle(trace: Trace, out_dir: str | pathlib.Path) -> list[pathlib.Path
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     budget = trace.schedule.meta.get("budget")
-    paths = [save_timeline(trace, out / "timeline.png"),
-             save_memory(trace, out / "memory.png", budget=float(budget) if isinstance(budget, (int, float)) else None),
+    paths = [save_timeline(trace, out / "timeline.png", time_label=time_label),
+             save_memory(trace, out / "memory.png", budget=float(budget) if isinstance(budget, (int, float)) else None,
+                         time_label=time_label),
              write_chrome_trace(trace, out / "trace.json")]
     schedule_txt = out / "schedule.txt"
     schedule_txt.write_text(trace.schedule.to_text())

@@ -72,7 +72,7 @@ def _finish(ax: Axes, trace: Trace, units: str) -> None:
 
 
 def save_memory(trace: Trace, path: str | pathlib.Path, *, units: str = "activations",
-                title: str | None = None, budget: float | None = None) -> pathlib.Path:
+                title: str | None = None, budget: float | None = None, time_label: str = "time (s)") -> pathlib.Path:
     """Write ``memory.png``: one panel per rank (shared axes, so lines never hide each other); return its path."""
     _check_units(units)
     n = trace.num_ranks
@@ -89,7 +89,7 @@ def save_memory(trace: Trace, path: str | pathlib.Path, *, units: str = "activat
         ax.text(0.995, 0.97, f"peak {peak:.3g}" + (f"  (budget {budget:g})" if budget is not None else ""),
                 transform=ax.transAxes, ha="right", va="top", fontsize=8,
                 bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1.0})
-    axes[-1].set_xlabel("time (s)")
+    axes[-1].set_xlabel(time_label)
     s = trace.schedule
     fig.suptitle(title if title is not None else
                  f"{s.name}: {_unit_label(units)} held per rank, own + hosted (▼ = peak, dashed = budget), "

@@ -25,29 +25,38 @@ def _grid(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def summary_table(trace: Trace) -> str:
-    """Header facts (schedule, P, M, V, step time, bubble, exposed transfers) and a per-rank table."""
+def _size(num: float, unit_costs: bool) -> str:
+    return f"{num:.4g}" if unit_costs else format_bytes(num)
+
+
+def summary_table(trace: Trace, *, unit_costs: bool = False) -> str:
+    """Header facts (schedule, P, M, V, step time, bubble, exposed transfers) and a per-rank table.
+
+    ``unit_costs``: the trace's costs are unit costs (``evenpipe simulate`` without a profile or a model), so times
+    are labelled ``time units`` and sizes ``size units``, not seconds and bytes."""
     s = trace.schedule
     exposed = trace.exposed_transfers
+    t_unit = " time units" if unit_costs else " s"
     head = [f"schedule {s.name}   P={s.num_ranks}  M={s.num_microbatches}  V={s.num_chunks}   "
             f"actions {trace.num_actions}",
-            f"step time {trace.step_time:.6g}   bubble {trace.bubble_fraction:.2%}   "
-            f"exposed transfer time {trace.exposed_transfer_time:.4g} ({len(exposed)} transfers)"]
-    rows = [["rank", "busy", "peak act. units", "peak bytes"]]
+            f"step time {trace.step_time:.6g}{t_unit}   bubble {trace.bubble_fraction:.2%}   "
+            f"exposed transfer time {trace.exposed_transfer_time:.4g}{t_unit} ({len(exposed)} transfers)"]
+    rows = [["rank", "busy", "peak act. units", "peak size units" if unit_costs else "peak bytes"]]
     for r in range(trace.num_ranks):
         rows.append([str(r), f"{trace.busy_time(r):.6g}", f"{trace.peak_activations[r]:.3g}",
-                     format_bytes(trace.peak_activation_bytes[r])])
+                     _size(trace.peak_activation_bytes[r], unit_costs)])
     return "\n".join(head) + "\n\n" + _grid(rows)
 
 
-def exposed_table(trace: Trace, limit: int = 10) -> str:
-    """The most exposed transfers (what a compute waited on), or a line saying there were none."""
+def exposed_table(trace: Trace, limit: int = 10, *, unit_costs: bool = False) -> str:
+    """The most exposed transfers (what a compute waited on), or a line saying there were none; ``unit_costs`` as
+    in :func:`summary_table`."""
     exposed = trace.exposed_transfers
     if not exposed:
         return "no exposed transfers"
-    rows = [["transfer", "src->dst", "bytes", "start", "end", "exposed"]]
+    rows = [["transfer", "src->dst", "size units" if unit_costs else "bytes", "start", "end", "exposed"]]
     for t in exposed[:limit]:
-        rows.append([f"{t.stage}{t.kind.token}{t.microbatch}", f"{t.src}->{t.dst}", format_bytes(t.num_bytes),
+        rows.append([f"{t.stage}{t.kind.token}{t.microbatch}", f"{t.src}->{t.dst}", _size(t.num_bytes, unit_costs),
                      f"{t.start:.4g}", f"{t.end:.4g}", f"{t.exposed_s:.4g}"])
     more = f"\n... and {len(exposed) - limit} more" if len(exposed) > limit else ""
     return _grid(rows) + more

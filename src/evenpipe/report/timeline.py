@@ -30,8 +30,10 @@ def timeline_title(trace: Trace) -> str:
             f"bubble {trace.bubble_fraction:.1%}")
 
 
-def plot_timeline(trace: Trace, ax: Axes, *, title: str | None = None, show_transfers: bool = True) -> Axes:
-    """Draw the timeline of ``trace`` on ``ax`` (rank 0 at the top) and return ``ax``."""
+def plot_timeline(trace: Trace, ax: Axes, *, title: str | None = None, show_transfers: bool = True,
+                  time_label: str = "time (s)") -> Axes:
+    """Draw the timeline of ``trace`` on ``ax`` (rank 0 at the top) and return ``ax``; ``time_label`` names the
+    x axis (unit costs are not seconds)."""
     step = trace.step_time or 1.0
     width_px = ax.get_figure().get_figwidth() * ax.get_figure().dpi * ax.get_position().width  # type: ignore[union-attr]
     boxes: dict[tuple[int, ActionKind], list[tuple[float, float]]] = {}
@@ -64,7 +66,7 @@ def plot_timeline(trace: Trace, ax: Axes, *, title: str | None = None, show_tran
     ax.set_yticks(range(n))
     ax.set_yticklabels([f"rank {r}" for r in range(n)])
     ax.set_xlim(0, step * 1.005)
-    ax.set_xlabel("time (s)")
+    ax.set_xlabel(time_label)
     ax.grid(axis="x", color="#dddddd", linewidth=0.5)
     ax.set_axisbelow(True)
     ax.set_title(title if title is not None else timeline_title(trace), fontsize=10, loc="left")
@@ -78,14 +80,15 @@ def plot_timeline(trace: Trace, ax: Axes, *, title: str | None = None, show_tran
     return ax
 
 
-def save_timeline(trace: Trace, path: str | pathlib.Path, *, title: str | None = None) -> pathlib.Path:
+def save_timeline(trace: Trace, path: str | pathlib.Path, *, title: str | None = None,
+                  time_label: str = "time (s)") -> pathlib.Path:
     """Write ``timeline.png`` (size grows with ranks and actions) and return its path."""
     n = trace.num_ranks
     computes_per_rank = max((sum(1 for r in trace.records(x) if r.action.kind.is_compute) for x in range(n)),
                             default=1)
     width = min(24.0, max(10.0, computes_per_rank * 0.22 + 3))
     fig = Figure(figsize=(width, 1.3 + 0.55 * n), dpi=110, layout="constrained")
-    plot_timeline(trace, fig.add_subplot(), title=title)
+    plot_timeline(trace, fig.add_subplot(), title=title, time_label=time_label)
     path = pathlib.Path(path)
     fig.savefig(path)
     return path
