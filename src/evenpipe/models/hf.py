@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import pathlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -160,13 +160,13 @@ def hf_model(path: "str | pathlib.Path", *, seed: int = 0, attention: str = "sdp
         raise choice_error(f"Hugging Face model_type in {config_path} for training:", model_type, list(HF_SPLITS))
     raw = {**raw, "model_type": model_type}
     weights = pathlib.Path(path) if has_weights(path) else None  # a directory's weights; a file: random init
-    model = _build(raw, weights, seed=seed, attention=attention, dtype=dtype)
+    model: Any = _build(raw, weights, seed=seed, attention=attention, dtype=dtype)  # a transformers model
     get = model.get_submodule
     rotary = get(split.rotary) if split.rotary else None
     config = model.config
     first = HFEmbedding(get(split.embed), get(split.positions) if split.positions else None,
                         get(split.dropout) if split.dropout else None)
-    blocks: list[nn.Module] = [HFBlock(layer, config, rotary) for layer in get(split.blocks)]
+    blocks: list[nn.Module] = [HFBlock(layer, config, rotary) for layer in cast(nn.ModuleList, get(split.blocks))]
     last = HFHead(get(split.norm), get(split.head))
     tied = (("tok.weight", "head.weight"),) if last.head.weight is first.tok.weight else ()
     vocab = int(config.vocab_size)

@@ -36,7 +36,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -277,11 +277,8 @@ class PipelineExecutor:
         g = self.groups
         if g.dp == 1:
             return
-        params = [p for ps in self._params.values() for p in ps]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [local_shard(p.grad) for p in params]  # a tensor-parallel shard reduces with its own coordinate
+        # a tensor-parallel shard reduces with its own coordinate
+        grads = _local_grads(p for ps in self._params.values() for p in ps)
 
         def mean(flat: torch.Tensor) -> None:
             with collective("the gradient all-reduce across replicas"):
@@ -301,10 +298,7 @@ class PipelineExecutor:
         if (first_rank, last_rank) != (0, g.pp - 1) or g.embedding_group is None:
             raise ConfigError(f"tied weights need the first stage on pipeline rank 0 and the last on rank "
                               f"{g.pp - 1}; this schedule puts them on {first_rank} and {last_rank}")
-        for p in tied:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [local_shard(p.grad) for p in tied]  # a shard (tensor parallel, FSDP) sums with its own coordinate
+        grads = _local_grads(tied)  # a shard (tensor parallel, FSDP) sums with its own coordinate
         other = g.global_rank(last_rank if g.pp_rank == first_rank else first_rank)
 
         def total(flat: torch.Tensor) -> None:
@@ -324,6 +318,16 @@ class PipelineExecutor:
             if g.pp > 1:
                 dist.broadcast(t, src, group=g.pp_group)
         return float(t.item())
+
+
+def _local_grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Each parameter's gradient (zeros where it has none yet, set on the parameter) as its local shard."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(local_shard(p.grad))
+    return grads
 
 
 def _encode_shape(x: torch.Tensor) -> list[int]:

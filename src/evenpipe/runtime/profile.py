@@ -45,7 +45,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -306,6 +306,23 @@ class _LayerBench:
                 "output_bytes": float(_nbytes(out) if out.dim() > 0 else 0)}
 
 
+@dataclass(slots=True, kw_only=True)
+class _LayerCase:
+    """One layer kind at one (micro-batch size, sequence length) in :func:`measure_layers`' rounds."""
+
+    kind: LayerKind
+    microbatch_size: int
+    seq_len: int
+    x: torch.Tensor
+    """The layer's input."""
+    extra: tuple[torch.Tensor, ...]
+    """Further inputs (the head's targets)."""
+    sizes: dict[str, float]
+    """Byte counts (blocks: measured on one block before the rounds)."""
+    times: dict[str, list[float]] = field(default_factory=lambda: {q: [] for q in TIME_FIELDS})
+    """Seconds of each timed run, per time field."""
+
+
 def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None,
                    sync: Callable[[], None] = lambda: None) -> dict[LayerKind, list[LayerSample]]:
     """Samples of every layer kind at every (micro-batch size, sequence length): ``warmup + repeats`` rounds,
@@ -325,7 +342,7 @@ def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None
                                             count=len(chain)),
                LayerKind.HEAD: _LayerBench(LayerKind.HEAD, _Head(parts.last, built.loss), device=device, timer=timer)}
     one_block = _LayerBench(LayerKind.BLOCK, parts.blocks[0], device=device, timer=timer)
-    cases = []  # (kind, b, s, input, extra inputs, byte counts, timed runs)
+    cases: list[_LayerCase] = []
     for s in options.seq_lens or (cfg.seq_len,):
         for b in options.microbatch_sizes:
             tokens, hidden = _sample_inputs(options, b, s, device, dtype)
@@ -335,23 +352,24 @@ def measure_layers(options: ProfileOptions, *, progress: _Progress | None = None
                 sizes: dict[str, float] = {}
                 if kind is LayerKind.BLOCK:
                     one_block.once(x, extra, sizes)
-                cases.append((kind, b, s, x, extra, sizes, {q: [] for q in TIME_FIELDS}))
+                cases.append(_LayerCase(kind=kind, microbatch_size=b, seq_len=s, x=x, extra=extra, sizes=sizes))
     rounds = options.warmup + options.repeats
     for i in range(rounds):
-        for kind, b, s, x, extra, sizes, times in cases:
+        for case in cases:
             sync()
-            run = benches[kind].once(x, extra, sizes)
+            run = benches[case.kind].once(case.x, case.extra, case.sizes)
             if i >= options.warmup:
                 for q, t in run.items():
-                    times[q].append(t)
+                    case.times[q].append(t)
         if progress is not None:
             progress.step(f"layers, round {i + 1}/{rounds}")
     out: dict[LayerKind, list[LayerSample]] = {k: [] for k in LayerKind}
-    for kind, b, s, _, _, sizes, times in cases:
+    for case in cases:
+        kind, b, s = case.kind, case.microbatch_size, case.seq_len
         flops = _block_flops(parts.blocks[0], cfg, b, s) if kind is LayerKind.BLOCK else \
             2.0 * _matrix_params(parts.last) * b * s if kind is LayerKind.HEAD else 0.0
-        out[kind].append(LayerSample(microbatch_size=b, seq_len=s, forward_flops=flops, **sizes,
-                                     **{q: statistics.fmean(v) for q, v in times.items()}))
+        out[kind].append(LayerSample(microbatch_size=b, seq_len=s, forward_flops=flops, **case.sizes,
+                                     **{q: statistics.fmean(v) for q, v in case.times.items()}))
     return out
 
 
@@ -559,7 +577,8 @@ def _transfer_cpu_cost(rank: int, repeats: int, num_bytes: int = _CONTENTION_BYT
         dist.barrier()
         t_alone = compute()
         dist.barrier()
-        works = [dist.isend(out, peer, tag=7), dist.irecv(into, peer, tag=7)] if peer >= 0 else []
+        works = [w for w in (dist.isend(out, peer, tag=7), dist.irecv(into, peer, tag=7)) if w is not None] \
+            if peer >= 0 else []
         t_busy = compute()
         for w in works:
             w.wait()
@@ -820,7 +839,8 @@ def _merge_layers(per_process: list[dict[LayerKind, list[LayerSample]]]) -> dict
     for kind, samples in first.items():
         merged = []
         for i, s in enumerate(samples):
-            times = {q: statistics.median(p[kind][i].value(q) for p in per_process) for q in TIME_FIELDS}
+            times: dict[str, Any] = {q: statistics.median(p[kind][i].value(q) for p in per_process)
+                                     for q in TIME_FIELDS}
             merged.append(dataclasses.replace(s, **times))
         out[kind] = tuple(merged)
     return out

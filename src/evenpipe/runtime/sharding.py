@@ -104,7 +104,7 @@ def fully_shard_stages(stages: Iterable[nn.Module], dp_mesh: Any) -> "FsdpGradie
         names = [n for n, p in m.named_parameters(remove_duplicate=False) if any(p is t for t in tied)]
         fully_shard(m, mesh=dp_mesh, reshard_after_forward=False)
         if tied:
-            m.tied_params = tuple({id(q): q for q in (m.get_parameter(n) for n in names)}.values())
+            setattr(m, "tied_params", tuple({id(q): q for q in (m.get_parameter(n) for n in names)}.values()))
     sync = FsdpGradientSync(modules)
     sync.accumulate()
     return sync

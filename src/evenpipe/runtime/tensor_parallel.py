@@ -27,7 +27,7 @@ parameter or gradient, so it can be compared with (or saved as) the un-sharded m
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -96,7 +96,7 @@ def _check_heads(module: nn.Module, tp: int) -> None:
     config = getattr(module, "config", None)
     heads = getattr(module, "num_heads", getattr(config, "num_attention_heads", None))
     kv_heads = getattr(module, "num_kv_heads", getattr(config, "num_key_value_heads", heads))
-    if heads is not None and (heads % tp or kv_heads % tp):
+    if heads is not None and (heads % tp or (kv_heads if kv_heads is not None else heads) % tp):
         raise ConfigError(f"--tp {tp} does not divide the attention's {heads} query heads and {kv_heads} "
                           "key/value heads")
 
@@ -127,7 +127,7 @@ def parallelize_stage(stage: nn.Module, tp_mesh: Any) -> nn.Module:
             module.num_kv_heads //= tp
         else:
             parallelize_module(module, tp_mesh, plan)
-    blocks = getattr(stage, "blocks", ())
+    blocks: Sequence[nn.Module] = getattr(stage, "blocks", ())
     if not split and len(blocks):
         layer = getattr(blocks[0], "layer", blocks[0])  # a Hugging Face layer inside its block wrapper
         raise ConfigError(f"--tp {tp}: tensor parallelism splits the reference GPT/LLaMA blocks and Hugging Face "
