@@ -11,11 +11,10 @@ import argparse
 import json
 import pathlib
 
-from evenpipe.cost import (Attention, Estimate, Hardware, ParallelConfig, Recompute,
-                           ScheduleFamily, check_config, estimate)
-from evenpipe.cost.estimate import TimeBreakdown
+from evenpipe.cost import Attention, Estimate, Hardware, ParallelConfig, Recompute, ScheduleFamily
+from evenpipe.cost.estimate import TimeBreakdown, estimate_with
 from evenpipe.cost.parallel import describe_layout
-from evenpipe.commands.model_args import add_model_arguments, hardware_from_arg, model_from_args, parse_layout
+from evenpipe.commands.model_args import add_model_arguments, add_profile_arguments, parse_layout, source_from_args
 from evenpipe.errors import ConfigError
 
 __all__ = ["add_arguments", "run"]
@@ -51,7 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--out", metavar="DIR", help="write memory_per_stage.png (stacked bars per rank) into DIR")
     o.add_argument("--require-fit", action="store_true", help="exit 2 when the configuration does not fit")
-    from evenpipe.commands.profiled_plan import add_profile_arguments
     add_profile_arguments(parser)
 
 
@@ -75,36 +73,46 @@ def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.profile:
-        from evenpipe.commands.profiled_plan import run_estimate
-        return run_estimate(args)
-    if args.gpu is None:
-        raise ConfigError("give --gpu PRESET (or --profile PROFILE to estimate on the profiled machine)")
-    model = model_from_args(args)
-    hw = hardware_from_arg(args.gpu)
+    source = source_from_args(args, "estimate")
+    model, hw = source.model, source.hardware
     cfg = _config_from_args(args)
-    check_config(model, hw, cfg, num_gpus=args.gpus)
-    est = estimate(model, hw, cfg)
+    source.check(cfg, num_gpus=args.gpus)
+    est = estimate_with(source, cfg)
     picture = None
     if args.out:
         from evenpipe.report.memory_bars import save_memory_bars  # matplotlib only when asked
 
+        usable = est.usable_memory_gib
         picture = save_memory_bars(est.stage_memory, pathlib.Path(args.out) / "memory_per_stage.png",
-                                   capacity_gib=hw.memory_gib, usable_gib=hw.usable_memory_gib,
-                                   title=f"{model.name} on {cfg.num_gpus}x {hw.name}\n{cfg.describe()}")
+                                   capacity_gib=hw.memory_gib if hw is not None else usable,
+                                   usable_gib=usable,
+                                   title=f"{model.name} on {cfg.num_gpus}x {source.name}\n{cfg.describe()}")
     if args.json:
         out = est.to_dict()
         if picture is not None:
             out["memory_picture"] = str(picture)
         print(json.dumps(out, indent=2))
     else:
-        print(format_estimate(est))
+        print(format_estimate(est) if hw is not None else format_measured(est))
         if picture is not None:
             print(f"wrote {picture}")
     if args.require_fit and not est.fits:
         raise ConfigError(f"configuration does not fit: peak {est.peak_memory_gib:.1f} GiB on rank "
-                          f"{_peak_rank(est)} > usable {hw.usable_memory_gib:.1f} GiB of {hw.name}")
+                          f"{_peak_rank(est)} > usable {est.usable_memory_gib:.1f} GiB of {source.name}")
     return 0
+
+
+def format_measured(est: Estimate) -> str:
+    """The report of an estimate from measured costs (a profile: small models, MiB, no MFU)."""
+    bd = est.breakdown
+    lines = [f"{est.config.describe()}: step {est.step_time_s * 1e3:.1f} ms ({est.tokens_per_s:,.0f} tokens/s), "
+             f"bubble {est.bubble_fraction:.1%}, optimizer and fixed cost {bd.optimizer * 1e3:.1f} ms",
+             "  rank   state MiB   activations MiB   total MiB"]
+    for r, (s, total) in enumerate(zip(est.state_bytes, est.peak_bytes)):
+        lines.append(f"  {r:4d} {s / 2**20:11.2f} {(total - s) / 2**20:17.2f} {total / 2**20:11.2f}")
+    if est.usable_memory_gib is not None:
+        lines.append(f"  fits {est.usable_memory_gib:g} GiB per device: {'yes' if est.fits else 'NO'}")
+    return "\n".join(lines)
 
 
 def _peak_rank(est: Estimate) -> int:
@@ -140,6 +148,7 @@ def _memory_lines(est: Estimate, hw: Hardware) -> list[str]:
 def format_estimate(est: Estimate) -> str:
     """The human-readable report printed by ``evenpipe estimate``."""
     cfg, hw, model = est.config, est.hardware, est.model
+    assert hw is not None, "format_measured reports estimates without a GPU preset"
     bd = est.breakdown
     lines = [
         f"{model.name} ({model.num_params / 1e9:.1f}B params) on {cfg.num_gpus} x {hw.name}",

@@ -11,8 +11,10 @@ from evenpipe.errors import ConfigError
 
 if TYPE_CHECKING:  # the cost model is imported when a model is asked for (`simulate` without one never needs it)
     from evenpipe.cost import Hardware, ModelSpec
+    from evenpipe.cost.source import CostSource
 
-__all__ = ["add_model_arguments", "model_from_args", "parse_layout", "any_model_given", "hardware_from_arg"]
+__all__ = ["add_model_arguments", "model_from_args", "parse_layout", "any_model_given", "hardware_from_arg",
+           "add_profile_arguments", "source_from_args"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,4 +76,34 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     if args.seq_len is not None:
         spec = dataclasses.replace(spec, seq_len=args.seq_len)
     return spec
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("measured profile (instead of --gpu)")
+    g.add_argument("--profile", default=None, metavar="PROFILE",
+                   help="profile JSON from `evenpipe profile`: predict on the profiled machine")
+    g.add_argument("--memory-gib", type=float, default=None, metavar="GIB",
+                   help="with --profile: memory budget per device (the CPU has no preset capacity)")
+
+
+def source_from_args(args: argparse.Namespace, command: str) -> CostSource:
+    """Where the costs come from: ``--gpu PRESET`` (with the model arguments) or ``--profile PROFILE`` (the
+    profiled model on the profiled machine, ``--memory-gib`` per device)."""
+    from evenpipe.cost.analytic_source import AnalyticSource
+    if args.profile:
+        if args.gpu is not None:
+            raise ConfigError(f"give one of --gpu or --profile, not both (got --gpu {args.gpu} and --profile "
+                              f"{args.profile})")
+        from evenpipe.cost.profile import load_profile
+        from evenpipe.cost.profile_fit import ProfileModel
+        from evenpipe.cost.profiled_source import ProfiledSource
+        profile = load_profile(args.profile)
+        if getattr(args, "model", None) and args.model != profile.model.name:
+            profile.check_model(args.model)
+        if args.memory_gib is not None and not args.memory_gib > 0:
+            raise ConfigError(f"--memory-gib must be > 0, got {args.memory_gib}")
+        return ProfiledSource(ProfileModel(profile), memory_budget_gib=args.memory_gib)
+    if args.gpu is None:
+        raise ConfigError(f"give --gpu PRESET (or --profile PROFILE to {command} on the profiled machine)")
+    return AnalyticSource(model_from_args(args), hardware_from_arg(args.gpu))
 

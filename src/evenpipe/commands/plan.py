@@ -10,8 +10,9 @@ import os
 import time
 from typing import TypeVar
 
-from evenpipe.commands.model_args import add_model_arguments, model_from_args, parse_layout
-from evenpipe.cost import Attention, Hardware, ModelSpec, Recompute, hardware_preset
+from evenpipe.commands.model_args import add_model_arguments, add_profile_arguments, parse_layout, source_from_args
+from evenpipe.cost import Attention, Hardware, ModelSpec, Recompute
+from evenpipe.cost.source import CostSource
 from evenpipe.cost.parallel import describe_layout
 from evenpipe.errors import ConfigError, choice_error
 from evenpipe.plan.launch import LaunchCommand, launch_command
@@ -47,7 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                         help="shard optimizer state over data parallelism (default: the planner tries both)")
     parser.add_argument("--bpipe-budget", type=int, metavar="K", help="BPipe per-rank activation budget")
-    from evenpipe.commands.profiled_plan import add_profile_arguments
     add_profile_arguments(parser)
 
 
@@ -109,59 +109,91 @@ def _space_from_args(args: argparse.Namespace) -> SearchSpace:
         bpipe_budget=args.bpipe_budget, layout=parse_layout(args.layout) if args.layout else None)
 
 
+def _profile_space(args: argparse.Namespace, space: SearchSpace) -> SearchSpace:
+    """A profile measures whole layers on one device, one replica, no sequence parallelism: one replica whose
+    pipeline divides the GPUs, tp 1, no recomputation unless ``--recompute`` asks, no optimizer sharding unless
+    ``--distributed-optimizer`` asks."""
+    return _replace(space, data_parallel=False, max_tp=1, sequence_parallel=False,
+                    recomputes=space.recomputes if args.recompute else (Recompute.NONE,),
+                    distributed_optimizer=bool(args.distributed_optimizer))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.explain is not None and args.explain not in _EXPLAIN_TOPICS:
         raise choice_error("--explain topic", args.explain, _EXPLAIN_TOPICS)
-    if args.profile:  # the profiled machine instead of a GPU preset
-        from evenpipe.commands.profiled_plan import run_plan
-        return run_plan(args, _parse_enum_list(args.schedules, ScheduleFamily, "--schedules", "schedule family",
-                                               tuple(PLANNED_SCHEDULES)))
-    if args.gpu is None:
-        raise ConfigError("give --gpu PRESET (or --profile PROFILE to plan on the profiled machine)")
-    model = model_from_args(args)  # shared with `evenpipe estimate`
-    hw: Hardware = hardware_preset(args.gpu)
+    source = source_from_args(args, "plan")
+    model, hw = source.model, source.hardware
     space = _space_from_args(args)
+    if hw is None:
+        space = _profile_space(args, space)
+        if args.explain == "bpipe" and args.memory_gib is None:
+            raise ConfigError("--explain bpipe --profile needs --memory-gib (BPipe pays only by what memory buys)")
     if args.explain == "bpipe" and ScheduleFamily.BPIPE not in space.schedules:
         space = _replace(space, schedules=space.schedules + (ScheduleFamily.BPIPE,))
-    searcher = Searcher(model, hw)
+    searcher = Searcher.over(source)
     t0 = time.perf_counter()
     result = searcher.search(num_gpus=args.gpus, global_batch=args.global_batch, space=space, top_k=args.top)
     explanation = explain_bpipe(searcher, num_gpus=args.gpus, global_batch=args.global_batch, space=space) \
         if args.explain == "bpipe" else None
     elapsed = time.perf_counter() - t0
     if args.json:
-        print(json.dumps(_json(model, hw, args, result, explanation, elapsed), indent=2))
+        print(json.dumps(_json(source, args, result, explanation, elapsed), indent=2))
+    elif hw is None:
+        print("\n".join(_measured_table(result)))
+        if explanation is not None:
+            print()
+            print(explanation.text)
     else:
         print("\n".join(_table(model, hw, args, space, result, elapsed)))
         if result.candidates:
-            print("\n".join(_launch_lines(_launch(result.candidates[0], model, hw, args))))
+            print("\n".join(_launch_lines(_launch(result.candidates[0], model, hw.gpus_per_node, args))))
         if explanation is not None:
             print()
             print("\n".join(_explanation_lines(model, hw, args, space, explanation)))
     return 0
 
 
+def _measured_table(result: PlanResult) -> list[str]:
+    """The plan from measured costs (a profile: small models, milliseconds and MiB)."""
+    lines = [f"{'configuration':44s} {'step ms':>9s} {'tokens/s':>10s} {'peak MiB':>9s} {'bubble':>7s}"]
+    for c in result.candidates:
+        e = c.estimate
+        lines.append(f"{_describe_short(c):44s} {c.step_time_s * 1e3:9.1f} {e.tokens_per_s:10,.0f} "
+                     f"{c.peak_memory_gib * 1024:9.1f} {e.bubble_fraction:7.1%}")
+    return lines
+
+
+def _describe_short(c: Candidate) -> str:
+    cfg = c.config
+    chunks = f" v={cfg.chunks}" if cfg.chunks > 1 else ""
+    return f"{cfg.schedule_name}{chunks} pp={cfg.pp} dp={cfg.dp} b={cfg.microbatch_size} m={cfg.num_microbatches}"
+
+
 # -- presentation ---------------------------------------------------------------------------------------------------
-def _json(model: ModelSpec, hw: Hardware, args: argparse.Namespace, result: PlanResult,
+def _json(source: CostSource, args: argparse.Namespace, result: PlanResult,
           explanation: BPipeExplanation | None, elapsed: float) -> dict[str, object]:
     s = result.stats
+    per_node = source.hardware.gpus_per_node if source.hardware is not None else args.gpus
     out: dict[str, object] = {
-        "model": model.name, "gpu": hw.name, "gpus": args.gpus, "global_batch": args.global_batch,
-        "candidates": [{**c.to_dict(), "launch": _launch(c, model, hw, args).to_dict()} for c in result.candidates],
+        "model": source.model.name, "gpu": source.name, "gpus": args.gpus, "global_batch": args.global_batch,
+        "candidates": [{**c.to_dict(), "launch": _launch(c, source.model, per_node, args).to_dict()}
+                       for c in result.candidates],
         "search": {**s.to_dict(), "seconds": elapsed},
     }
     if explanation is not None:
-        out["explain_bpipe"] = explanation.to_dict()
+        e = explanation.to_dict()
+        out["explain_bpipe"] = e
+        out.update({k: e[k] for k in ("pays", "text", "without", "with_bpipe")})  # the answer, at the top
     return out
 
 
-def _launch(c: Candidate, model: ModelSpec, hw: Hardware, args: argparse.Namespace) -> LaunchCommand:
+def _launch(c: Candidate, model: ModelSpec, gpus_per_node: int, args: argparse.Namespace) -> LaunchCommand:
     """The command that runs candidate ``c`` (see :mod:`evenpipe.plan.launch`)."""
     if args.hf_config is not None:
         model_args: tuple[str, ...] = ("--hf-config", os.path.abspath(args.hf_config))
     else:
         model_args = ("--model", args.model or model.name)
-    cmd = launch_command(c.config, model=model, model_args=model_args, gpus_per_node=hw.gpus_per_node)
+    cmd = launch_command(c.config, model=model, model_args=model_args, gpus_per_node=gpus_per_node)
     if args.model is None and args.hf_config is None:
         cmd = dataclasses.replace(cmd, notes=(*cmd.notes, "evenpipe train builds named presets: --arch models "
                                                            "have no train equivalent yet"))

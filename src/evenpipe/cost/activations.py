@@ -48,6 +48,11 @@ class ActivationBytes:
     """Embedding-stage extra (dropout mask)."""
     head: float
     """Last-stage extra: final norm input, head input, fp32 logits for the loss."""
+    sent: float = 0.0
+    """The stage output sent to the next stage (the boundary message)."""
+    boundary: float = 0.0
+    """What a stage that receives its input keeps for its backward besides its layers' saved bytes (0 when the
+    first layer's saved bytes include its input)."""
 
 
 def layer_activation_bytes(model: ModelSpec, cfg: ParallelConfig) -> float:
@@ -78,4 +83,4 @@ def activation_bytes(model: ModelSpec, cfg: ParallelConfig) -> ActivationBytes:
     embedding = (sbh if dropout else 0.0) / sp_div
     head = 4.0 * sbh / sp_div + 4.0 * s * b * model.vocab / t
     return ActivationBytes(layer_full=full, layer_saved=saved, layer_weight_grad=weight_grad,
-                           embedding=embedding, head=head)
+                           embedding=embedding, head=head, sent=2.0 * sbh / t)

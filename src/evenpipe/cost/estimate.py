@@ -13,6 +13,7 @@ executed FLOP rate per GPU, the quantity Narayanan et al. 2021 report in Table 1
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from evenpipe.schedule.ir import ActionKind, Schedule
@@ -22,14 +23,13 @@ from evenpipe.sim import SimCosts, Trace, simulate
 
 from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step
 from evenpipe.cost.hardware import GIB, Hardware
-from evenpipe.cost.memory import (StageMemory, build_cost_schedule, cost_schedule_key, embedding_params_per_rank,
-                                  layer_params_per_rank, memory_per_stage, _head_params_per_rank)
-from evenpipe.cost.parallel import ParallelConfig, check_config, stage_layers
+from evenpipe.cost.memory import StageMemory, build_cost_schedule, cost_schedule_key, stage_memory
+from evenpipe.cost.parallel import ParallelConfig, stage_layers
+from evenpipe.cost.source import CostSource, Holding, ParamCounts, shape_of
 from evenpipe.cost.specs import ModelSpec
-from evenpipe.cost.timing import (Efficiency, LayerTimes, cost_plan_durations, dp_allreduce_time, layer_times, optimizer_step_time,
-                                  stage_sim_costs)
+from evenpipe.cost.timing import Efficiency, LayerTimes
 
-__all__ = ["Estimate", "TimeBreakdown", "estimate", "LIMITS"]
+__all__ = ["Estimate", "TimeBreakdown", "estimate", "estimate_with", "LIMITS"]
 
 LIMITS = ("memory", "bubble", "communication", "compute")
 """Values of :attr:`Estimate.limited_by`."""
@@ -75,16 +75,18 @@ class Estimate:
 
     model: ModelSpec
     """The model estimated."""
-    hardware: Hardware
-    """The GPU type."""
+    hardware: Hardware | None
+    """The GPU preset (None when the costs were measured: a profile)."""
+    source_name: str
+    """The devices the costs are of, in words (the preset's name, or the profiled device)."""
     config: ParallelConfig
     """The parallel configuration."""
     step_time_s: float
     """Seconds per optimizer step."""
     mfu: float
-    """Model FLOPs utilisation (no recomputation counted)."""
+    """Model FLOPs utilisation (no recomputation counted); NaN when the source knows no peak FLOP rate."""
     hfu: float
-    """Hardware FLOPs utilisation (recomputation counted)."""
+    """Hardware FLOPs utilisation (recomputation counted); NaN like ``mfu``."""
     tflops_per_gpu: float
     """Executed TFLOP/s per GPU (hfu · peak)."""
     bubble_fraction: float
@@ -94,7 +96,9 @@ class Estimate:
     peak_memory_gib: float
     """Largest entry of ``memory_per_stage_gib``."""
     fits: bool
-    """Whether every rank fits in the GPU's usable memory (``Hardware.usable_memory_gib``)."""
+    """Whether every rank fits in its usable memory (the source's budget: ``Hardware.usable_memory_gib``)."""
+    usable_memory_gib: float | None
+    """Memory the critical rank may use, GiB (None: no budget given)."""
     breakdown: TimeBreakdown
     """Step time of the critical rank by component."""
     stage_memory: tuple[StageMemory, ...]
@@ -110,6 +114,13 @@ class Estimate:
     """What limits the configuration: one of :data:`LIMITS` (see :func:`_limit`)."""
     layout: tuple[int, ...] = ()
     """Transformer layers of each stage, pipeline order (the configuration's layout or its default)."""
+    state_bytes: tuple[float, ...] = ()
+    """Per rank, model-state bytes (parameters, gradients, master weights, optimizer state)."""
+
+    @property
+    def peak_bytes(self) -> tuple[float, ...]:
+        """Per rank, peak memory in bytes."""
+        return tuple(g * GIB for g in self.memory_per_stage_gib)
 
     @property
     def tokens_per_s(self) -> float:
@@ -118,18 +129,20 @@ class Estimate:
     def to_dict(self) -> dict[str, object]:
         c = self.config
         return {
-            "model": self.model.name, "gpu": self.hardware.name, "gpus": c.num_gpus,
+            "model": self.model.name, "gpu": self.source_name, "gpus": c.num_gpus,
+            "num_microbatches": c.num_microbatches,
             "config": {"tp": c.tp, "pp": c.pp, "dp": c.dp, "chunks": c.chunks, "microbatch_size": c.microbatch_size,
                        "global_batch": c.global_batch, "num_microbatches": c.num_microbatches,
                        "recompute": c.recompute.value, "sequence_parallel": c.sequence_parallel,
                        "attention": c.attention.value, "schedule": c.schedule.value,
                        "distributed_optimizer": c.distributed_optimizer, "bpipe_budget": c.bpipe_budget,
                        "bpipe": c.uses_bpipe, "layout": list(self.layout)},
-            "step_time_s": self.step_time_s, "mfu": self.mfu, "hfu": self.hfu,
+            "step_time_s": self.step_time_s, "mfu": _number(self.mfu), "hfu": _number(self.hfu),
             "tflops_per_gpu": self.tflops_per_gpu, "tokens_per_s": self.tokens_per_s,
             "bubble_fraction": self.bubble_fraction,
             "memory_per_stage_gib": list(self.memory_per_stage_gib), "peak_memory_gib": self.peak_memory_gib,
-            "usable_memory_gib": self.hardware.usable_memory_gib, "fits": self.fits,
+            "usable_memory_gib": self.usable_memory_gib, "fits": self.fits,
+            "peak_bytes": list(self.peak_bytes), "state_bytes": list(self.state_bytes),
             "limited_by": self.limited_by, "critical_rank": self.critical_rank,
             "activation_peak_simulated_gib": list(self.activation_peak_simulated_gib),
             "time_breakdown_s": self.breakdown.to_dict(),
@@ -137,14 +150,9 @@ class Estimate:
         }
 
 
-def _params_on_rank(model: ModelSpec, cfg: ParallelConfig, rank: int, layers: int) -> float:
-    """Parameters pipeline rank ``rank`` holds: its ``layers`` transformer layers, embedding and head."""
-    n = layer_params_per_rank(model, cfg.tp) * layers
-    if rank == 0:
-        n += embedding_params_per_rank(model, cfg.tp)
-    if rank == cfg.pp - 1:
-        n += _head_params_per_rank(model, cfg)
-    return n
+def _number(x: float) -> float | None:
+    """``x`` for JSON (None for NaN)."""
+    return None if math.isnan(x) else x
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,15 +195,15 @@ _PIPELINES = 256
 _pipelines: Memo[tuple[SimCosts, _Pipeline]] = Memo(_PIPELINES)
 
 
-def _simulated(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency) -> _Pipeline:
+def _simulated(source: CostSource, cfg: ParallelConfig) -> _Pipeline:
     """The simulated step of ``cfg``, remembered on its schedule's shape and its stage costs: configurations that
-    differ only in data parallelism or the optimizer's sharding share both
-    (:func:`~evenpipe.cost.timing.stage_sim_costs` returns the same object), so their pipelines run alike."""
-    durations = cost_plan_durations(model, hw, cfg, eff)
-    costs = stage_sim_costs(model, hw, cfg, eff)
+    differ only in data parallelism or the optimizer's sharding share both (the sources return the same stage
+    costs object), so their pipelines run alike."""
+    durations = source.plan_durations(cfg)
+    costs = source.stage_costs(cfg, shape_of(source.model, cfg))
 
     def run() -> tuple[SimCosts, _Pipeline]:
-        return costs, _pipeline(simulate(build_cost_schedule(cfg, durations), costs), stage_layers(model, cfg))
+        return costs, _pipeline(simulate(build_cost_schedule(cfg, durations), costs), stage_layers(source.model, cfg))
     held, pipeline = _pipelines.get((cost_schedule_key(cfg, durations), id(costs)), run)
     return pipeline if held is costs else run()[1]  # ``is``: an id reused by another object
 
@@ -242,14 +250,16 @@ def _recomputed_layers(schedule: Schedule, rank: int, layers: tuple[int, ...]) -
     return sum(layers[s] for c, s in zip(kinds, cols.stages[rank]) if c == _RECOMPUTE)
 
 
-def _breakdown(pipeline: _Pipeline, rank: int, lt: LayerTimes, dp_exposed: float, optimizer: float
-               ) -> TimeBreakdown:
+def _breakdown(pipeline: _Pipeline, rank: int, lt: LayerTimes, dp_exposed: float, optimizer: float,
+               until: float) -> TimeBreakdown:
+    """The parts of the critical ``rank``'s step; its bubble runs until ``until`` (the makespan, or the rank's
+    own finish when that comes earlier and ranks step on their own)."""
     n_fwd, n_rec = pipeline.forward_layers(rank), pipeline.recomputed_layers[rank]
     busy = pipeline.busy[rank]
     tp = n_fwd * (lt.tp_forward + lt.tp_backward) + n_rec * lt.tp_forward
-    recompute = n_rec * lt.forward + n_fwd * lt.selective_recompute
+    recompute = n_rec * lt.recompute + n_fwd * lt.selective_recompute
     pp_wait, bp_wait = pipeline.waits[rank]
-    bubble = max(0.0, pipeline.step_time - busy - pp_wait - bp_wait)
+    bubble = max(0.0, until - busy - pp_wait - bp_wait)
     return TimeBreakdown(compute=max(0.0, busy - tp - recompute), tp_comm=tp, recompute=recompute,
                          pp_comm=pp_wait, bpipe_transfer=bp_wait, bubble=bubble, dp_comm=dp_exposed,
                          optimizer=optimizer)
@@ -273,35 +283,63 @@ def _limit(fits: bool, peak_gib: float, usable_gib: float, bd: TimeBreakdown) ->
 
 def estimate(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
              efficiency: Efficiency | None = None) -> Estimate:
-    """Simulate ``cfg``'s schedule under the cost model and return the predicted step (see the module doc)."""
-    check_config(model, hw, cfg)
-    eff = efficiency or Efficiency()
-    pipeline = _simulated(model, hw, cfg, eff)
-    lt = layer_times(model, hw, cfg, eff)
-    layout = stage_layers(model, cfg)
-    params = [_params_on_rank(model, cfg, r, pipeline.layers_held[r]) for r in range(cfg.pp)]
-    finish = []
+    """:func:`estimate_with` the analytic source of ``model`` on ``hw`` GPUs."""
+    from evenpipe.cost.analytic_source import AnalyticSource
+    return estimate_with(AnalyticSource(model, hw, efficiency or Efficiency()), cfg)
+
+
+def _holdings(source: CostSource, cfg: ParallelConfig, pipeline: _Pipeline) -> list[Holding]:
+    """What each pipeline rank holds: its layers, the embedding on rank 0 and the head on rank p-1."""
+    return [Holding(layers=pipeline.layers_held[r], embedding=r == 0, head=r == cfg.pp - 1) for r in range(cfg.pp)]
+
+
+def estimate_with(source: CostSource, cfg: ParallelConfig) -> Estimate:
+    """Simulate ``cfg``'s schedule under ``source``'s costs and return the predicted step (see the module doc):
+    the one estimate of every planner command, whatever the source."""
+    source.check(cfg)
+    model = source.model
+    pipeline = _simulated(source, cfg)
+    lt = source.layer_times(cfg, 0, shape_of(model, cfg))
+    held = _holdings(source, cfg, pipeline)
+    finish, opts = [], []
     for r in range(cfg.pp):
         end, last = pipeline.finish[r]
-        dp = dp_allreduce_time(params[r], cfg, hw, eff)
-        finish.append(end + max(0.0, dp - (last if eff.dp_overlap else 0.0)))
-    critical = max(range(cfg.pp), key=lambda r: finish[r])
+        dp = source.reduce_time(cfg, r, held[r])
+        finish.append(end + max(0.0, dp - (last if source.reduction_overlaps_backward else 0.0)))
+        opts.append(source.optimizer_time(cfg, r, held[r]))
+    if source.optimizer_waits_for_all_ranks:  # every rank steps after the last reduction
+        critical = max(range(cfg.pp), key=lambda r: finish[r])
+        opt = max(opts)
+    else:  # each rank steps after its own
+        critical = max(range(cfg.pp), key=lambda r: finish[r] + opts[r])
+        opt = opts[critical]
+    opt += source.step_overhead_s
     dp_exposed = max(0.0, finish[critical] - pipeline.step_time)
-    opt = max(optimizer_step_time(params[r], cfg, hw, eff) for r in range(cfg.pp))
-    step = pipeline.step_time + dp_exposed + opt
-    mem = memory_per_stage(model, hw, cfg, efficiency=eff)
+    step = min(pipeline.step_time, finish[critical]) + dp_exposed + opt
+    mem = stage_memory(source, cfg)
     totals = tuple(m.total for m in mem)
     peak = max(totals)
-    fits = peak <= hw.usable_memory_gib
-    peak_flops = hw.peak_tflops * 1e12 * cfg.num_gpus * step
+    budget = source.memory_budget_gib(critical)
+    fits = all(t <= b for r, t in enumerate(totals) if (b := source.memory_budget_gib(r)) is not None)
     executed = executed_flops_per_step(model, cfg)
-    bd = _breakdown(pipeline, critical, lt, dp_exposed, opt)
+    peak_rate = source.peak_flops(0)
+    peak_flops = peak_rate * cfg.num_gpus * step if peak_rate is not None else math.nan
+    bd = _breakdown(pipeline, critical, lt, dp_exposed, opt, min(pipeline.step_time, finish[critical]))
+    counts = source.param_counts(cfg)
+    states = tuple(_state_bytes(source, cfg, r, held[r], counts) for r in range(cfg.pp))
     return Estimate(
-        model=model, hardware=hw, config=cfg, step_time_s=step,
+        model=model, hardware=source.hardware, source_name=source.name, config=cfg, step_time_s=step,
         mfu=model_flops_per_step(model, cfg.global_batch) / peak_flops, hfu=executed / peak_flops,
         tflops_per_gpu=executed / (step * cfg.num_gpus) / 1e12, bubble_fraction=pipeline.bubble_fraction,
         memory_per_stage_gib=totals, peak_memory_gib=peak, fits=fits, breakdown=bd, stage_memory=mem,
-        critical_rank=critical, limited_by=_limit(fits, peak, hw.usable_memory_gib, bd),
-        activation_peak_simulated_gib=tuple(b / GIB for b in pipeline.peak_activation_bytes), layout=layout,
+        critical_rank=critical, usable_memory_gib=budget,
+        limited_by=_limit(fits, peak, budget if budget is not None else math.inf, bd),
+        activation_peak_simulated_gib=tuple(b / GIB for b in pipeline.peak_activation_bytes),
+        layout=stage_layers(model, cfg), state_bytes=states,
     )
 
+
+def _state_bytes(source: CostSource, cfg: ParallelConfig, rank: int, held: Holding, counts: ParamCounts) -> float:
+    """Model-state bytes of ``rank`` (every category)."""
+    b = source.state_bytes(cfg, rank)
+    return held.params(counts) * (b.parameters + b.gradients + (b.master + b.optimizer))

@@ -29,23 +29,19 @@ from evenpipe.schedule.semantics import SEMANTICS, MemoryEffect, kind_table
 from evenpipe.cost.activations import ActivationBytes, activation_bytes, layer_activation_bytes
 from evenpipe.cost.hardware import GIB, Hardware
 from evenpipe.cost.parallel import ParallelConfig, Recompute, ScheduleFamily, stage_layers
-from evenpipe.cost.specs import Arch, ModelSpec
-from evenpipe.cost.timing import Efficiency, cost_plan_durations
+from evenpipe.cost.specs import ModelSpec
+from evenpipe.cost.states import (BYTES_GRAD, BYTES_OPTIMIZER, BYTES_WEIGHT, embedding_params_per_rank,
+                                  layer_params_per_rank)
+from evenpipe.cost.source import CostSource, shape_of
+from evenpipe.cost.timing import Efficiency
 
 PlanDurations = tuple[int, int, int]
 """Integer durations of F, I and W (see :func:`evenpipe.schedule.build.plan_durations_for`)."""
 
-__all__ = ["StageMemory", "memory_per_stage", "layer_activation_bytes", "layer_params_per_rank",
+__all__ = ["StageMemory", "memory_per_stage", "stage_memory", "layer_activation_bytes", "layer_params_per_rank",
            "BYTES_WEIGHT", "embedding_params_per_rank", "layer_states_per_rank_gib", "BYTES_GRAD", "BYTES_OPTIMIZER", "build_cost_schedule", "counting_schedule",
            "ActivationBytes",
            "activation_bytes"]
-
-BYTES_WEIGHT = 2
-"""bf16 weights."""
-BYTES_GRAD = 4
-"""fp32 gradient accumulation buffers (Megatron's ``main_grad``)."""
-BYTES_OPTIMIZER = 12
-"""fp32 master weights + Adam first and second moments."""
 
 _TRUNCATE_FACTOR = 2
 """In-flight peaks are counted on a schedule of at most this many times p micro-batches (GPipe excepted)."""
@@ -85,20 +81,6 @@ class StageMemory:
         return {"rank": self.rank, "weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "hosted": self.hosted, "embedding": self.embedding,
                 "head": self.head, "total": self.total}
-
-
-def layer_params_per_rank(model: ModelSpec, tp: int) -> float:
-    """Parameters of one transformer layer held by one tensor-parallel rank."""
-    h = model.hidden
-    kv_split = min(tp, model.num_kv_heads)
-    matrices = (2 * h * h + (model.num_mlp_matrices * h * model.ffn_hidden)) / tp \
-        + 2 * h * model.kv_hidden / kv_split
-    if not model.count_norm_and_bias:
-        return matrices
-    if model.arch is Arch.LLAMA:  # RMSNorm weights, replicated (+ column-parallel q/k/v biases)
-        return matrices + 2 * h + ((h / tp + 2 * model.kv_hidden / kv_split) if model.qkv_bias else 0.0)
-    split_bias = (h + model.ffn_hidden) / tp + 2 * model.kv_hidden / kv_split  # column-parallel biases
-    return matrices + split_bias + 2 * h + 4 * h  # row-parallel biases and LayerNorms, replicated
 
 
 def build_cost_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None = None) -> Schedule:
@@ -284,6 +266,10 @@ def _rank_peak(schedule: Schedule, rank: int, layers: tuple[int, ...], act: Acti
     """:func:`_peak_activations` of ``rank`` with stage units ``layers[s]·act.layer_saved`` (and so on), from the
     rank's counted states when every sum the walk makes is exact in floating point (then the order of the
     additions cannot matter and the states say it all); by the walk itself otherwise."""
+    if act.boundary:  # a per-stage term: not a count of layers, walk the bytes
+        return _peak_activations(schedule, rank, [n * act.layer_saved + (act.boundary if s else 0.0)
+                                                  for s, n in enumerate(layers)], act.embedding, act.head,
+                                 [n * act.layer_weight_grad for n in layers], transient)
     states, top, nonneg = _rank_states(schedule, rank, layers)
     values = (act.layer_saved, act.layer_weight_grad, act.embedding, act.head, transient)
     ratios = [v.as_integer_ratio() for v in values]
@@ -308,34 +294,41 @@ def _rank_peak(schedule: Schedule, rank: int, layers: tuple[int, ...], act: Acti
 
 def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
                      efficiency: Efficiency | None = None) -> tuple[StageMemory, ...]:
+    """:func:`stage_memory` under the analytic source of ``model`` on ``hw``."""
+    from evenpipe.cost.analytic_source import AnalyticSource  # the source builds on this module's records
+    return stage_memory(AnalyticSource(model, hw, efficiency or Efficiency()), cfg)
+
+
+def stage_memory(source: CostSource, cfg: ParallelConfig) -> tuple[StageMemory, ...]:
     """Peak memory of every pipeline rank, by component (GiB). Cheap: builds (a truncated copy of) the
-    schedule and counts in program order; no simulation. ``hw`` and ``efficiency`` only give a memory-capped
-    family the durations it plans its order with (the order the estimate simulates)."""
-    p = cfg.pp
+    schedule and counts in program order; no simulation. The source gives the bytes per layer and per
+    parameter, and the durations a memory-capped family plans its order with (the order the estimate simulates)."""
+    model = source.model
     layers = stage_layers(model, cfg)
     if cfg.num_stages > model.num_layers:
         raise ConfigError(f"pp·chunks = {cfg.num_stages} stages exceed the {model.num_layers} layers of {model.name}")
-    act = activation_bytes(model, cfg)
-    schedule = counting_schedule(cfg, _plan_durations(model, hw, cfg, efficiency))
-    # Full recomputation: one layer's full activations exist while it is recomputed and back-propagated.
-    transient = act.layer_full if cfg.recompute is Recompute.FULL else 0.0
-    params_layer = layer_params_per_rank(model, cfg.tp)
-    opt_bytes = BYTES_OPTIMIZER / (cfg.dp if cfg.distributed_optimizer else 1)
-    state_bytes = BYTES_WEIGHT + BYTES_GRAD + opt_bytes
-    embed_params = embedding_params_per_rank(model, cfg.tp)
-    head_params = _head_params_per_rank(model, cfg)
+    schedule = counting_schedule(cfg, source.plan_durations(cfg))
+    shape = shape_of(model, cfg)
+    counts = source.param_counts(cfg)
+    last = schedule.num_stages - 1
     out: list[StageMemory] = []
-    for r in range(p):
-        n_params = params_layer * sum(layers[s] for s in schedule.stages_of(r))
+    for r in range(cfg.pp):
+        act = source.layer_bytes(cfg, r, shape)
+        # Full recomputation: one layer's full activations exist while it is recomputed and back-propagated.
+        transient = act.layer_full if cfg.recompute is Recompute.FULL else 0.0
+        per_param = source.state_bytes(cfg, r)
+        n_params = counts.per_layer * sum(layers[s] for s in schedule.stages_of(r))
         peak = _rank_peak(schedule, r, layers, act, transient)
-        emb_state = embed_params * state_bytes if r == schedule.rank_of(0) else 0.0
-        head_state = head_params * state_bytes if r == schedule.rank_of(schedule.num_stages - 1) else 0.0
+        held = act.sent if source.holds_sent_output and any(s != last for s in schedule.stages_of(r)) else 0.0
+        state = per_param.parameters + per_param.gradients + (per_param.master + per_param.optimizer)
+        emb_state = counts.embedding * state if r == schedule.rank_of(0) else 0.0
+        head_state = counts.head * state if r == schedule.rank_of(last) else 0.0
         out.append(StageMemory(
             rank=r,
-            weights=n_params * BYTES_WEIGHT / GIB,
-            grads=n_params * BYTES_GRAD / GIB,
-            optimizer=n_params * opt_bytes / GIB,
-            activations=peak.own_layers / GIB,
+            weights=n_params * per_param.parameters / GIB,
+            grads=n_params * per_param.gradients / GIB,
+            optimizer=n_params * (per_param.master + per_param.optimizer) / GIB,
+            activations=(peak.own_layers + held) / GIB,
             hosted=peak.hosted / GIB,
             embedding=(emb_state + peak.own_extra_embedding) / GIB,
             head=(head_state + peak.own_extra_head) / GIB,
@@ -343,30 +336,15 @@ def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
     return tuple(out)
 
 
-def _plan_durations(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
-                    efficiency: Efficiency | None) -> PlanDurations | None:
-    if not cfg.schedule.traits.plans_with_durations:
-        return None
-    return cost_plan_durations(model, hw, cfg, efficiency)
-
-
-def embedding_params_per_rank(model: ModelSpec, tp: int) -> float:
-    """Embedding parameters on the first rank: the vocab-parallel token table and the learned positions."""
-    return -(-model.vocab // tp) * model.hidden + model.position_params
-
-
-def layer_states_per_rank_gib(model: ModelSpec, cfg: ParallelConfig) -> tuple[float, ...]:
+def layer_states_per_rank_gib(source: CostSource, cfg: ParallelConfig) -> tuple[float, ...]:
     """Weights, gradients and optimizer state of each pipeline rank's transformer layers (GiB): the
-    ``model_states`` of :func:`memory_per_stage` without walking any schedule (a cheap pruning probe)."""
-    layers = stage_layers(model, cfg)
+    ``model_states`` of :func:`stage_memory` without walking any schedule (a cheap pruning probe)."""
+    layers = stage_layers(source.model, cfg)
     schedule = counting_schedule(cfg)  # cached; only its stage placement is read
-    opt_bytes = BYTES_OPTIMIZER / (cfg.dp if cfg.distributed_optimizer else 1)
-    per_layer = layer_params_per_rank(model, cfg.tp) * (BYTES_WEIGHT + BYTES_GRAD + opt_bytes) / GIB
-    return tuple(per_layer * sum(layers[s] for s in schedule.stages_of(r)) for r in range(cfg.pp))
-
-
-def _head_params_per_rank(model: ModelSpec, cfg: ParallelConfig) -> float:
-    """Output-layer parameters on the last rank: untied head, or Megatron's tied copy when pp > 1."""
-    norm = float(model.final_norm_params)
-    needs_matrix = not model.tied_embeddings or cfg.pp > 1
-    return norm + (-(-model.vocab // cfg.tp) * model.hidden if needs_matrix else 0.0)
+    per_layer = source.param_counts(cfg).per_layer
+    out = []
+    for r in range(cfg.pp):
+        b = source.state_bytes(cfg, r)
+        out.append(per_layer * (b.parameters + b.gradients + (b.master + b.optimizer)) / GIB
+                   * sum(layers[s] for s in schedule.stages_of(r)))
+    return tuple(out)

@@ -17,7 +17,7 @@ from evenpipe.schedule.family import ScheduleFamily, Transform
 from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.specs import ModelSpec
 
-__all__ = ["Recompute", "Attention", "ParallelConfig", "check_config", "ScheduleFamily", "check_layout",
+__all__ = ["Recompute", "Attention", "ParallelConfig", "check_config", "check_pipeline", "ScheduleFamily", "check_layout",
            "end_lighter_layout", "balanced_layout", "stage_layers", "candidate_layouts", "describe_layout"]
 
 
@@ -232,6 +232,12 @@ def check_config(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, num_gpus: 
         raise ConfigError(f"tp {cfg.tp} does not divide ffn_hidden {model.ffn_hidden}")
     if cfg.tp > hw.gpus_per_node:
         raise ConfigError(f"tp {cfg.tp} exceeds the {hw.gpus_per_node} GPUs of one {hw.name} node")
+    check_pipeline(model, cfg)
+
+
+def check_pipeline(model: ModelSpec, cfg: ParallelConfig) -> None:
+    """The device-independent rules of :func:`check_config`: chunks and micro-batches as the schedule family
+    allows, enough layers for the stages, the layout, the batch split and BPipe's needs."""
     traits = cfg.schedule.traits
     if not traits.chunks.allows(cfg.chunks):
         raise ConfigError(f"chunks {cfg.chunks} is not allowed for schedule {cfg.schedule.value}: it takes "

@@ -34,7 +34,7 @@ from evenpipe.cost.activations import activation_bytes
 from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, stage_layers
 from evenpipe.cost.specs import Arch, ModelSpec
 
-__all__ = ["Efficiency", "LayerTimes", "layer_times", "stage_sim_costs", "cost_plan_durations", "pipeline_link", "allreduce_time",
+__all__ = ["Efficiency", "LayerTimes", "layer_times", "stage_sim_costs", "cost_plan_durations", "plan_durations_of", "pipeline_link", "allreduce_time",
            "gemm_efficiency", "same_node", "dp_allreduce_time", "optimizer_step_time"]
 
 
@@ -112,10 +112,17 @@ class LayerTimes:
     """Tensor-parallel collectives of the backward."""
     selective_recompute: float
     """Attention-core forward re-run inside the backward under selective recomputation."""
+    recompute_forward: float | None = None
+    """A forward re-run under full recomputation, when it differs from ``forward`` (measured); None: ``forward``."""
 
     @property
     def forward(self) -> float:
         return self.forward_compute + self.tp_forward
+
+    @property
+    def recompute(self) -> float:
+        """Seconds of one layer's recomputed forward."""
+        return self.forward if self.recompute_forward is None else self.recompute_forward
 
     @property
     def backward_input(self) -> float:
@@ -251,7 +258,11 @@ def cost_plan_durations(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
     whose order does not depend on durations."""
     if not cfg.schedule.traits.plans_with_durations:
         return None
-    lt = layer_times(model, hw, cfg, efficiency or Efficiency())
+    return plan_durations_of(layer_times(model, hw, cfg, efficiency or Efficiency()))
+
+
+def plan_durations_of(lt: LayerTimes) -> tuple[int, int, int]:
+    """One layer's F, I, W times as the smallest integer durations in their ratio."""
     f, i, w = plan_durations_for(lt.forward, lt.backward_input, lt.backward_weight_compute)
     common = math.gcd(f, i, w)  # (2, 2, 2) plans as (1, 1, 1): one cached schedule for both
     return (f // common, i // common, w // common)

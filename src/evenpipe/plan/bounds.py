@@ -14,14 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from evenpipe.cost import Efficiency, Hardware, ModelSpec, ParallelConfig, Recompute, stage_layers, stage_sim_costs
-from evenpipe.cost.memory import layer_params_per_rank
-from evenpipe.cost.timing import dp_allreduce_time, layer_times, optimizer_step_time
+from evenpipe.cost import Efficiency, Hardware, ModelSpec, ParallelConfig, Recompute, stage_layers
+from evenpipe.cost.analytic_source import AnalyticSource
+from evenpipe.cost.source import CostSource, Holding, shape_of
 from evenpipe.schedule import ScheduleFamily
 from evenpipe.schedule.memo import Memo
 from evenpipe.sim.costs import SimCosts
 
-__all__ = ["PipelineBounds", "pipeline_bounds", "step_time_lower_bound", "stage_layout", "work_lower_bound"]
+__all__ = ["PipelineBounds", "pipeline_bounds", "step_time_lower_bound", "step_bound", "stage_layout",
+           "work_lower_bound", "work_bound"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineBounds:
@@ -114,84 +115,98 @@ _pipeline_cache: Memo[PipelineBounds] = Memo(_CACHE_LIMIT)
 _bound_cache: Memo[float] = Memo(_CACHE_LIMIT)
 
 
-def _pipeline_key(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency) -> tuple[object, ...]:
+def _pipeline_key(source: CostSource, cfg: ParallelConfig) -> tuple[object, ...]:
     """What :func:`pipeline_bounds` of ``cfg`` depends on: the stage costs' fields (not the optimizer's sharding,
     nor BPipe's transform, which adds links between partners only), the placement, m and the backward split.
     Schedules with one placement share their bounds (1F1B and bpipe; interleaved with and without BPipe)."""
     traits = cfg.schedule.traits
-    return (model, hw, eff, traits.placement, traits.split_backward, cfg.pp, cfg.chunks, cfg.layout,
+    return (source, traits.placement, traits.split_backward, cfg.pp, cfg.chunks, cfg.layout,
             cfg.microbatch_size, cfg.num_microbatches, cfg.tp, cfg.sequence_parallel, cfg.attention, cfg.recompute)
 
 
-def _pipeline_bounds_of(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency,
-                        key: tuple[object, ...]) -> PipelineBounds:
+def _pipeline_bounds_of(source: CostSource, cfg: ParallelConfig, key: tuple[object, ...]) -> PipelineBounds:
     """Pipeline bounds, shared by the configurations with one :func:`_pipeline_key`."""
     return _pipeline_cache.get(key, lambda: pipeline_bounds(
-        stage_sim_costs(model, hw, cfg, eff), stage_layout(cfg.schedule, cfg.pp, cfg.chunks), cfg.num_microbatches,
-        recompute=cfg.recompute is Recompute.FULL, split_backward=cfg.schedule.traits.split_backward))
+        source.stage_costs(cfg, shape_of(source.model, cfg)), stage_layout(cfg.schedule, cfg.pp, cfg.chunks),
+        cfg.num_microbatches, recompute=cfg.recompute is Recompute.FULL,
+        split_backward=cfg.schedule.traits.split_backward))
 
 
 def step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
                           efficiency: Efficiency | None = None) -> float:
-    """A lower bound on ``estimate(model, hw, cfg).step_time_s`` from stage costs alone (no schedule, no simulation).
+    """:func:`step_bound` under the analytic source of ``model`` on ``hw``."""
+    return step_bound(AnalyticSource(model, hw, efficiency or Efficiency()), cfg)
+
+
+def step_bound(source: CostSource, cfg: ParallelConfig) -> float:
+    """A lower bound on ``estimate_with(source, cfg).step_time_s`` from stage costs alone (no schedule, no
+    simulation).
 
     ``max(makespan, rank 0's end + its exposed data-parallel reduction, each rank's own end + its exposed
-    reduction) + optimizer step``, where the reductions and the optimizer step count the transformer layers'
-    parameters only (not embedding or head), and a reduction hides behind at most one micro-batch's backward work
-    of its rank (``estimate`` hides it behind the last one's). Remembered per
-    :func:`_pipeline_key`, data parallelism and the optimizer's sharding (all it depends on).
+    reduction) + optimizer step (+ the source's fixed cost)``, where the reductions and the optimizer step count
+    the transformer layers' parameters only (not embedding or head), a reduction hides behind at most one
+    micro-batch's backward work of its rank (``estimate`` hides it behind the last one's), and the optimizer step
+    is rank 0's when every rank waits for all, else the shortest rank's. Remembered per :func:`_pipeline_key`,
+    data parallelism and the optimizer's sharding (all it depends on).
     """
-    eff = efficiency or Efficiency()
-    pipeline_key = _pipeline_key(model, hw, cfg, eff)
+    pipeline_key = _pipeline_key(source, cfg)
     key = (pipeline_key, cfg.dp, cfg.distributed_optimizer)
-    return _bound_cache.get(key, lambda: _step_time_lower_bound(
-        model, hw, cfg, eff, _pipeline_bounds_of(model, hw, cfg, eff, pipeline_key)))
+    return _bound_cache.get(key, lambda: _step_bound(source, cfg, _pipeline_bounds_of(source, cfg, pipeline_key)))
 
 
-def _step_time_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency,
-                           b: PipelineBounds) -> float:
+def _step_bound(source: CostSource, cfg: ParallelConfig, b: PipelineBounds) -> float:
     placement = stage_layout(cfg.schedule, cfg.pp, cfg.chunks)
-    layers = stage_layers(model, cfg)
-    per_layer = layer_params_per_rank(model, cfg.tp)
+    layers = stage_layers(source.model, cfg)
     layers_on = [0] * len(b.rank_ends)  # estimate's ranks hold these and more (embedding, head)
     for n, r in zip(layers, placement):
         layers_on[r] += n
-    layer_params = per_layer * layers_on[0]
-    dps = [dp_allreduce_time(per_layer * n, cfg, hw, eff) for n in layers_on]
-    hidden = b.rank_hideable[0] if eff.dp_overlap else 0.0
+    held = [Holding(layers=n) for n in layers_on]
+    dps = [source.reduce_time(cfg, r, h) for r, h in enumerate(held)]
+    overlap = source.reduction_overlaps_backward
+    hidden = b.rank_hideable[0] if overlap else 0.0
     pipeline = max(b.makespan, b.first_rank_end + max(0.0, dps[0] - hidden))
     # every rank reduces its own gradients after its last compute, hiding at most one micro-batch's backward
     for end, dp_r, hide in zip(b.rank_ends, dps, b.rank_hideable):
-        pipeline = max(pipeline, end + max(0.0, dp_r - (hide if eff.dp_overlap else 0.0)))
-    return pipeline + optimizer_step_time(layer_params, cfg, hw, eff)
+        pipeline = max(pipeline, end + max(0.0, dp_r - (hide if overlap else 0.0)))
+    if source.optimizer_waits_for_all_ranks:
+        opt = source.optimizer_time(cfg, 0, held[0])
+    else:
+        opt = min(source.optimizer_time(cfg, r, h) for r, h in enumerate(held))
+    return pipeline + opt + source.step_overhead_s
 
 
 _WORK_MARGIN = 1.0 - 1e-9
-"""Shrinks :func:`work_lower_bound` below the rounding of the sums it stands for."""
+"""Shrinks :func:`work_bound` below the rounding of the sums it stands for."""
 _layer_work: Memo[float] = Memo(_CACHE_LIMIT)
 _busiest_layers: Memo[int] = Memo(_CACHE_LIMIT)
 
 
 def work_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, efficiency: Efficiency | None = None) -> float:
-    """A cheap value no larger than :func:`step_time_lower_bound` (no stage costs, no links): the busiest rank
+    """:func:`work_bound` under the analytic source of ``model`` on ``hw``."""
+    return work_bound(AnalyticSource(model, hw, efficiency or Efficiency()), cfg)
+
+
+def work_bound(source: CostSource, cfg: ParallelConfig) -> float:
+    """A cheap value no larger than :func:`step_bound` (no stage costs, no links): the busiest rank
     runs the forward and backward (and the recomputation) of each of its layers for every micro-batch.
 
     It is ``m·work_r`` of :func:`pipeline_bounds` for that rank without the embedding and the head, and so at most
     its makespan; the margin keeps it below whatever rounding the exact sums take. A search may skip a
     configuration on it, without the exact bound, whenever it already cannot win.
     """
-    eff = efficiency or Efficiency()
-    key = (model, hw, eff, cfg.tp, cfg.microbatch_size, cfg.sequence_parallel, cfg.attention, cfg.recompute)
+    key = (source, cfg.tp, cfg.microbatch_size, cfg.sequence_parallel, cfg.attention, cfg.recompute,
+           cfg.chunks > 1, cfg.schedule.traits.split_backward)
+
     def layer_work() -> float:
-        lt = layer_times(model, hw, cfg, eff)
+        lt = source.layer_times(cfg, 0, shape_of(source.model, cfg))
         return (lt.forward + lt.backward_input + lt.backward_weight_compute
-                + (lt.forward if cfg.recompute is Recompute.FULL else 0.0))
+                + (lt.recompute if cfg.recompute is Recompute.FULL else 0.0))
 
     def busiest_layers() -> int:
         per_rank = [0] * cfg.pp
-        for n, r in zip(stage_layers(model, cfg), stage_layout(cfg.schedule, cfg.pp, cfg.chunks)):
+        for n, r in zip(stage_layers(source.model, cfg), stage_layout(cfg.schedule, cfg.pp, cfg.chunks)):
             per_rank[r] += n
         return max(per_rank)
     per_layer = _layer_work.get(key, layer_work)
-    where = (model.num_layers, cfg.schedule.traits.placement, cfg.pp, cfg.chunks, cfg.layout)
+    where = (source.model.num_layers, cfg.schedule.traits.placement, cfg.pp, cfg.chunks, cfg.layout)
     return cfg.num_microbatches * _busiest_layers.get(where, busiest_layers) * per_layer * _WORK_MARGIN

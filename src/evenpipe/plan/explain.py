@@ -18,11 +18,13 @@ import enum
 from dataclasses import dataclass
 
 from evenpipe.cost import Estimate, ParallelConfig, Recompute
+from evenpipe.cost.source import shape_of
 from evenpipe.errors import ConfigError
 from evenpipe.plan.search import Candidate, Searcher, SearchSpace
 from evenpipe.schedule import ScheduleFamily
 
-__all__ = ["Verdict", "Lever", "Eater", "ComponentDelta", "BPipeExplanation", "explain_bpipe", "TIME_COMPONENTS"]
+__all__ = ["Verdict", "Lever", "Eater", "ComponentDelta", "BPipeExplanation", "explain_bpipe", "TIME_COMPONENTS",
+           "answer_text"]
 
 _RECOMPUTE_RANK = {Recompute.NONE: 0, Recompute.SELECTIVE: 1, Recompute.FULL: 2}
 
@@ -117,10 +119,28 @@ class BPipeExplanation:
     """Step-time components, baseline vs BPipe."""
     hosted_gib: float
     """Largest hosted (accepted) activation memory on one acceptor rank of the BPipe configuration."""
+    blocked: Candidate | None = None
+    """The twin's estimate when it does not fit: what BPipe unlocks, and what memory alone would buy."""
+    bpipe_at_baseline_microbatch: Candidate | None = None
+    """When BPipe's best takes a smaller micro-batch than the baseline, its configuration at the baseline's."""
+    layer_flops_per_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Achieved forward FLOP/s of one layer per micro-batch size involved (what a larger one buys)."""
+    text: str = ""
+    """The answer in words, with its numbers (:func:`answer_text`)."""
 
     @property
     def pays(self) -> bool:
         return self.verdict is Verdict.PAYS
+
+    @property
+    def with_bpipe(self) -> Candidate | None:
+        """The best BPipe configuration (``bpipe``)."""
+        return self.bpipe
+
+    @property
+    def without(self) -> Candidate:
+        """The best configuration without BPipe (``baseline``)."""
+        return self.baseline
 
     def component(self, name: str) -> ComponentDelta:
         for c in self.components:
@@ -149,7 +169,10 @@ class BPipeExplanation:
             "twin_peak_memory_gib": self.twin_peak_memory_gib,
             "levers": [lv.value for lv in self.levers], "eaters": [e.value for e in self.eaters],
             "components_s": {c.name: {"baseline": c.baseline_s, "bpipe": c.bpipe_s} for c in self.components},
-            "hosted_gib": self.hosted_gib,
+            "hosted_gib": self.hosted_gib, "pays": self.pays, "text": self.text,
+            "without": self.baseline.to_dict(), "with_bpipe": None if self.bpipe is None else self.bpipe.to_dict(),
+            "blocked": None if self.blocked is None else self.blocked.to_dict(),
+            "layer_flops_per_s": {str(b): r for b, r in self.layer_flops_per_s.items()},
         }
 
 
@@ -197,29 +220,117 @@ def explain_bpipe(searcher: Searcher, *, num_gpus: int, global_batch: int, space
     others = tuple(f for f in space.schedules if f is not ScheduleFamily.BPIPE) or (ScheduleFamily.ONE_F_ONE_B,)
     baseline = searcher.search(num_gpus=num_gpus, global_batch=global_batch, top_k=1,
                                space=dataclasses.replace(space, schedules=others, bpipe_schedules=())).best
-    usable = searcher.hw.usable_memory_gib
+    usable = searcher.usable_memory_gib
+    bpipe_space = dataclasses.replace(space, schedules=(ScheduleFamily.BPIPE,), bpipe_schedules=space.bpipe_families)
     try:
-        bpipe: Candidate | None = searcher.search(
-            num_gpus=num_gpus, global_batch=global_batch, top_k=1,
-            space=dataclasses.replace(space, schedules=(ScheduleFamily.BPIPE,),
-                                      bpipe_schedules=space.bpipe_families)).best
+        bpipe: Candidate | None = searcher.search(num_gpus=num_gpus, global_batch=global_batch, top_k=1,
+                                                  space=bpipe_space).best
     except ConfigError:
         bpipe = None
     if bpipe is None:
-        return BPipeExplanation(verdict=Verdict.NOT_APPLICABLE, gain=0.0, margin=margin, baseline=baseline,
-                                bpipe=None, usable_memory_gib=usable, twin_fits=None, twin=None,
-                                twin_peak_memory_gib=None, levers=(), eaters=(), components=(), hosted_gib=0.0)
+        empty = BPipeExplanation(verdict=Verdict.NOT_APPLICABLE, gain=0.0, margin=margin, baseline=baseline,
+                                 bpipe=None, usable_memory_gib=usable, twin_fits=None, twin=None,
+                                 twin_peak_memory_gib=None, levers=(), eaters=(), components=(), hosted_gib=0.0)
+        return _with_text(searcher, empty, num_gpus, global_batch)
     gain = baseline.step_time_s / bpipe.step_time_s - 1.0
     verdict = Verdict.PAYS if gain > margin else Verdict.DOES_NOT_PAY if gain < -margin else Verdict.MARGINAL
     plain = ScheduleFamily.ONE_F_ONE_B if bpipe.config.schedule is ScheduleFamily.BPIPE else bpipe.config.schedule
     twin_cfg = dataclasses.replace(bpipe.config, schedule=plain, bpipe=False, bpipe_budget=None)
     twin_fits = searcher.fits(twin_cfg)
-    twin = Candidate(config=twin_cfg, estimate=searcher.estimate(twin_cfg)) if twin_fits else None
+    twin_est = Candidate(config=twin_cfg, estimate=searcher.estimate(twin_cfg))
     components = tuple(ComponentDelta(name=n, baseline_s=float(getattr(baseline.estimate.breakdown, n)),
                                       bpipe_s=float(getattr(bpipe.estimate.breakdown, n))) for n in TIME_COMPONENTS)
     partial = BPipeExplanation(
         verdict=verdict, gain=gain, margin=margin, baseline=baseline, bpipe=bpipe, usable_memory_gib=usable,
-        twin_fits=twin_fits, twin=twin, twin_peak_memory_gib=searcher.peak_memory_gib(twin_cfg),
+        twin_fits=twin_fits, twin=twin_est if twin_fits else None,
+        twin_peak_memory_gib=searcher.peak_memory_gib(twin_cfg),
         levers=() if twin_fits else _levers(baseline.config, bpipe.config), eaters=(), components=components,
-        hosted_gib=_hosted_gib(bpipe.estimate))
-    return dataclasses.replace(partial, eaters=_eaters(partial.costs, bpipe.estimate))
+        hosted_gib=_hosted_gib(bpipe.estimate), blocked=None if twin_fits else twin_est,
+        bpipe_at_baseline_microbatch=_bpipe_at(searcher, baseline, bpipe))
+    explained = dataclasses.replace(partial, eaters=_eaters(partial.costs, bpipe.estimate))
+    return _with_text(searcher, explained, num_gpus, global_batch)
+
+
+def _bpipe_at(searcher: Searcher, baseline: Candidate, bpipe: Candidate) -> Candidate | None:
+    """BPipe's configuration at the baseline's micro-batch size, when its best takes a smaller one and that
+    fits (else None)."""
+    b = baseline.config.microbatch_size
+    if bpipe.config.microbatch_size >= b:
+        return None
+    cfg = dataclasses.replace(bpipe.config, microbatch_size=b)
+    try:
+        return Candidate(config=cfg, estimate=searcher.estimate(cfg)) if searcher.fits(cfg) else None
+    except ConfigError:
+        return None
+
+
+def _with_text(searcher: Searcher, e: BPipeExplanation, num_gpus: int, global_batch: int) -> BPipeExplanation:
+    """``e`` with its per-layer FLOP rates and its answer in words."""
+    rates = {}
+    for c in (e.baseline, e.bpipe, e.blocked):
+        if c is not None:
+            rates[c.config.microbatch_size] = searcher.source.layer_flop_rate(
+                c.config, 0, shape_of(searcher.model, c.config))
+    e = dataclasses.replace(e, layer_flops_per_s=dict(sorted(rates.items())))
+    return dataclasses.replace(e, text=answer_text(e, where=f"on {searcher.source.name}, {num_gpus} devices, "
+                                                      f"{global_batch} sequences per step"))
+
+
+def _short(c: Candidate) -> str:
+    """``1f1b+bpipe tp=1 pp=4 dp=1 b=4 m=4``-style summary."""
+    cfg = c.config
+    chunks = f" v={cfg.chunks}" if cfg.chunks > 1 else ""
+    return (f"{cfg.schedule_name}{chunks} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} b={cfg.microbatch_size} "
+            f"m={cfg.num_microbatches} recompute={cfg.recompute.value}")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _line(label: str, c: Candidate, rates: dict[int, float]) -> str:
+    e, b = c.estimate, c.config.microbatch_size
+    activations = max(m.activations + m.hosted for m in e.stage_memory)
+    exposed = e.breakdown.pp_comm + e.breakdown.bpipe_transfer
+    return (f"  {label}: {_short(c)}: {_ms(c.step_time_s)}/step, peak {c.peak_memory_gib:.3f} GiB (activations "
+            f"{activations:.3f} GiB), bubble {e.bubble_fraction:.1%}, exposed transfers {_ms(exposed)}, one layer "
+            f"{rates.get(b, 0.0) / 1e9:.2f} GFLOP/s at b={b}")
+
+
+def _why(e: BPipeExplanation) -> str:
+    """Why the fastest BPipe configuration wins or loses against the baseline, in its micro-batch terms."""
+    assert e.bpipe is not None
+    bp, base, rates = e.bpipe, e.baseline, e.layer_flops_per_s
+    b_bp, b_base = bp.config.microbatch_size, base.config.microbatch_size
+    if b_bp > b_base:
+        return (f"its balanced memory fits b={b_bp} instead of b={b_base}, where one layer runs at "
+                f"{rates.get(b_bp, 0.0) / 1e9:.2f} instead of {rates.get(b_base, 0.0) / 1e9:.2f} GFLOP/s")
+    if b_bp == b_base:
+        return (f"its memory buys no larger micro-batch under this budget (both b={b_bp}); what differs is the "
+                f"schedule: bubble {bp.estimate.bubble_fraction:.1%} vs {base.estimate.bubble_fraction:.1%}, exposed "
+                f"transfers {_ms(bp.estimate.breakdown.bpipe_transfer + bp.estimate.breakdown.pp_comm)} vs "
+                f"{_ms(base.estimate.breakdown.bpipe_transfer + base.estimate.breakdown.pp_comm)}")
+    at = e.bpipe_at_baseline_microbatch
+    if at is not None:
+        return f"its fastest is b={b_bp}; at b={b_base} it takes {at.step_time_s * 1e3:.1f} ms/step"
+    return f"its fastest is b={b_bp}; it fits no configuration at b={b_base}"
+
+
+def answer_text(e: BPipeExplanation, *, where: str) -> str:
+    """The answer in words with its numbers: the fastest configuration with and without BPipe, what memory
+    alone would buy, and the verdict with the reason (``where`` names the devices and the batch)."""
+    rates = e.layer_flops_per_s
+    lines = [f"{where}, budget {e.usable_memory_gib:.3f} GiB per device:",
+             _line("fastest without BPipe", e.baseline, rates)]
+    lines.append(_line("fastest with BPipe   ", e.bpipe, rates) if e.bpipe is not None
+                 else "  no BPipe configuration fits the budget")
+    if e.blocked is not None and e.blocked.step_time_s < e.baseline.step_time_s:
+        lines.append(f"  memory is the limit: {_short(e.blocked)} would take {_ms(e.blocked.step_time_s)}/step but "
+                     f"needs {e.blocked.peak_memory_gib:.3f} GiB")
+    if e.bpipe is None:
+        lines.append("verdict: BPipe does not pay here: no BPipe configuration fits")
+    else:
+        verdict = {Verdict.PAYS: "pays", Verdict.MARGINAL: "is marginal"}.get(e.verdict, "does not pay")
+        lines.append(f"verdict: BPipe {verdict} here ({e.gain:+.1%} throughput; {_why(e)})")
+    return "\n".join(lines)
+

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -35,15 +36,14 @@ from evenpipe.cost import (
     ParallelConfig,
     Recompute,
     candidate_layouts,
-    check_config,
     end_lighter_layout,
-    estimate,
-    memory_per_stage,
-    stage_sim_costs,
 )
-from evenpipe.cost.memory import layer_states_per_rank_gib
+from evenpipe.cost.analytic_source import AnalyticSource
+from evenpipe.cost.estimate import estimate_with
+from evenpipe.cost.memory import layer_states_per_rank_gib, stage_memory
+from evenpipe.cost.source import CostSource, shape_of
 from evenpipe.errors import ConfigError, EvenpipeError
-from evenpipe.plan.bounds import step_time_lower_bound, work_lower_bound
+from evenpipe.plan.bounds import step_bound, work_bound
 from evenpipe.schedule import ScheduleFamily
 from evenpipe.schedule.family import Transform
 
@@ -102,6 +102,9 @@ class SearchSpace:
     False keeps to even splits (the planner before uneven stages were modelled)."""
     bpipe_budget: int | None = None
     """BPipe's per-rank activation budget; ``None`` uses the schedule default ceil((p+1)/2)."""
+    data_parallel: bool = True
+    """Split the GPUs into replicas (dp = GPUs / (tp·pp)); False keeps one replica over all of them (a profile
+    measures no data-parallel reduction)."""
 
     def __post_init__(self) -> None:
         if not self.schedules and not self.bpipe_families:
@@ -263,7 +266,7 @@ def _schedule_options(space: SearchSpace) -> Iterator[tuple[ScheduleFamily, bool
     yield from ((f, True) for f in space.bpipe_families)
 
 
-def enumerate_configs(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_batch: int,
+def enumerate_configs(model: ModelSpec, hw: Hardware | None, *, num_gpus: int, global_batch: int,
                       space: SearchSpace) -> Iterator[ParallelConfig]:
     """Every structurally plausible configuration of ``num_gpus`` GPUs (``check_config`` may still reject some).
 
@@ -273,12 +276,14 @@ def enumerate_configs(model: ModelSpec, hw: Hardware, *, num_gpus: int, global_b
     With pp = 1 all schedules coincide, so only 1F1B is produced; BPipe (schedule ``bpipe``, or a family of
     ``space.bpipe_schedules`` with the transform) needs pp >= 3 to have a partner to evict to.
     """
-    max_tp = space.max_tp if space.max_tp is not None else hw.gpus_per_node
+    max_tp = space.max_tp if space.max_tp is not None else hw.gpus_per_node if hw is not None else 1
     for tp in _divisors(num_gpus):
         if tp > max_tp or model.num_heads % tp:
             continue
         for pp in _divisors(num_gpus // tp):
             dp = num_gpus // (tp * pp)
+            if not space.data_parallel and dp > 1:
+                continue
             if pp > model.num_layers or global_batch % dp:
                 continue
             per_replica = global_batch // dp
@@ -326,11 +331,23 @@ class Searcher:
     """
 
     def __init__(self, model: ModelSpec, hw: Hardware, *, efficiency: Efficiency | None = None) -> None:
-        self.model = model
-        self.hw = hw
-        self.efficiency = efficiency
+        """A searcher over the analytic source of ``model`` on ``hw`` (see :meth:`over` for any source)."""
+        self._init(AnalyticSource(model, hw, efficiency or Efficiency()))
+
+    @classmethod
+    def over(cls, source: CostSource) -> "Searcher":
+        """A searcher over ``source``'s costs: the one search of every planner command."""
+        searcher = cls.__new__(cls)
+        searcher._init(source)
+        return searcher
+
+    def _init(self, source: CostSource) -> None:
+        self.source = source
+        """Where every cost comes from."""
+        self.model = source.model
+        self.hw = source.hardware
         self._estimates: dict[ParallelConfig, Estimate] = {}
-        self._peaks: dict[ParallelConfig, float] = {}
+        self._peaks: dict[ParallelConfig, tuple[float, ...]] = {}
         self._bounds: dict[ParallelConfig, float] = {}
 
     @property
@@ -342,27 +359,39 @@ class Searcher:
         """The (cached) estimate of one configuration."""
         est = self._estimates.get(cfg)
         if est is None:
-            est = estimate(self.model, self.hw, cfg, efficiency=self.efficiency)
+            est = estimate_with(self.source, cfg)
             self._estimates[cfg] = est
         return est
 
+    def memory_gib(self, cfg: ParallelConfig) -> tuple[float, ...]:
+        """Every rank's peak memory of ``cfg`` in GiB (closed form, no simulation; cached)."""
+        peaks = self._peaks.get(cfg)
+        if peaks is None:
+            peaks = self._peaks[cfg] = tuple(s.total for s in stage_memory(self.source, cfg))
+        return peaks
+
     def peak_memory_gib(self, cfg: ParallelConfig) -> float:
-        """The largest stage memory of ``cfg`` in GiB (closed form, no simulation; cached)."""
-        peak = self._peaks.get(cfg)
-        if peak is None:
-            peak = self._peaks[cfg] = max(
-                s.total for s in memory_per_stage(self.model, self.hw, cfg, efficiency=self.efficiency))
-        return peak
+        """The largest stage memory of ``cfg`` in GiB."""
+        return max(self.memory_gib(cfg))
+
+    @property
+    def usable_memory_gib(self) -> float:
+        """Memory a configuration may use on rank 0, GiB (infinite without a budget)."""
+        return self._room(0)
+
+    def _room(self, rank: int) -> float:
+        budget = self.source.memory_budget_gib(rank)
+        return math.inf if budget is None else budget
 
     def fits(self, cfg: ParallelConfig) -> bool:
-        """Whether every stage of ``cfg`` fits in GPU memory."""
-        return self.peak_memory_gib(cfg) <= self.hw.usable_memory_gib
+        """Whether every rank of ``cfg`` fits in its usable memory."""
+        return all(peak <= self._room(r) for r, peak in enumerate(self.memory_gib(cfg)))
 
     def lower_bound(self, cfg: ParallelConfig) -> float:
         """Step-time lower bound of ``cfg`` (see :func:`evenpipe.plan.bounds.step_time_lower_bound`; cached)."""
         bound = self._bounds.get(cfg)
         if bound is None:
-            bound = self._bounds[cfg] = step_time_lower_bound(self.model, self.hw, cfg, self.efficiency)
+            bound = self._bounds[cfg] = step_bound(self.source, cfg)
         return bound
 
     def search(self, *, num_gpus: int, global_batch: int, space: SearchSpace | None = None, top_k: int = 10,
@@ -409,7 +438,7 @@ class Searcher:
                 continue
             counts.enumerated += 1
             try:
-                check_config(self.model, self.hw, cfg, num_gpus)
+                self.source.check(cfg, num_gpus)
             except EvenpipeError as e:
                 counts.invalid += 1
                 counts.last_error = str(e).splitlines()[0]
@@ -421,7 +450,7 @@ class Searcher:
                 counts.over_memory += 1
                 continue
             exact = self._bounds.get(cfg)
-            pending.append(_Pending(work_lower_bound(self.model, self.hw, cfg, self.efficiency) if exact is None
+            pending.append(_Pending(work_bound(self.source, cfg) if exact is None
                                     else exact, len(pending), cfg, exact is not None))
         return pending
 
@@ -436,8 +465,8 @@ class Searcher:
 
     def _moves_no_more(self, a: ParallelConfig, b: ParallelConfig) -> bool:
         """Whether every stage of ``a`` saves (and so evicts) no more bytes than the same stage of ``b``."""
-        costs_a = stage_sim_costs(self.model, self.hw, a, self.efficiency)
-        costs_b = stage_sim_costs(self.model, self.hw, b, self.efficiency)
+        costs_a = self.source.stage_costs(a, shape_of(self.model, a))
+        costs_b = self.source.stage_costs(b, shape_of(self.model, b))
         return all(sa.activation_bytes <= sb.activation_bytes and sa.checkpoint_bytes <= sb.checkpoint_bytes
                    for sa, sb in zip(costs_a.stages, costs_b.stages))
 
@@ -447,10 +476,10 @@ class Searcher:
         probe = _replace_config(cfg, schedule=schedule, bpipe_budget=None, bpipe=False, microbatch_size=1,
                                 recompute=Recompute.FULL)
         try:
-            states = layer_states_per_rank_gib(self.model, probe)
+            states = layer_states_per_rank_gib(self.source, probe)
         except EvenpipeError:
             return True  # cannot probe this shape; let each configuration decide
-        return max(states) <= self.hw.usable_memory_gib
+        return all(state <= self._room(r) for r, state in enumerate(states))
 
     def _branch_and_bound(self, pending: list[_Pending], top_k: int, per_family: bool, counts: _Counts
                           ) -> tuple[list[Candidate], dict[ScheduleFamily, Candidate]]:
@@ -524,13 +553,14 @@ class Searcher:
             return ConfigError(
                 f"no (tp, pp, dp) factorisation of --gpus {num_gpus} suits {self.model.name} "
                 f"({self.model.num_heads} heads, {self.model.num_layers} layers) and --global-batch {global_batch}"
-                f"; dp must divide the global batch and tp the heads (tp <= {self.hw.gpus_per_node})")
+                f"; dp must divide the global batch and tp the heads (tp <= "
+                f"{self.hw.gpus_per_node if self.hw is not None else 1})")
         if counts.over_memory == 0:
             return ConfigError(f"--gpus {num_gpus} has no valid tp·pp·dp split for {self.model.name} and "
                                f"--global-batch {global_batch}; for example: {counts.last_error}")
         return ConfigError(
-            f"no configuration of {self.model.name} fits in {num_gpus} x {self.hw.name} "
-            f"({self.hw.memory_gib:g} GiB each): all {counts.over_memory} valid ones exceed memory; use more GPUs, "
+            f"no configuration of {self.model.name} fits in {num_gpus} x {self.source.name} "
+            f"({self._room(0):g} GiB usable each): all {counts.over_memory} valid ones exceed memory; use more GPUs, "
             + ("the distributed optimizer, " if space.distributed_optimizer is False else "")
             + "or a smaller model")
 

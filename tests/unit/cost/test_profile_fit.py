@@ -10,6 +10,9 @@ import pytest
 from evenpipe.cost.profile import PROFILE_VERSION, LayerKind, LayerSample, LinkSample, Machine, ModelInfo, Profile, \
     ProfileError
 from evenpipe.cost.profile_fit import ProfileModel, even_layout, fit_least_squares, link_from_profile, predict_step
+from evenpipe.cost import ParallelConfig
+from evenpipe.cost.estimate import estimate_with
+from evenpipe.cost.profiled_source import ProfiledSource
 from evenpipe.schedule import build_schedule
 
 
@@ -167,19 +170,27 @@ def test_efficiency_points() -> None:
     assert dataclasses.asdict(pts[2])["predicted_flops_per_s"] == pytest.approx(3e6 / 7e-3)
 
 
+def _explain(model: ProfileModel, *, budget_bytes: float):  # type: ignore[no-untyped-def]
+    """The one BPipe explanation over the profiled source: 4 devices, one replica, b <= 4, 16 sequences."""
+    from evenpipe.cost import Recompute
+    from evenpipe.plan import Searcher, SearchSpace, explain_bpipe
+    space = SearchSpace(data_parallel=False, max_tp=1, sequence_parallel=False, recomputes=(Recompute.NONE,),
+                        bpipe_schedules=(),  # BPipe as the paper runs it: on 1F1B
+                        distributed_optimizer=False, max_microbatch_size=4)
+    searcher = Searcher.over(ProfiledSource(model, memory_budget_gib=budget_bytes / 2**30))
+    return explain_bpipe(searcher, num_gpus=4, global_batch=16, space=space)
+
+
 def test_bpipe_pays_when_its_memory_buys_a_more_efficient_microbatch() -> None:
-    from evenpipe.plan.profiled import ProfiledConfig, estimate_profiled, explain_bpipe_profiled
     from evenpipe.schedule import ScheduleFamily
     model = ProfileModel(make_profile(layers=8, fixed=40.0))  # a large per-micro-batch cost: big b is efficient
 
     def peak(name: str, b: int) -> float:
-        cfg = ProfiledConfig(schedule=ScheduleFamily.parse(name), num_ranks=4, microbatch_size=b,
-                             num_microbatches=16 // b)
-        return max(estimate_profiled(model, cfg).peak_bytes)
+        cfg = ParallelConfig(schedule=ScheduleFamily.parse(name), pp=4, microbatch_size=b, global_batch=16)
+        return max(estimate_with(ProfiledSource(model), cfg).peak_bytes)
     assert peak("bpipe", 4) < peak("1f1b", 4)
     budget = (peak("bpipe", 4) + peak("1f1b", 4)) / 2
-    ans = explain_bpipe_profiled(model, num_devices=4, global_batch=16, memory_budget_bytes=budget,
-                                 max_microbatch_size=4)
+    ans = _explain(model, budget_bytes=budget)
     assert ans.pays and ans.with_bpipe is not None and ans.without is not None
     assert ans.with_bpipe.config.microbatch_size > ans.without.config.microbatch_size
     assert ans.blocked is not None and ans.blocked.config.microbatch_size == 4
@@ -188,16 +199,14 @@ def test_bpipe_pays_when_its_memory_buys_a_more_efficient_microbatch() -> None:
 
 def test_bpipe_answer_names_its_time_at_the_larger_microbatch_it_could_have_used() -> None:
     # memory no object: BPipe's fastest micro-batch is smaller than the other schedules', though the larger fits
-    from evenpipe.plan.profiled import ProfiledConfig, estimate_profiled, explain_bpipe_profiled
     from evenpipe.schedule import ScheduleFamily
     model = ProfileModel(make_profile(layers=8))
-    ans = explain_bpipe_profiled(model, num_devices=4, global_batch=16, memory_budget_bytes=1e12,
-                                 max_microbatch_size=4)
+    ans = _explain(model, budget_bytes=1e12)
     assert ans.with_bpipe is not None and ans.without is not None and not ans.pays
     b_bp, b_base = ans.with_bpipe.config.microbatch_size, ans.without.config.microbatch_size
     assert b_bp < b_base
-    at_base = estimate_profiled(model, ProfiledConfig(schedule=ScheduleFamily.BPIPE, num_ranks=4,
-                                                      microbatch_size=b_base, num_microbatches=16 // b_base))
+    at_base = estimate_with(ProfiledSource(model), ParallelConfig(schedule=ScheduleFamily.BPIPE, pp=4,
+                                                                  microbatch_size=b_base, global_batch=16))
     assert at_base.step_time_s > ans.with_bpipe.step_time_s
     assert f"its fastest is b={b_bp}; at b={b_base} it takes {at_base.step_time_s * 1e3:.1f} ms/step" in ans.text
 

@@ -1,0 +1,111 @@
+"""The analytic cost source: a GPU preset and the fitted FLOP/bandwidth model (``timing``, ``activations``),
+with Megatron's model-state layout (``memory``: bf16 weights, fp32 gradients, fp32 master weights and Adam
+moments, the latter two sharded by the distributed optimizer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from evenpipe.sim.costs import Link, SimCosts
+
+from evenpipe.cost.activations import ActivationBytes, activation_bytes
+from evenpipe.cost.flops import layer_forward_flops
+from evenpipe.cost.hardware import Hardware
+from evenpipe.cost.states import (BYTES_GRAD, BYTES_MASTER, BYTES_OPTIMIZER, BYTES_WEIGHT, embedding_params_per_rank,
+                                  head_params_per_rank, layer_params_per_rank)
+from evenpipe.cost.parallel import ParallelConfig, check_config
+from evenpipe.cost.source import Holding, MicrobatchShape, ParamCounts, StateBytes
+from evenpipe.cost.specs import ModelSpec
+from evenpipe.cost.timing import (Efficiency, LayerTimes, cost_plan_durations, dp_allreduce_time, layer_times,
+                                  optimizer_step_time, pipeline_link, stage_sim_costs)
+
+__all__ = ["AnalyticSource"]
+
+
+def _check_shape(model: ModelSpec, shape: MicrobatchShape, cfg: ParallelConfig) -> None:
+    assert shape.size == cfg.microbatch_size and shape.seq_len == model.seq_len, \
+        "the analytic source has one micro-batch shape per configuration"
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyticSource:
+    """Costs of ``model`` on ``hw`` GPUs under the fitted ``efficiency`` (uniform over ranks)."""
+
+    model: ModelSpec
+    """The model."""
+    hw: Hardware
+    """Every rank's GPU."""
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    """Achieved fractions of the hardware peaks."""
+
+    @property
+    def name(self) -> str:
+        return self.hw.name
+
+    @property
+    def hardware(self) -> Hardware | None:
+        return self.hw
+
+    @property
+    def reduction_overlaps_backward(self) -> bool:
+        return self.efficiency.dp_overlap
+
+    @property
+    def step_overhead_s(self) -> float:
+        return 0.0
+
+    @property
+    def optimizer_waits_for_all_ranks(self) -> bool:
+        return True
+
+    @property
+    def holds_sent_output(self) -> bool:
+        return False
+
+    def check(self, cfg: ParallelConfig, num_gpus: int | None = None) -> None:
+        check_config(self.model, self.hw, cfg, num_gpus)
+
+    def memory_budget_gib(self, rank: int) -> float | None:
+        return self.hw.usable_memory_gib
+
+    def peak_flops(self, rank: int) -> float | None:
+        return self.hw.peak_tflops * 1e12
+
+    def layer_times(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> LayerTimes:
+        _check_shape(self.model, shape, cfg)
+        return layer_times(self.model, self.hw, cfg, self.efficiency)
+
+    def layer_flop_rate(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> float:
+        compute = self.layer_times(cfg, rank, shape).forward_compute
+        flops = layer_forward_flops(self.model, tp=cfg.tp, microbatch_size=shape.size)
+        return flops / compute if compute > 0 else 0.0
+
+    def layer_bytes(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> ActivationBytes:
+        _check_shape(self.model, shape, cfg)
+        return activation_bytes(self.model, cfg)
+
+    def param_counts(self, cfg: ParallelConfig) -> ParamCounts:
+        return ParamCounts(per_layer=layer_params_per_rank(self.model, cfg.tp),
+                           embedding=embedding_params_per_rank(self.model, cfg.tp),
+                           head=head_params_per_rank(self.model, cfg))
+
+    def state_bytes(self, cfg: ParallelConfig, rank: int) -> StateBytes:
+        shards = cfg.dp if cfg.distributed_optimizer else 1
+        return StateBytes(parameters=BYTES_WEIGHT, gradients=BYTES_GRAD, master=BYTES_MASTER / shards,
+                          optimizer=(BYTES_OPTIMIZER - BYTES_MASTER) / shards)
+
+    def optimizer_time(self, cfg: ParallelConfig, rank: int, held: Holding) -> float:
+        return optimizer_step_time(held.params(self.param_counts(cfg)), cfg, self.hw, self.efficiency)
+
+    def reduce_time(self, cfg: ParallelConfig, rank: int, held: Holding) -> float:
+        return dp_allreduce_time(held.params(self.param_counts(cfg)), cfg, self.hw, self.efficiency)
+
+    def link(self, cfg: ParallelConfig, rank_a: int, rank_b: int) -> Link:
+        return pipeline_link(rank_a, rank_b, cfg, self.hw, self.efficiency)
+
+    def stage_costs(self, cfg: ParallelConfig, shape: MicrobatchShape) -> SimCosts:
+        _check_shape(self.model, shape, cfg)
+        return stage_sim_costs(self.model, self.hw, cfg, self.efficiency)
+
+    def plan_durations(self, cfg: ParallelConfig) -> tuple[int, int, int] | None:
+        return cost_plan_durations(self.model, self.hw, cfg, self.efficiency)

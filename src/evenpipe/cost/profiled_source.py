@@ -1,0 +1,186 @@
+"""The profiled cost source: the fits of a measured profile (:class:`~evenpipe.cost.profile_fit.ProfileModel`) on the
+machine it was measured on, one device per pipeline rank, with the evenpipe runtime's conventions.
+
+Model states: parameters, gradients and AdamW's two moments, all in the profile's dtype (``torch.optim.AdamW``
+keeps its state in the parameters' dtype; no master copy). Activations: per block its saved bytes and the input it
+saves; a stage receiving its input from another keeps that input for its backward anyway (the boundary bytes);
+the runtime holds a stage's output until its send is posted. Step: each rank runs its optimizer after its own last
+action, plus the profile's fixed per-step cost. A data-parallel reduction (not measured) is a ring all-reduce of
+the gradients over the profiled link.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from evenpipe.errors import ConfigError
+from evenpipe.sim.costs import Link, SimCosts
+
+from evenpipe.cost.activations import ActivationBytes
+from evenpipe.cost.hardware import Hardware
+from evenpipe.cost.parallel import ParallelConfig, Recompute, check_pipeline, stage_layers
+from evenpipe.cost.profile import LayerKind, LayerSample
+from evenpipe.cost.profile_fit import ProfileModel, link_from_profile
+from evenpipe.cost.source import Holding, MicrobatchShape, ParamCounts, StateBytes, shape_of
+from evenpipe.cost.specs import MODEL_PRESETS, Arch, ModelSpec, replace_spec
+from evenpipe.cost.timing import LayerTimes, allreduce_time, plan_durations_of
+
+__all__ = ["ProfiledSource", "DTYPE_BYTES", "ADAMW_STATE_COPIES"]
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of the profile's dtypes."""
+ADAMW_STATE_COPIES = 4
+"""Parameters, gradients and AdamW's two moments, all in the parameters' dtype (``torch.optim.AdamW``)."""
+
+
+def _model_of(fits: ProfileModel) -> ModelSpec:
+    """The profiled model as a ModelSpec: its preset when the sizes agree, else built from the profile's record."""
+    info, seq = fits.profile.model, fits.profile.seq_lens[-1]
+    preset = MODEL_PRESETS.get(info.name.lower())
+    if preset is not None and (preset.num_layers, preset.hidden) == (info.num_layers, info.hidden):
+        return replace_spec(preset, seq_len=seq)
+    return ModelSpec(name=info.name, arch=Arch.parse(info.arch), num_layers=info.num_layers, hidden=info.hidden,
+                     num_heads=1, num_kv_heads=1, ffn_hidden=4 * info.hidden, vocab=info.vocab, seq_len=seq,
+                     tied_embeddings=False)
+
+
+class ProfiledSource:
+    """Costs measured by ``evenpipe profile`` (uniform over ranks: every rank is the profiled device)."""
+
+    def __init__(self, fits: ProfileModel, *, memory_budget_gib: float | None = None) -> None:
+        if memory_budget_gib is not None and not memory_budget_gib > 0:
+            raise ConfigError(f"memory budget must be > 0 GiB, got {memory_budget_gib}")
+        self.fits = fits
+        """The profile's fits."""
+        self._model = _model_of(fits)
+        self._budget = memory_budget_gib
+        self._link = link_from_profile(fits.profile)
+        self._costs: dict[tuple[Any, ...], SimCosts] = {}
+
+    @property
+    def name(self) -> str:
+        m = self.fits.profile.machine
+        return f"{m.device_name} ({m.device}, {m.dtype}, profiled)"
+
+    @property
+    def model(self) -> ModelSpec:
+        return self._model
+
+    @property
+    def hardware(self) -> Hardware | None:
+        return None
+
+    @property
+    def reduction_overlaps_backward(self) -> bool:
+        return False
+
+    @property
+    def step_overhead_s(self) -> float:
+        return self.fits.profile.step_overhead_s
+
+    @property
+    def optimizer_waits_for_all_ranks(self) -> bool:
+        return False
+
+    @property
+    def holds_sent_output(self) -> bool:
+        return True
+
+    def check(self, cfg: ParallelConfig, num_gpus: int | None = None) -> None:
+        if num_gpus is not None and num_gpus != cfg.num_gpus:
+            raise ConfigError(f"--gpus {num_gpus} != tp·pp·dp = {cfg.tp}·{cfg.pp}·{cfg.dp} = {cfg.num_gpus}")
+        if cfg.tp != 1:
+            raise ConfigError(f"tp {cfg.tp}: a profile measures whole layers on one device; it takes tp 1")
+        if cfg.recompute is Recompute.SELECTIVE:
+            raise ConfigError("recompute selective: a profile times whole-layer recomputation only (none or full)")
+        check_pipeline(self._model, cfg)
+
+    def memory_budget_gib(self, rank: int) -> float | None:
+        return self._budget
+
+    def peak_flops(self, rank: int) -> float | None:
+        return None
+
+    def _block(self, shape: MicrobatchShape) -> LayerSample:
+        return self.fits.predict(LayerKind.BLOCK, shape.size, shape.seq_len)
+
+    def layer_times(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> LayerTimes:
+        """The block's times as the stage costs take them (alternation factors where ranks hold several stages;
+        the backward as the schedule runs it, whole or as I and W)."""
+        block, profile = self._block(shape), self.fits.profile
+        fwd_f, bwd_f = (profile.alternation_forward, profile.alternation_backward) if cfg.chunks > 1 else (1.0, 1.0)
+        if cfg.schedule.traits.split_backward:
+            whole = min(block.backward_s, block.backward_input_s + block.backward_weight_s)
+            bi = min(block.backward_input_s, whole)
+            bw = whole - bi
+        else:
+            bi, bw = block.backward_s, 0.0
+        return LayerTimes(forward_compute=fwd_f * block.forward_s, backward_input_compute=bwd_f * bi,
+                          backward_weight_compute=bwd_f * bw, tp_forward=0.0, tp_backward=0.0,
+                          selective_recompute=0.0, recompute_forward=fwd_f * block.recompute_s)
+
+    def layer_flop_rate(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> float:
+        return self.fits.efficiency([shape.size])[0].predicted_flops_per_s
+
+    def layer_bytes(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> ActivationBytes:
+        b, s = shape.size, shape.seq_len
+        block = self._block(shape)
+        emb = self.fits.predict(LayerKind.EMBEDDING, b, s)
+        head = self.fits.predict(LayerKind.HEAD, b, s)
+        whole = block.saved_bytes + block.input_saved_bytes
+        if cfg.recompute is Recompute.FULL:  # the stage keeps its input only, and rebuilds its layers one by one
+            return ActivationBytes(layer_full=whole, layer_saved=0.0, layer_weight_grad=0.0, embedding=0.0,
+                                   head=0.0, sent=block.output_bytes, boundary=block.output_bytes)
+        return ActivationBytes(layer_full=whole, layer_saved=whole,
+                               layer_weight_grad=min(whole, block.weight_grad_bytes),
+                               embedding=emb.saved_bytes + emb.input_saved_bytes,
+                               head=head.saved_bytes + head.input_saved_bytes, sent=block.output_bytes,
+                               boundary=max(0.0, block.output_bytes - block.input_saved_bytes))
+
+    def param_counts(self, cfg: ParallelConfig) -> ParamCounts:
+        info = self.fits.profile.model
+        return ParamCounts(per_layer=float(info.params_of(LayerKind.BLOCK)),
+                           embedding=float(info.params_of(LayerKind.EMBEDDING)),
+                           head=float(info.params_of(LayerKind.HEAD)))
+
+    def state_bytes(self, cfg: ParallelConfig, rank: int) -> StateBytes:
+        element = float(DTYPE_BYTES.get(self.fits.profile.machine.dtype, 4))
+        shards = cfg.dp if cfg.distributed_optimizer else 1
+        return StateBytes(parameters=element, gradients=element, master=0.0,
+                          optimizer=(ADAMW_STATE_COPIES - 2) * element / shards)
+
+    def optimizer_time(self, cfg: ParallelConfig, rank: int, held: Holding) -> float:
+        opt = self.fits.profile.optimizer_s
+        return (held.layers * opt[LayerKind.BLOCK] + (opt[LayerKind.EMBEDDING] if held.embedding else 0.0)
+                + (opt[LayerKind.HEAD] if held.head else 0.0))
+
+    def reduce_time(self, cfg: ParallelConfig, rank: int, held: Holding) -> float:
+        if cfg.dp <= 1:
+            return 0.0
+        grads = held.params(self.param_counts(cfg)) * self.state_bytes(cfg, rank).gradients
+        bandwidth = self._link.bandwidth_bytes_per_s
+        if math.isinf(bandwidth):
+            return 2.0 * (cfg.dp - 1) * self._link.latency_s
+        return allreduce_time(grads, cfg.dp, bandwidth_gbps=bandwidth / 1e9, latency_s=self._link.latency_s)
+
+    def link(self, cfg: ParallelConfig, rank_a: int, rank_b: int) -> Link:
+        return self._link
+
+    def stage_costs(self, cfg: ParallelConfig, shape: MicrobatchShape) -> SimCosts:
+        layout = stage_layers(self._model, cfg)
+        split, alternating = cfg.schedule.traits.split_backward, cfg.chunks > 1
+        key = (layout, split, alternating, shape)
+        costs = self._costs.get(key)
+        if costs is None:
+            n = len(layout)
+            stages = [self.fits.stage_costs(blocks=layout[s], first=s == 0, last=s == n - 1,
+                                            microbatch_size=shape.size, split_backward=split,
+                                            seq_len=shape.seq_len, alternating=alternating) for s in range(n)]
+            costs = self._costs[key] = SimCosts.from_stages(stages, default_link=self._link)
+        return costs
+
+    def plan_durations(self, cfg: ParallelConfig) -> tuple[int, int, int] | None:
+        if not cfg.schedule.traits.plans_with_durations:
+            return None
+        return plan_durations_of(self.layer_times(cfg, 0, shape_of(self._model, cfg)))
