@@ -1,6 +1,7 @@
 """A job killed with SIGKILL in the middle of writing a checkpoint leaves the previous one loadable: ``latest``
-still names it, the resumed job continues from it with the killed job's own losses, and the partial save is
-cleaned up by the next one."""
+still names it, the resumed job continues from it with the killed job's own losses, says so in one line, and the
+partial save is cleaned up by the next one. A checkpoint with one truncated file is named and skipped the same
+way, and nothing a complete save wrote is lost."""
 
 from __future__ import annotations
 
@@ -34,11 +35,29 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(tmp_path: pathlib.
     before = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert len(before) == 4
 
-    out = tmp_path / "resumed.json"
-    resumed = subprocess.run([sys.executable, "-m", "evenpipe", "train", *ARGS, "--checkpoint-dir", str(ckpt),
-                              "--resume", "--json-out", str(out)], env=train_env(), capture_output=True, text=True,
-                             timeout=180)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    summary = json.loads(out.read_text())
+    summary, said = _resume(ckpt, tmp_path / "resumed.json")
+    assert said == [f"resuming from {ckpt / 'step_00000002'} (step 2)"]
     assert summary["first_step"] == 2 and summary["losses"] == before[2:]
     assert (ckpt / "latest").read_text().strip() == "step_00000004" and not partial.exists()
+
+    shard = sorted((ckpt / "step_00000004").glob("*.distcp"))[0]
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 100)
+    (ckpt / "latest").unlink()
+    summary, said = _resume(ckpt, tmp_path / "again.json")
+    assert said == [f"skipping damaged checkpoint {ckpt / 'step_00000004'}: {shard.name} has {size - 100} bytes "
+                    f"where the manifest says {size}",
+                    f"resuming from {ckpt / 'step_00000002'} (step 2)"]
+    assert summary["first_step"] == 2 and summary["losses"] == before[2:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002", "step_00000004"]
+
+
+def _resume(ckpt: pathlib.Path, out: pathlib.Path) -> tuple[dict, list[str]]:
+    """Resume ARGS from ``ckpt``; the summary and the lines that say which checkpoint (or why not)."""
+    run = subprocess.run([sys.executable, "-m", "evenpipe", "train", *ARGS, "--checkpoint-dir", str(ckpt),
+                          "--resume", "--json-out", str(out)], env=train_env(), capture_output=True, text=True,
+                         timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    said = [line for line in (run.stdout + run.stderr).splitlines() if "checkpoint" in line or "resuming" in line]
+    return json.loads(out.read_text()), [line for line in said if not line.startswith("saved ")]

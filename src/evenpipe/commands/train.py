@@ -91,7 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="save every N steps (default: only after the last step)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints to keep")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --checkpoint-dir (any schedule, stages, layout, dp)")
+                   help="continue from the newest complete checkpoint in --checkpoint-dir (any schedule, stages, "
+                        "layout, dp)")
+    p.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="start at step 0 although --checkpoint-dir holds checkpoints; they are deleted once this "
+                        "run's first checkpoint is complete")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a rank may wait for a peer before the job fails (default: 300 s for the first "
                         "step, then 10x the slowest step, at least 10 s)")
@@ -131,12 +135,16 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
                                    min_lr=args.min_lr, decay_steps=args.decay_steps, weight_decay=args.weight_decay,
                                    clip_grad_norm=args.clip_grad_norm),
         checkpoint=CheckpointOptions(directory=_abs(args.checkpoint_dir), every=args.checkpoint_every,
-                                     resume=bool(args.resume), keep=args.keep_checkpoints),
+                                     resume=bool(args.resume), keep=args.keep_checkpoints,
+                                     overwrite=bool(args.overwrite_checkpoints)),
         runtime=runtime,
         output=OutputOptions(json_out=_abs(args.json_out), trace=_abs(args.trace), metrics=_abs(args.metrics),
                              tensorboard=_abs(args.tensorboard), trace_json=_abs(args.trace_json),
                              predict=_abs(args.predict), log_every=args.log_every),
     )
+    from evenpipe.training.checkpoint_manifest import check_fresh_directory
+    ck = config.checkpoint
+    check_fresh_directory(ck.directory, resume=ck.resume, overwrite=ck.overwrite)
     check_fits_machine(config.model.resolve().num_params, config.model.name, world=config.world_size)
     if args.predict:  # a bad profile is refused here, before any process starts
         from evenpipe.plan.predict import check_profile_for_training

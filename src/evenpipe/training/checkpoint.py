@@ -11,10 +11,12 @@ the model is cut:
   schedule is a function of the step);
 - ``rng/cpu/rank<R>`` (and ``rng/cuda/rank<R>``): each rank's RNG state, restored when the world has the same ranks.
 
-A save is atomic: every rank writes into ``<dir>/.tmp-step_<N>``, then global rank 0 renames it to
-``<dir>/step_<N>`` and points ``<dir>/latest`` at it (write a temporary file, then ``os.replace``). A job killed
-during a save leaves a ``.tmp-`` directory, which the next save removes, and ``latest`` still names the previous
-checkpoint. The directory must be shared by all ranks (one file system for all nodes).
+A save is atomic and self-checking: every rank writes into ``<dir>/.tmp-step_<N>``, the ranks checksum the files,
+then global rank 0 writes ``manifest.json`` (every file's size and CRC-32, the step, the saving layout; see
+:mod:`evenpipe.training.checkpoint_manifest`), renames the directory to ``<dir>/step_<N>`` and points
+``<dir>/latest`` at it (for people; resume does not trust it). A job killed during a save leaves a ``.tmp-``
+directory, which the next save removes. Resume takes the newest ``step_<N>`` whose files agree with its manifest
+and names, in one line each, the newer ones it skipped. The directory must be shared by all ranks.
 """
 
 from __future__ import annotations
@@ -23,21 +25,24 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from evenpipe.errors import ConfigError
+from evenpipe.training.checkpoint_manifest import (FileEntry, Manifest, checkpoint_name, checksum_problem,
+                                                   file_entry, prune_plan, read_manifest, size_problem,
+                                                   step_directories, write_manifest)
 from evenpipe.training.params import RankParameters
 
-__all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_name"]
+__all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "newest_complete_checkpoint", "checkpoint_name"]
 
 log = logging.getLogger("evenpipe.train")
 
 LATEST = "latest"
-"""File in the checkpoint directory naming the newest complete checkpoint."""
+"""File in the checkpoint directory naming the newest checkpoint saved (informative only)."""
 _TMP = ".tmp-"
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
@@ -50,22 +55,6 @@ class TrainState:
     """Optimizer steps done."""
     samples: int
     """Training sequences consumed (the data position)."""
-
-
-def checkpoint_name(step: int) -> str:
-    """Directory name of the checkpoint after ``step`` steps."""
-    return f"step_{step:08d}"
-
-
-def latest_checkpoint(directory: str) -> str | None:
-    """Path of the newest complete checkpoint in ``directory`` (by the ``latest`` file), or None."""
-    try:
-        with open(os.path.join(directory, LATEST)) as f:
-            name = f.read().strip()
-    except OSError:
-        return None
-    path = os.path.join(directory, name)
-    return path if os.path.exists(os.path.join(path, ".metadata")) else None
 
 
 def _adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
@@ -98,9 +87,14 @@ def _state_dict(params: RankParameters, optimizer: torch.optim.Optimizer, state:
 
 
 def save_checkpoint(directory: str, *, params: RankParameters, optimizer: torch.optim.Optimizer,
-                    state: TrainState, keep: int) -> str:
-    """Save this rank's part of the job (collective over the world); the checkpoint's path. Keeps the newest
-    ``keep`` checkpoints."""
+                    state: TrainState, keep: int, world: dict[str, Any] | None = None,
+                    replaced: Sequence[str] = ()) -> str:
+    """Save this rank's part of the job (collective over the world); the checkpoint's path.
+
+    Every rank writes its DCP files into ``.tmp-step_<N>``; the ranks then checksum the files between them and
+    rank 0 writes the manifest (last), renames the directory, points ``latest`` at it and prunes: of the
+    checkpoints no newer than this one it keeps the newest ``keep``, and it deletes ``replaced`` (an earlier
+    run's checkpoints that this job was told to overwrite). ``world`` describes the saving job's layout."""
     name = checkpoint_name(state.step)
     final, tmp = os.path.join(directory, name), os.path.join(directory, _TMP + name)
     me = dist.get_rank()
@@ -113,14 +107,28 @@ def save_checkpoint(directory: str, *, params: RankParameters, optimizer: torch.
     sd = {**_state_dict(params, optimizer, state), **_rng_keys()}
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
     dist.barrier()
+    entries = _gather_entries(tmp)
     if me == 0:
-        if os.path.exists(final):
+        write_manifest(tmp, Manifest(step=state.step, world=dict(world or {"world": dist.get_world_size()}),
+                                     files=entries))
+        if os.path.exists(final):  # a damaged or overwritten checkpoint of the same step
             shutil.rmtree(final)
         os.replace(tmp, final)
         _point_latest(directory, name)
-        _prune(directory, keep)
+        for old in prune_plan(step_directories(directory), saved=name, keep=keep, replaced=replaced):
+            shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _gather_entries(path: str) -> tuple[FileEntry, ...]:
+    """Sizes and checksums of every file under ``path``, each rank reading its share; on rank 0 (else ())."""
+    names = sorted(os.path.relpath(os.path.join(root, f), path) for root, _, files in os.walk(path) for f in files)
+    me, world = dist.get_rank(), dist.get_world_size()
+    mine = [file_entry(path, n) for n in names[me::world]]
+    gathered: list[Any] = [None] * world if me == 0 else []
+    dist.gather_object(mine, gathered if me == 0 else None, dst=0)
+    return tuple(sorted((e for part in gathered for e in part), key=lambda e: e.name)) if me == 0 else ()
 
 
 def _point_latest(directory: str, name: str) -> None:
@@ -132,10 +140,39 @@ def _point_latest(directory: str, name: str) -> None:
     os.replace(tmp, os.path.join(directory, LATEST))
 
 
-def _prune(directory: str, keep: int) -> None:
-    done = sorted(e for e in os.listdir(directory) if e.startswith("step_"))
-    for old in done[:-keep]:
-        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+def newest_complete_checkpoint(directory: str) -> str | None:
+    """Path of the newest complete checkpoint in ``directory`` (collective), or None; ``latest`` is not read.
+
+    Rank 0 walks the ``step_<N>`` directories from the newest, skipping (with one warning line each) those
+    without a manifest or whose files have the wrong sizes; every rank then checksums its share of the
+    candidate's files, and a mismatch anywhere moves on to the next older one."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    names = step_directories(directory) if me == 0 else []
+    while True:
+        payload: list[Any] = [_next_candidate(directory, names) if me == 0 else None]
+        dist.broadcast_object_list(payload, src=0)
+        if payload[0] is None:
+            return None
+        path, manifest = payload[0]
+        problems: list[Any] = [None] * world
+        dist.all_gather_object(problems, checksum_problem(path, manifest.files[me::world]))
+        bad = [p for p in problems if p]
+        if not bad:
+            return str(path)
+        if me == 0:
+            log.warning(f"skipping damaged checkpoint {path}: {bad[0]}")
+
+
+def _next_candidate(directory: str, names: list[str]) -> tuple[str, Manifest] | None:
+    """Pop ``names`` (newest first) until one has a manifest and the files' sizes agree with it."""
+    while names:
+        path = os.path.join(directory, names.pop(0))
+        manifest, why = read_manifest(path)
+        problem = why if manifest is None else size_problem(path, manifest)
+        if problem is None and manifest is not None:
+            return path, manifest
+        log.warning(f"skipping {'incomplete' if manifest is None else 'damaged'} checkpoint {path}: {problem}")
+    return None
 
 
 def load_checkpoint(path: str, *, params: RankParameters, optimizer: torch.optim.Optimizer) -> TrainState:

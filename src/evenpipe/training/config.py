@@ -285,7 +285,10 @@ class CheckpointOptions:
     resume: bool = False
     """Start from the newest complete checkpoint in ``directory`` when there is one."""
     keep: int = 2
-    """Newest checkpoints kept; older ones are deleted after a save."""
+    """Newest checkpoints kept; older ones are deleted after a save (never the one just saved nor a newer one)."""
+    overwrite: bool = False
+    """Start at step 0 in a directory holding checkpoints; they are deleted once this job's first save is
+    complete. Without it (or ``resume``) such a directory is refused."""
 
     def __post_init__(self) -> None:
         if self.every is not None:
@@ -293,6 +296,8 @@ class CheckpointOptions:
         _at_least("keep-checkpoints", self.keep, 1)
         if self.directory is None and (self.every is not None or self.resume):
             raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
+        if self.overwrite and (self.directory is None or self.resume):
+            raise ConfigError("--overwrite-checkpoints needs --checkpoint-dir and contradicts --resume")
 
     def due(self, steps_done: int, total_steps: int) -> bool:
         """Whether to save after ``steps_done`` steps."""

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from evenpipe.runtime.comm import ParallelGroups, build_groups, init_from_env
 from evenpipe.runtime.mesh import MeshDim
-from evenpipe.training.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from evenpipe.training.checkpoint import TrainState, load_checkpoint, newest_complete_checkpoint, save_checkpoint
+from evenpipe.training.checkpoint_manifest import step_directories
 from evenpipe.training.config import Backend, RuntimeOptions, Sharding, TrainConfig
 from evenpipe.training.fault import Watchdog, timeout_after_step
 from evenpipe.training.metrics import MetricsSink, StepMetrics, format_progress
@@ -56,6 +57,9 @@ class _Job:
     """Whether an activation stash measures memory."""
     model: dict[str, Any]
     """What was trained: ``{"source", "class", "num_params"}``."""
+    replaced: tuple[str, ...] = ()
+    """Checkpoints of an earlier run, found at the start, that ``--overwrite-checkpoints`` deletes once this job's
+    first save is complete."""
 
 
 @dataclass(slots=True)
@@ -256,25 +260,35 @@ def _evaluate(job: _Job, watch: Watchdog) -> float:
 
 
 def _resume(job: _Job, watch: Watchdog) -> TrainState:
-    """The newest checkpoint's state when resuming (parameters and optimizer loaded), else step 0."""
+    """The newest complete checkpoint's state when resuming (parameters and optimizer loaded), else step 0."""
     ck = job.config.checkpoint
-    path = latest_checkpoint(ck.directory) if ck.resume and ck.directory else None
+    if ck.directory and ck.overwrite and dist.get_rank() == 0:
+        job.replaced = tuple(step_directories(ck.directory))
+    if not (ck.resume and ck.directory):
+        return TrainState(step=0, samples=0)
+    watch.progress("finding the newest complete checkpoint", watched=False)
+    path = newest_complete_checkpoint(ck.directory)
     if path is None:
-        if ck.resume and dist.get_rank() == 0:
-            log.info(f"no checkpoint in {ck.directory}; starting at step 0")
+        if dist.get_rank() == 0:
+            log.info(f"no complete checkpoint in {ck.directory}; starting at step 0")
         return TrainState(step=0, samples=0)
     watch.progress("loading a checkpoint", watched=False)
     state = load_checkpoint(path, params=job.params, optimizer=job.optimizer)
     if dist.get_rank() == 0:
-        log.info(f"resumed from {path} at step {state.step}")
+        log.info(f"resuming from {path} (step {state.step})")
     return state
 
 
 def _save(job: _Job, watch: Watchdog, state: TrainState) -> None:
-    ck = job.config.checkpoint
+    ck, rt = job.config.checkpoint, job.config.runtime
     assert ck.directory is not None
     watch.progress("saving a checkpoint", watched=False)
-    path = save_checkpoint(ck.directory, params=job.params, optimizer=job.optimizer, state=state, keep=ck.keep)
+    world = {"world": dist.get_world_size(), "pp": job.config.schedule.num_ranks, "dp": rt.dp, "tp": rt.tp,
+             "schedule": job.config.schedule.family.value, "sharding": rt.sharding.value,
+             "dtype": job.config.model.dtype.value}
+    path = save_checkpoint(ck.directory, params=job.params, optimizer=job.optimizer, state=state, keep=ck.keep,
+                           world=world, replaced=job.replaced)
+    job.replaced = ()
     watch.progress()
     if dist.get_rank() == 0:
         log.info(f"saved {path}")
