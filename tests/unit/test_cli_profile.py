@@ -160,3 +160,37 @@ def test_unwritable_out_is_refused_before_measuring(tmp_path: pathlib.Path, caps
     from evenpipe.commands.profile import _check_writable
     _check_writable(created)
     assert created.parent.is_dir()
+
+
+def test_a_fit_through_as_many_sizes_as_terms_is_called_exact() -> None:
+    """Two sizes and the two terms 1 + b: the fit passes through both points by construction, so the report says
+    so instead of a 0.0% residual; with three sizes the residual is a real check and is shown."""
+    from evenpipe.commands.profile import fit_report
+    two = fit_report(make_profile(sizes=(1, 2), fixed=1.0))
+    block = next(line for line in two.splitlines() if line.startswith("block     forward_s"))
+    assert "exact" in block and "%" not in block
+    assert "(exact: as many profiled sizes as fit terms (2)" in two
+    three = fit_report(make_profile(sizes=(1, 2, 4), curve=0.3))
+    block = next(line for line in three.splitlines() if line.startswith("block     forward_s"))
+    assert "exact" not in block and block.rstrip().endswith("%") and "(exact:" not in three
+
+
+def test_the_report_gives_every_latency_in_milliseconds() -> None:
+    from evenpipe.commands.profile import fit_report
+    text = fit_report(make_profile())
+    assert " us" not in text
+    assert "latency 0.100 ms" in text and "fixed per step (loss broadcast): 0.050 ms" in text
+
+
+def test_progress_is_one_flushed_line_per_step_when_stderr_is_not_a_terminal(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    from evenpipe.runtime.profile import _Progress
+    progress = _Progress(3, enabled=True)
+    for what in ("layers, round 1/1", "optimizer step", "point-to-point messages"):
+        progress.step(what)
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.count("\n") == 3
+    assert err.splitlines()[1].startswith("profiling 2/3: optimizer step done (")
+    _Progress(3, enabled=False).step("x")
+    assert capsys.readouterr().err == ""

@@ -102,3 +102,21 @@ def test_tp_and_sharding_reach_the_launcher_in_the_world_size(no_launch: list[ob
     from evenpipe.training.config import Sharding
     assert nproc == 8 and config.world_size == 8
     assert config.runtime.tp == 2 and config.runtime.sharding is Sharding.OPTIMIZER
+
+
+def test_train_starts_with_a_header_of_model_world_and_batches(no_launch: list[object],
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--model", "gpt-tiny", "--stages", "2", "--dp", "2", "--microbatches", "4",
+                 "--global-batch", "24", "--steps", "3", "--schedule", "bpipe", "--backend", "gloo"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("train gpt-tiny: 220,544 parameters (float32), world 4 = pp 2 x dp 2 x tp 1 (gloo)")
+    assert lines[1].strip() == "global batch 24 sequences of 64 tokens = 4 micro-batches of 3 sequence(s) x dp 2; " \
+        "3 steps"
+    assert len(no_launch) == 1
+
+
+def test_train_help_gives_the_microbatch_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "sequences per micro-batch b (default 2;" in text and "micro-batches per step M (default 8)" in text

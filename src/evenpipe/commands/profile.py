@@ -9,7 +9,7 @@ import pathlib
 import sys
 
 from evenpipe.cost.profile import LayerKind, Profile
-from evenpipe.cost.profile_fit import ProfileModel, link_from_profile
+from evenpipe.cost.profile_fit import Fit, ProfileModel, link_from_profile
 from evenpipe.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "parse_int_list", "fit_report"]
@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="profile.json", help="profile JSON to write (default profile.json)")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="efficiency picture (default efficiency_vs_microbatch.png next to --out)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (a bar on a terminal, else one line per step)")
 
 
 def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -69,8 +70,17 @@ def _model_config(args: argparse.Namespace, seq_lens: tuple[int, ...]):  # -> Mo
 
 def _fmt(v: float, quantity: str) -> str:
     if quantity.endswith("_s"):
-        return f"{v * 1e3:10.3f} ms"
+        return f"{v * 1e3:11.3f} ms"
     return f"{v / 2**20:10.3f} MiB"
+
+
+def _resid(fit: Fit) -> str:
+    """The residual cell: ``exact`` where the fit has as many terms as distinct points and passes through them
+    (nothing is left to measure the fit against), else the largest relative residual."""
+    distinct = len({xs for xs, _ in fit.points})
+    if distinct <= sum(1 for c in fit.coefficients if c != 0) and fit.max_abs_residual < 1e-9:
+        return f"{'exact':>10s} "
+    return f"{fit.max_abs_residual:10.1%} "
 
 
 def fit_report(profile: Profile, predict_sizes: tuple[int, ...] = ()) -> str:
@@ -95,21 +105,24 @@ def fit_report(profile: Profile, predict_sizes: tuple[int, ...] = ()) -> str:
             fit = model.fits[(kind, q)]
             row = f"{kind.value:9s} {q:18s}" + "".join(
                 (_fmt(samples[b].value(q), q) if b in samples else f"{'-':>14s}") for b in sizes)
-            row += f"{fit.max_abs_residual:10.1%} " + "".join(
+            row += _resid(fit) + "".join(
                 f"{_fmt(getattr(model.predict(kind, b), q), q):>15s}" for b in extra)
             lines.append(row)
+    if any("exact" in line for line in lines[4:]):
+        lines.append(f"(exact: as many profiled sizes as fit terms ({len(model.features)}), so the fit passes through "
+                     "every point by construction and has no residual to show; profile more sizes to test it)")
     opt = ", ".join(f"{k.value} {v * 1e3:.2f} ms" for k, v in profile.optimizer_s.items())
     lines += ["", f"after the schedule (gradient norm and AdamW) per layer: {opt}"]
     link = link_from_profile(profile)
     if profile.link:
         bw = link.bandwidth_bytes_per_s
-        lines.append(f"point-to-point ({profile.machine.backend}): latency {link.latency_s * 1e6:.0f} us, "
+        lines.append(f"point-to-point ({profile.machine.backend}): latency {link.latency_s * 1e3:.3f} ms, "
                      f"bandwidth {bw / 1e9:.2f} GB/s (fit over {len(profile.link)} sizes, "
                      f"{profile.link[0].num_bytes} B .. {profile.link[-1].num_bytes / 2**20:.0f} MiB)")
     if profile.handoff_latency_s > 0:
         lines.append(f"a hand-off between computing processes ({profile.handoff_bytes / 2**10:.0f} KiB): "
-                     f"{profile.handoff_latency_s * 1e3:.2f} ms mean with its receive waiting (the link's latency: "
-                     f"{link.latency_s * 1e6:.0f} us), {profile.late_receive_s * 1e3:.2f} ms more when the receive "
+                     f"{profile.handoff_latency_s * 1e3:.3f} ms mean with its receive waiting (the link's latency: "
+                     f"{link.latency_s * 1e3:.3f} ms), {profile.late_receive_s * 1e3:.3f} ms more when the receive "
                      "is posted after the send")
     if profile.alternation_blocks > 0:
         lines.append(f"two chunks of {profile.alternation_blocks} block(s) on one rank in interleaved order: "
@@ -118,7 +131,7 @@ def fit_report(profile: Profile, predict_sizes: tuple[int, ...] = ()) -> str:
     if profile.transfer_cpu_s_per_byte > 0:
         lines.append(f"a transfer's cost to the computes at both ends: {profile.transfer_cpu_s_per_byte * 2**20 * 1e3:.3f} "
                      "ms per MiB sent or received")
-    lines.append(f"fixed per step (loss broadcast): {profile.step_overhead_s * 1e6:.0f} us")
+    lines.append(f"fixed per step (loss broadcast): {profile.step_overhead_s * 1e3:.3f} ms")
     eff = model.efficiency(sorted(set(sizes) | set(extra)))
     lines += ["", "achieved FLOP/s of one block (forward):"]
     for p in eff:
@@ -159,7 +172,10 @@ def run(args: argparse.Namespace) -> int:
                                  block_chain=args.block_chain)
         out = pathlib.Path(args.out)
         _check_writable(out)  # before minutes of measuring, not after
-        profile = profile_model(options, show_progress=not args.no_progress and sys.stderr.isatty())
+        if not args.no_progress:
+            print(f"profiling {name} at micro-batch sizes {','.join(map(str, sizes))} on {args.device} "
+                  f"({args.processes} process(es) at once) into {out}", file=sys.stderr, flush=True)
+        profile = profile_model(options, show_progress=not args.no_progress)
         out.write_text(profile.to_json())
         print(f"wrote {out}")
     predict = parse_int_list(args.predict_sizes, "--predict-sizes") if args.predict_sizes else \

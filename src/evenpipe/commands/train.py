@@ -18,7 +18,7 @@ from evenpipe.schedule.family import ScheduleFamily
 if TYPE_CHECKING:
     from evenpipe.training.config import DataSource, TrainConfig
 
-__all__ = ["add_arguments", "run", "build_config", "check_fits_machine"]
+__all__ = ["add_arguments", "run", "build_config", "check_fits_machine", "header"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,16 +33,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"schedule family: {', '.join(f.value for f in ScheduleFamily)} (default 1f1b)")
     p.add_argument("--bpipe", action="store_true",
                    help="apply BPipe to the schedule (1f1b, interleaved, gpipe, looped-bfs, zb-h1)")
-    p.add_argument("--stages", type=int, default=4, help="pipeline ranks P (1 runs un-pipelined)")
-    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step M")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = stages x dp x tp)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (divides the heads)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline ranks P (default 4; 1 runs un-pipelined)")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step M (default 8)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1; world = stages x dp x tp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (default 1; divides the heads)")
     p.add_argument("--sharding", default="none",
                    help="sharded data parallelism: none, optimizer (distributed optimizer) or full (FSDP2)")
     p.add_argument("--chunks", type=int, default=None,
                    help="stages per rank V (interleaved, looped-bfs; default 1); the V-shaped families use 2")
-    p.add_argument("--microbatch-size", type=int, default=2, help="sequences per micro-batch b")
+    p.add_argument("--microbatch-size", type=int, default=2,
+                   help="sequences per micro-batch b (default 2; with --global-batch, b = global batch / "
+                        "(microbatches x dp))")
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per step (default: microbatch-size x microbatches x dp)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
@@ -203,11 +205,27 @@ def _abs(path: str | None) -> str | None:
     return os.path.abspath(path) if path else None
 
 
+def header(config: TrainConfig) -> str:
+    """The lines ``train`` starts with: model and parameters, world, batch, micro-batches, schedule, steps."""
+    sched, rt = config.schedule, config.runtime
+    model = config.model.resolve()
+    per_replica = config.data.global_batch // (sched.num_microbatches * rt.dp)
+    schedule = sched.family.value + (" + bpipe" if sched.bpipe else "")
+    return (f"train {config.model.name}: {model.num_params:,} parameters ({config.model.dtype.value}), "
+            f"world {config.world_size} = pp {sched.num_ranks} x dp {rt.dp} x tp {rt.tp} ({rt.backend.value}), "
+            f"schedule {schedule}\n"
+            f"  global batch {config.data.global_batch} sequences of {config.seq_len} tokens = "
+            f"{sched.num_microbatches} micro-batches of {per_replica} sequence(s) x dp {rt.dp}; {rt.steps} step"
+            + ("" if rt.steps == 1 else "s"))
+
+
 def run(args: argparse.Namespace) -> int:
     from evenpipe.runtime.rendezvous import under_torchrun
     from evenpipe.training.launch import launch_local
 
     config = build_config(args)
+    if os.environ.get("RANK", "0") == "0":  # once: the launcher here, or rank 0 under torchrun
+        print(header(config), flush=True)
     if under_torchrun():
         from evenpipe.training.worker import run_worker
         run_worker(config)

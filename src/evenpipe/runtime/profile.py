@@ -157,21 +157,27 @@ class _Timer:
 
 
 class _Progress:
-    """A one-line progress bar on stderr (only when stderr is a terminal or ``force``)."""
+    """Progress on stderr when ``enabled``: a one-line bar redrawn in place on a terminal, else one line per
+    finished step (a log file or a pipe gets no carriage returns), flushed as it happens."""
 
     def __init__(self, total: int, *, enabled: bool) -> None:
         self.total, self.done, self.enabled = max(1, total), 0, enabled
         self.t0 = time.perf_counter()
+        self.bar = enabled and sys.stderr.isatty()
 
     def step(self, what: str) -> None:
         self.done += 1
         if not self.enabled:
             return
+        elapsed = time.perf_counter() - self.t0
+        if not self.bar:
+            sys.stderr.write(f"profiling {self.done}/{self.total}: {what} done ({elapsed:.0f} s)\n")
+            sys.stderr.flush()
+            return
         frac = min(1.0, self.done / self.total)
         bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
         end = "\n" if self.done >= self.total else ""
-        sys.stderr.write(f"\rprofiling [{bar}] {self.done}/{self.total} {what:<34.34s} "
-                         f"{time.perf_counter() - self.t0:5.0f} s{end}")
+        sys.stderr.write(f"\rprofiling [{bar}] {self.done}/{self.total} {what:<34.34s} {elapsed:5.0f} s{end}")
         sys.stderr.flush()
 
 
