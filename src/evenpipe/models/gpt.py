@@ -8,13 +8,14 @@ import torch
 from torch import nn
 
 from evenpipe.models.config import ModelConfig
+from evenpipe.models.documents import Documents
 from evenpipe.models.layers import CausalSelfAttention, check_seq_len
 
 __all__ = ["GPTEmbedding", "GPTBlock", "GPTHead"]
 
 
 class GPTEmbedding(nn.Module):
-    """Tokens ``[B, T]`` (int64) -> hidden ``[B, T, h]``."""
+    """Tokens ``[B, T]`` (int64) -> hidden ``[B, T, h]``; with ``documents``, positions restart per document."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -23,9 +24,12 @@ class GPTEmbedding(nn.Module):
         self.pos = nn.Embedding(cfg.num_positions, cfg.hidden)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         check_seq_len(tokens.shape[-1], self.cfg)
-        positions = torch.arange(tokens.shape[-1], device=tokens.device)
+        if documents is None:
+            positions = torch.arange(tokens.shape[-1], device=tokens.device)
+        else:
+            positions = documents.positions  # [B, T], restarting per document
         return self.drop(self.tok(tokens) + self.pos(positions))
 
 
@@ -52,8 +56,8 @@ class GPTBlock(nn.Module):
         self.mlp = _MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), documents))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 

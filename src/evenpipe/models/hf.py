@@ -9,7 +9,9 @@ loaded from a local ``save_pretrained`` directory holding safetensors weights; n
 Each block wrapper builds what the model's own forward would pass its layers: position ids ``0..T-1``, the causal
 mask (``transformers.masking_utils.create_causal_mask`` with the model's config, so eager and SDPA attention both
 work) and, for rotary models, the position embeddings from the model's rotary module, which every block holds (it
-has buffers only). ``use_cache`` is off. A tied input/output embedding stays tied: ``PipelineParts.tied`` names
+has buffers only). With :class:`evenpipe.models.documents.Documents` (packed rows) the position ids restart per
+document and ``create_causal_mask`` reads the packing from them (its packed-sequence path), so attention stays
+inside each document. ``use_cache`` is off. A tied input/output embedding stays tied: ``PipelineParts.tied`` names
 it, so two ranks holding copies sum its gradient before the optimizer step. The loss is the model's own
 ``loss_function`` (``ForCausalLMLoss``) with ``shift_labels`` = the next tokens.
 """
@@ -27,6 +29,7 @@ from torch import nn
 from evenpipe.cost.specs import from_hf_config, read_hf_config
 from evenpipe.errors import ConfigError, choice_error
 from evenpipe.models.adapter import PipelineModel
+from evenpipe.models.documents import Documents
 from evenpipe.models.lm import PipelineParts
 
 __all__ = ["hf_model", "HF_SPLITS", "has_weights", "require_transformers"]
@@ -61,7 +64,9 @@ HF_SPLITS: dict[str, HFSplit] = {
 """The module-name split of each supported ``model_type``."""
 
 
-def _positions(x: torch.Tensor) -> torch.Tensor:
+def _positions(x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+    if documents is not None:
+        return documents.positions  # [B, T], restarting per document
     return torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # [1, T]
 
 
@@ -74,10 +79,10 @@ class HFEmbedding(nn.Module):
         self.positions = positions
         self.dropout = dropout
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         x = self.tok(tokens)
         if self.positions is not None:
-            x = x + self.positions(_positions(tokens))
+            x = x + self.positions(_positions(tokens, documents))
         return self.dropout(x) if self.dropout is not None else x
 
 
@@ -90,9 +95,9 @@ class HFBlock(nn.Module):
         self.rotary = rotary
         self._config = config
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
-        position_ids = _positions(x)
+        position_ids = _positions(x, documents)
         mask = create_causal_mask(config=self._config, inputs_embeds=x, attention_mask=None, past_key_values=None,
                                   position_ids=position_ids)
         extra = {"position_embeddings": self.rotary(x, position_ids=position_ids)} if self.rotary is not None else {}

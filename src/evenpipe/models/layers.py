@@ -2,6 +2,9 @@
 grouped-query heads and rotary positions) and the rotary table.
 
 Shapes: ``B`` batch, ``T`` sequence, ``H`` query heads, ``K`` key/value heads, ``D`` head width.
+
+With :class:`evenpipe.models.documents.Documents` (packed rows), attention is masked block-diagonally (causal
+within each document) and rotary positions restart per document; without, the causal path is unchanged.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from torch import nn
 
 from evenpipe.errors import ConfigError
 from evenpipe.models.config import Attention, ModelConfig
+from evenpipe.models.documents import Documents
 
 __all__ = ["CausalSelfAttention", "rotary_table", "apply_rotary", "check_seq_len"]
 
@@ -35,37 +39,47 @@ def rotary_table(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, H, T, D]`` by the first ``T`` rows of the table."""
-    seq = x.shape[-2]
-    cos, sin = cos[:seq].to(x.dtype), sin[:seq].to(x.dtype)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate ``x`` ``[B, H, T, D]`` by the first ``T`` rows of the table, or by the rows ``positions``
+    ``[B, T]`` (positions that restart per document)."""
+    if positions is None:
+        seq = x.shape[-2]
+        cos, sin = cos[:seq].to(x.dtype), sin[:seq].to(x.dtype)
+    else:
+        cos, sin = cos[positions].unsqueeze(1).to(x.dtype), sin[positions].unsqueeze(1).to(x.dtype)  # [B, 1, T, D]
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
-def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``mask`` ``[B, 1, T, T]`` (True: may attend) replaces the causal mask."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # query head i reads key/value head i // groups (as SDPA's enable_gqa)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     seq = q.shape[-2]
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [B, H, T, T]
-    future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(future, float("-inf"))
+    hidden = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1) if mask is None else ~mask
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
     return probs @ v
 
 
-def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``mask`` ``[B, 1, T, T]`` (True: may attend) replaces ``is_causal``."""
+    causal = {"is_causal": True} if mask is None else {"attn_mask": mask}
     if q.shape[1] != k.shape[1]:
         try:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=True, **causal)
         except TypeError:  # torch < 2.5 has no enable_gqa
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **causal)
 
 
 class CausalSelfAttention(nn.Module):
@@ -87,7 +101,7 @@ class CausalSelfAttention(nn.Module):
             self.register_buffer("rope_cos", rotary[0], persistent=False)
             self.register_buffer("rope_sin", rotary[1], persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
@@ -95,7 +109,13 @@ class CausalSelfAttention(nn.Module):
         q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, T, D]
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        dropout = self.dropout if self.training else 0.0
+        positions = None if documents is None else documents.positions  # None: 0..T-1, the plain causal path
         if self.rotary:
-            q, k = apply_rotary(q, self.rope_cos, self.rope_sin), apply_rotary(k, self.rope_cos, self.rope_sin)
-        out = self.attend(q, k, v, self.dropout if self.training else 0.0)  # [B, H, T, D]
+            q = apply_rotary(q, self.rope_cos, self.rope_sin, positions)
+            k = apply_rotary(k, self.rope_cos, self.rope_sin, positions)
+        if documents is None:
+            out = self.attend(q, k, v, dropout)  # [B, H, T, D]
+        else:
+            out = self.attend(q, k, v, dropout, documents.mask)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from evenpipe.models.config import ModelConfig
+from evenpipe.models.documents import Documents
 from evenpipe.models.layers import CausalSelfAttention, check_seq_len
 
 __all__ = ["LlamaEmbedding", "LlamaBlock", "LlamaHead"]
@@ -22,7 +23,8 @@ class LlamaEmbedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """``documents`` is accepted for a uniform signature; LLaMA's positions are rotary (in attention)."""
         check_seq_len(tokens.shape[-1], self.cfg)
         return self.drop(self.tok(tokens))
 
@@ -51,8 +53,8 @@ class LlamaBlock(nn.Module):
         self.mlp = _SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), documents))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 

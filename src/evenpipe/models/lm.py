@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from evenpipe.models.config import Arch, ModelConfig
+from evenpipe.models.documents import Documents
 from evenpipe.models.gpt import GPTBlock, GPTEmbedding, GPTHead
 from evenpipe.models.layers import rotary_table
 from evenpipe.models.llama import LlamaBlock, LlamaEmbedding, LlamaHead
@@ -45,7 +46,8 @@ class PipelineParts:
 
 
 class TransformerLM(nn.Module):
-    """A decoder-only language model built from a :class:`ModelConfig`; ``forward(tokens) -> logits``."""
+    """A decoder-only language model built from a :class:`ModelConfig`; ``forward(tokens) -> logits``, or
+    ``forward(tokens, documents)`` for packed rows (attention kept inside each document)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -62,10 +64,10 @@ class TransformerLM(nn.Module):
         if cfg.tied_embeddings:
             self.last.head.weight = self.first.tok.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.first(tokens)
+    def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        x = self.first(tokens, documents)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, documents)
         return self.last(x)
 
     def pipeline_parts(self) -> PipelineParts:

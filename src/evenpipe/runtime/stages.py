@@ -15,6 +15,7 @@ from torch import nn
 
 from evenpipe.cost.parallel import check_layout
 from evenpipe.errors import ConfigError
+from evenpipe.models.documents import Documents
 from evenpipe.models.lm import PipelineParts
 
 __all__ = ["partition_layers", "stage_block_counts", "StageModule", "build_stage_modules", "param_count"]
@@ -130,11 +131,18 @@ class StageModule(nn.Module):
         """The last stage: returns logits."""
         return self.stage == self.num_stages - 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first is not None:
-            x = self.first(x)
-        for block in self.blocks:
-            x = block(x)
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """``documents``: the micro-batch's document boundaries (packed rows), or None for plain causal rows."""
+        if documents is None:
+            if self.first is not None:
+                x = self.first(x)
+            for block in self.blocks:
+                x = block(x)
+        else:
+            if self.first is not None:
+                x = self.first(x, documents)
+            for block in self.blocks:
+                x = block(x, documents)
         if self.last is not None:
             x = self.last(x)
         return x
