@@ -13,7 +13,7 @@ from typing import TypeVar
 from evenpipe.commands.model_args import add_model_arguments, add_profile_arguments, parse_layout, source_from_args
 from evenpipe.cost import Attention, Hardware, ModelSpec, Recompute
 from evenpipe.cost.source import CostSource
-from evenpipe.cost.parallel import describe_layout
+from evenpipe.cost.parallel import describe_layout, join_bpipe, split_bpipe
 from evenpipe.errors import ConfigError, choice_error
 from evenpipe.plan.launch import LaunchCommand, launch_command
 from evenpipe.plan.explain import BPipeExplanation, ComponentDelta, Eater, Lever, Verdict, explain_bpipe
@@ -86,9 +86,9 @@ def _parse_schedules(text: str | None) -> tuple[tuple[ScheduleFamily, ...], tupl
         return _parse_enum_list(",".join(names), ScheduleFamily, "--schedules", "schedule", ()) if names else ()
     transformed = parse([t[:-len(suffix)] for t in tokens if t.lower().endswith(suffix)])
     plain = [t for t in tokens if not t.lower().endswith(suffix)]
-    if ScheduleFamily.ONE_F_ONE_B in transformed:  # 1f1b+bpipe is schedule bpipe
-        plain.append(ScheduleFamily.BPIPE.value)
-        transformed = tuple(f for f in transformed if f is not ScheduleFamily.ONE_F_ONE_B)
+    named = [(f, join_bpipe(f)) for f in transformed]  # 1f1b+bpipe is schedule bpipe
+    plain += [n.value for _, n in named if n is not None]
+    transformed = tuple(f for f, n in named if n is None)
     families = parse(plain)
     if not families and not transformed:
         raise ConfigError("--schedules needs at least one schedule")
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         space = _profile_space(args, space)
         if args.explain == "bpipe" and args.memory_gib is None:
             raise ConfigError("--explain bpipe --profile needs --memory-gib (BPipe pays only by what memory buys)")
-    if args.explain == "bpipe" and ScheduleFamily.BPIPE not in space.schedules:
+    if args.explain == "bpipe" and not any(split_bpipe(f)[1] for f in space.schedules):
         space = _replace(space, schedules=space.schedules + (ScheduleFamily.BPIPE,))
     searcher = Searcher.over(source)
     t0 = time.perf_counter()
@@ -305,8 +305,8 @@ def _lever_lines(e: BPipeExplanation) -> list[str]:
 def _plain_name(e: BPipeExplanation) -> str:
     """The BPipe configuration's schedule without eviction (1F1B for schedule ``bpipe``)."""
     assert e.bpipe is not None
-    family = e.bpipe.config.schedule
-    return "1F1B" if family is ScheduleFamily.BPIPE else family.value
+    family, _ = split_bpipe(e.bpipe.config.schedule)
+    return family.value.upper() if family is ScheduleFamily.ONE_F_ONE_B else family.value
 
 
 def _fmt(deltas: tuple[ComponentDelta, ...]) -> str:

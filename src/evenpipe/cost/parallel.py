@@ -18,7 +18,7 @@ from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.specs import ModelSpec
 
 __all__ = ["Recompute", "Attention", "ParallelConfig", "check_config", "check_pipeline", "ScheduleFamily", "check_layout",
-           "end_lighter_layout", "balanced_layout", "stage_layers", "candidate_layouts", "describe_layout"]
+           "end_lighter_layout", "balanced_layout", "stage_layers", "split_bpipe", "join_bpipe", "candidate_layouts", "describe_layout"]
 
 
 class Recompute(enum.Enum):
@@ -104,7 +104,7 @@ class ParallelConfig:
     @property
     def uses_bpipe(self) -> bool:
         """Whether ranks evict activations to their BPipe partners (``--bpipe``, or schedule ``bpipe``)."""
-        return self.bpipe or self.schedule is ScheduleFamily.BPIPE
+        return self.bpipe or split_bpipe(self.schedule)[1]
 
     @property
     def schedule_name(self) -> str:
@@ -132,6 +132,19 @@ class ParallelConfig:
                 f"attention={self.attention.value}" + (" sp" if self.sequence_parallel else "")
                 + (" distopt" if self.distributed_optimizer else "")
                 + (f" layout={describe_layout(self.layout)}" if self.layout is not None else ""))
+
+
+def split_bpipe(family: ScheduleFamily) -> tuple[ScheduleFamily, bool]:
+    """The family a schedule name orders its computes by, and whether the name carries BPipe's evict/load
+    transform: ``bpipe`` is 1F1B with it. The one place that reads a family name as family plus transform."""
+    return (ScheduleFamily.ONE_F_ONE_B, True) if family is ScheduleFamily.BPIPE else (family, False)
+
+
+def join_bpipe(family: ScheduleFamily) -> ScheduleFamily | None:
+    """The schedule name of ``family`` with BPipe's transform when one exists (``bpipe`` for 1F1B), else None
+    (the inverse of :func:`split_bpipe`)."""
+    named = ScheduleFamily.BPIPE
+    return named if split_bpipe(named)[0] is family else None
 
 
 def check_layout(num_layers: int, num_stages: int, layout: "tuple[int, ...] | list[int]") -> None:

@@ -18,6 +18,7 @@ import enum
 from dataclasses import dataclass
 
 from evenpipe.cost import Estimate, ParallelConfig, Recompute
+from evenpipe.cost.parallel import split_bpipe
 from evenpipe.cost.source import shape_of
 from evenpipe.errors import ConfigError
 from evenpipe.plan.search import Candidate, Searcher, SearchSpace
@@ -217,7 +218,7 @@ def explain_bpipe(searcher: Searcher, *, num_gpus: int, global_batch: int, space
     if margin < 0:
         raise ConfigError(f"margin must be >= 0, got {margin}")
     space = space or SearchSpace()
-    others = tuple(f for f in space.schedules if f is not ScheduleFamily.BPIPE) or (ScheduleFamily.ONE_F_ONE_B,)
+    others = tuple(f for f in space.schedules if not split_bpipe(f)[1]) or (ScheduleFamily.ONE_F_ONE_B,)
     baseline = searcher.search(num_gpus=num_gpus, global_batch=global_batch, top_k=1,
                                space=dataclasses.replace(space, schedules=others, bpipe_schedules=())).best
     usable = searcher.usable_memory_gib
@@ -234,7 +235,7 @@ def explain_bpipe(searcher: Searcher, *, num_gpus: int, global_batch: int, space
         return _with_text(searcher, empty, num_gpus, global_batch)
     gain = baseline.step_time_s / bpipe.step_time_s - 1.0
     verdict = Verdict.PAYS if gain > margin else Verdict.DOES_NOT_PAY if gain < -margin else Verdict.MARGINAL
-    plain = ScheduleFamily.ONE_F_ONE_B if bpipe.config.schedule is ScheduleFamily.BPIPE else bpipe.config.schedule
+    plain = split_bpipe(bpipe.config.schedule)[0]
     twin_cfg = dataclasses.replace(bpipe.config, schedule=plain, bpipe=False, bpipe_budget=None)
     twin_fits = searcher.fits(twin_cfg)
     twin_est = Candidate(config=twin_cfg, estimate=searcher.estimate(twin_cfg))

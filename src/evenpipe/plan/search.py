@@ -38,6 +38,7 @@ from evenpipe.cost import (
     candidate_layouts,
     end_lighter_layout,
 )
+from evenpipe.cost.parallel import split_bpipe
 from evenpipe.cost.analytic_source import AnalyticSource
 from evenpipe.cost.estimate import estimate_with
 from evenpipe.cost.memory import layer_states_per_rank_gib, stage_memory
@@ -110,10 +111,10 @@ class SearchSpace:
         if not self.schedules and not self.bpipe_families:
             raise ConfigError("the search space needs at least one schedule")
         bad = [f.value for f in self.bpipe_families
-               if f is ScheduleFamily.BPIPE or Transform.BPIPE not in f.traits.transforms]
+               if split_bpipe(f)[1] or Transform.BPIPE not in f.traits.transforms]
         if bad:
             allowed = [f.value for f in ScheduleFamily if Transform.BPIPE in f.traits.transforms
-                       and f is not ScheduleFamily.BPIPE]
+                       and not split_bpipe(f)[1]]
             raise ConfigError(f"bpipe does not apply to schedule {bad[0]}; allowed: {', '.join(allowed)}")
         if not self.recomputes:
             raise ConfigError("the search space needs at least one recomputation policy")
@@ -129,7 +130,7 @@ class SearchSpace:
         """The families tried with BPipe's transform (``bpipe_schedules`` resolved)."""
         if self.bpipe_schedules is not None:
             return self.bpipe_schedules
-        if ScheduleFamily.BPIPE not in self.schedules:
+        if not any(split_bpipe(f)[1] for f in self.schedules):
             return ()
         return tuple(f for f in PLANNED_BPIPE_SCHEDULES if f in self.schedules)
 
@@ -291,7 +292,7 @@ def enumerate_configs(model: ModelSpec, hw: Hardware | None, *, num_gpus: int, g
                 if mbs > space.max_microbatch_size:
                     break
                 for family, bpipe in _schedule_options(space):
-                    evicts = bpipe or family is ScheduleFamily.BPIPE
+                    evicts = bpipe or split_bpipe(family)[1]
                     if pp == 1 and (family is not ScheduleFamily.ONE_F_ONE_B or bpipe):
                         continue
                     if evicts and pp < 3:
