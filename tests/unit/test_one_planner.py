@@ -87,3 +87,11 @@ def test_plan_explain_bpipe_answers_for_both_sources(source: str, tmp_path: path
 def test_the_duplicates_are_gone(gone: str) -> None:
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(gone)
+
+
+def test_one_source_at_a_time(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "profile.json"
+    profile.write_text(make_profile(layers=8).to_json())
+    code = main(["plan", *GPU, "--profile", str(profile), "--gpus", "4", "--global-batch", "16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "one of --gpu or --profile" in err and len(err.strip().splitlines()) == 1

@@ -299,7 +299,6 @@ def estimate_with(source: CostSource, cfg: ParallelConfig) -> Estimate:
     source.check(cfg)
     model = source.model
     pipeline = _simulated(source, cfg)
-    lt = source.layer_times(cfg, 0, shape_of(model, cfg))
     held = _holdings(source, cfg, pipeline)
     finish, opts = [], []
     for r in range(cfg.pp):
@@ -322,8 +321,9 @@ def estimate_with(source: CostSource, cfg: ParallelConfig) -> Estimate:
     budget = source.memory_budget_gib(critical)
     fits = all(t <= b for r, t in enumerate(totals) if (b := source.memory_budget_gib(r)) is not None)
     executed = executed_flops_per_step(model, cfg)
-    peak_rate = source.peak_flops(0)
-    peak_flops = peak_rate * cfg.num_gpus * step if peak_rate is not None else math.nan
+    rates = [source.peak_flops(r) for r in range(cfg.pp)]  # each pipeline rank's GPUs: tp·dp of them
+    peak_flops = math.nan if None in rates else sum(r or 0.0 for r in rates) * cfg.tp * cfg.dp * step
+    lt = source.layer_times(cfg, critical, shape_of(model, cfg))
     bd = _breakdown(pipeline, critical, lt, dp_exposed, opt, min(pipeline.step_time, finish[critical]))
     counts = source.param_counts(cfg)
     states = tuple(_state_bytes(source, cfg, r, held[r], counts) for r in range(cfg.pp))
