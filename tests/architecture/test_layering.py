@@ -35,7 +35,7 @@ ALLOWED = {
 ROOT = "evenpipe"
 """The package root's floor name (``evenpipe/__init__.py``); it may import only ``errors``."""
 _CORE = {"errors", "schedule", "sim", "cost", "plan"}
-_ENGINES = _CORE | {"report", "models", "runtime"}
+_ENGINES = _CORE | {"report", "models", "runtime", "dataset"}
 FLOORS: dict[str, set[str]] = {
     ROOT: {"errors"},
     "errors": set(),
@@ -43,9 +43,10 @@ FLOORS: dict[str, set[str]] = {
     "sim": {"errors", "schedule"},
     "cost": {"errors", "schedule", "sim"},
     "plan": {"errors", "schedule", "sim", "cost"},
+    "dataset": {"errors"},  # documents as they come (numpy, no torch)
     "report": _CORE,  # presentation of schedules, traces, estimates and plans (matplotlib)
     "models": _CORE,  # reference models as pipeline parts (torch)
-    "runtime": _CORE | {"report", "models"},  # the only torch.distributed; writes its trace through report
+    "runtime": _CORE | {"report", "models", "dataset"},  # the only torch.distributed; writes its trace through report
     "training": _ENGINES,  # job config, loop, launcher and workers, checkpoints, faults
     "pipeline": _ENGINES,  # the library's Pipeline over models and runtime
     "commands": _ENGINES | {"training", "pipeline"},  # one module per CLI subcommand
@@ -101,7 +102,7 @@ def test_planning_imports_without_torch() -> None:
         "    return real(name, *a, **k)\n"
         "builtins.__import__ = guard\n"
         "import pkgutil, importlib, evenpipe\n"
-        "for layer in ('schedule', 'sim', 'cost', 'plan'):\n"
+        "for layer in ('schedule', 'sim', 'cost', 'plan', 'dataset'):\n"
         "    pkg = importlib.import_module('evenpipe.' + layer)\n"
         "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
         "        importlib.import_module(m.name)\n"
