@@ -1,10 +1,14 @@
-"""Predict one configuration: simulate its schedule with the cost model, add data-parallel reduction and the
-optimizer step, and report time, utilisation and memory.
+"""Predict one configuration over a cost source (:mod:`evenpipe.cost.source`): simulate its schedule with the
+source's stage costs, add the data-parallel reduction and the optimizer step, and report time, utilisation and
+memory. :func:`estimate_with` is the one estimate of every planner command; :func:`estimate` is it over the
+analytic source.
 
 Step time = simulated pipeline makespan (compute, tensor-parallel collectives inside the stage durations,
 pipeline messages and BPipe transfers over their links, bubbles) + the data-parallel gradient reduction beyond
-each rank's last backward (it overlaps that backward when ``Efficiency.dp_overlap``; a rank that finishes early
-hides its reduction behind the ranks still working) + the optimizer step.
+each rank's last backward (it overlaps that backward when the source says so, ``Efficiency.dp_overlap`` for the
+analytic one; a rank that finishes early hides its reduction behind the ranks still working) + the optimizer
+step: after the last rank's reduction when the source's ranks wait for all (Megatron's global gradient clip),
+else each rank's after its own, the latest rank's counting + the source's fixed per-step cost.
 
 Utilisation conventions: ``mfu`` = model FLOPs (no recomputation; :func:`evenpipe.cost.flops.model_flops_per_step`)
 / (step time · GPUs · peak); ``hfu`` counts executed FLOPs (recomputation included); ``tflops_per_gpu`` is the

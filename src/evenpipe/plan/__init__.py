@@ -1,11 +1,13 @@
 """The planner (pure Python): search parallel configurations and schedules, and explain whether BPipe pays.
 
-:func:`plan_configs` (or a :class:`Searcher`, which caches across searches) returns a :class:`PlanResult` of
-:class:`Candidate` records; :func:`explain_bpipe` returns a :class:`BPipeExplanation`. Presentation lives in
+:func:`plan_configs` (or a :class:`Searcher`, which caches across searches; ``Searcher.over(source)`` for any
+cost source, analytic or profiled) returns a :class:`PlanResult` of :class:`Candidate` records;
+:func:`explain_bpipe` returns a :class:`BPipeExplanation`. Presentation lives in
 ``evenpipe.commands.plan``.
 """
 
-from evenpipe.plan.bounds import PipelineBounds, pipeline_bounds, stage_layout, step_time_lower_bound
+from evenpipe.plan.bounds import (PipelineBounds, pipeline_bounds, stage_layout, step_bound, step_time_lower_bound,
+                                  work_bound)
 from evenpipe.plan.explain import (
     TIME_COMPONENTS,
     BPipeExplanation,
@@ -13,6 +15,7 @@ from evenpipe.plan.explain import (
     Eater,
     Lever,
     Verdict,
+    answer_text,
     explain_bpipe,
 )
 from evenpipe.plan.search import (
@@ -29,6 +32,7 @@ from evenpipe.plan.search import (
 
 __all__ = [
     "PLANNED_SCHEDULES", "PLANNED_BPIPE_SCHEDULES", "Candidate", "PlanResult", "Searcher", "SearchSpace", "SearchStats", "enumerate_configs",
-    "plan_configs", "PipelineBounds", "pipeline_bounds", "stage_layout", "step_time_lower_bound",
-    "TIME_COMPONENTS", "BPipeExplanation", "ComponentDelta", "Eater", "Lever", "Verdict", "explain_bpipe",
+    "plan_configs", "PipelineBounds", "pipeline_bounds", "stage_layout", "step_time_lower_bound", "step_bound",
+    "work_bound", "TIME_COMPONENTS", "BPipeExplanation", "ComponentDelta", "Eater", "Lever", "Verdict",
+    "explain_bpipe", "answer_text",
 ]

@@ -3,15 +3,16 @@
 The search is branch and bound over a finite space:
 
 1. **enumerate** every (tp, pp, dp, chunks, micro-batch size, recomputation, schedule) that is structurally
-   plausible for the model, the GPU count and the global batch; ``check_config`` rejects the rest;
-2. **prune whole (tp, pp, dp) groups** whose model states alone overflow a rank (one ``memory_per_stage`` call
+   plausible for the model, the GPU count and the global batch; the cost source's ``check`` rejects the rest;
+2. **prune whole (tp, pp, dp) groups** whose model states alone overflow a rank (one ``stage_memory`` call
    per group);
 3. **bound** every remaining configuration from its stage costs (:mod:`evenpipe.plan.bounds`: no schedule, no
    simulation; a cheaper work bound first, which often suffices to skip it) and visit them in increasing bound
    order; a configuration whose bound cannot beat the ``k``-th best
    estimate so far is skipped, so the kept top ``k`` are exactly the top ``k`` of the whole space;
 4. for the others, skip it if **dominated** (a fitting twin with lighter recomputation), check **memory** with
-   :func:`evenpipe.cost.memory_per_stage` (closed form), and **estimate** it with :func:`evenpipe.cost.estimate`
+   :func:`evenpipe.cost.memory.stage_memory` (closed form), and **estimate** it with
+   :func:`evenpipe.cost.estimate.estimate_with`
    (which builds and simulates the schedule). Estimates, memory peaks and bounds are cached on the configuration
    in a :class:`Searcher`, so nothing is simulated twice across its searches.
 
@@ -325,7 +326,8 @@ class _Pending:
 
 
 class Searcher:
-    """Runs searches for one model, hardware and efficiency, caching estimates across searches.
+    """Runs searches over one cost source (the analytic one of a model and hardware, or any via :meth:`over`),
+    caching estimates across searches.
 
     The cache makes ``evenpipe plan --explain bpipe`` cheap: the twin configurations it asks about are usually
     already estimated by the search.
@@ -428,7 +430,7 @@ class Searcher:
         """Enumerate and check; drop (tp, pp, dp) groups whose model states alone overflow; bound the rest.
 
         Model states (weights, gradients, optimizer) depend only on (tp, pp, dp), the stages' placement and
-        layers and the optimizer's sharding, so one ``memory_per_stage`` call per group prunes every
+        layers and the optimizer's sharding, so one ``stage_memory`` call per group prunes every
         configuration of a group that cannot fit whatever its activations.
         """
         pending: list[_Pending] = []
@@ -490,7 +492,7 @@ class Searcher:
         Items enter with the cheap :func:`~evenpipe.plan.bounds.work_lower_bound` (no stage costs): one that cannot
         win on it is skipped as the exact bound would skip it later; otherwise it goes back in under its exact
         bound, so configurations are visited in exact-bound order all the same.
-        Memory is checked lazily, so configurations skipped by the bound never cost a ``memory_per_stage`` call.
+        Memory is checked lazily, so configurations skipped by the bound never cost a ``stage_memory`` call.
         A configuration whose lighter-recomputation twin fits is dominated: recomputation adds time and saves only
         memory (under BPipe only when the twin also evicts no more bytes); the twin's bound is no
         larger, so it was visited first. Once a micro-batch size overflows, larger ones with the same other
@@ -538,7 +540,7 @@ class Searcher:
                 counts.last_error = str(e).splitlines()[0]
                 continue
             counts.estimated += 1
-            if not cand.estimate.fits:  # memory_per_stage said it fits; keep the two views consistent
+            if not cand.estimate.fits:  # stage_memory said it fits; keep the two views consistent
                 continue
             fitting.add(cfg)
             if cand.step_time_s < kth:
