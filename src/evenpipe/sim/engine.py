@@ -136,6 +136,22 @@ def _stuck_grid(schedule: Schedule, pcs: list[int], width: int = 4) -> str:
 
 
 @dataclass(slots=True)
+class _RankMoves:
+    """One rank's moves met so far while preparing it (keys are (stage, micro-batch))."""
+
+    away: dict[tuple[int, int], ActionKind] = field(default_factory=dict)
+    """EVICT/OFFLOAD not yet brought back."""
+    back: dict[tuple[int, int], int] = field(default_factory=dict)
+    """LOAD/RELOAD index not yet consumed."""
+    accepted: dict[tuple[int, int], int] = field(default_factory=dict)
+    offloaded: set[tuple[int, int]] = field(default_factory=set)
+    evicting: list[int] = field(default_factory=list)
+    """EVICTs posted since the last F/R: the next F/R and LOADs wait for them to land."""
+    returning: list[int] = field(default_factory=list)
+    """RETURNs posted since the last ACCEPT, and that ACCEPT: the next ACCEPT waits for them."""
+
+
+@dataclass(slots=True)
 class _Engine:
     """State of one run. Signals are transfer ids (message arrived), ``("F"|"G", stage, mb)`` (a forward or an
     input gradient finished, only when a consumer has no message to wait on) or ``("off", rank, stage, mb)``."""
@@ -285,13 +301,9 @@ class _Engine:
         sched = self.schedule
         last = sched.num_stages - 1
         done: set[tuple[str, int, int]] = set()  # ("F" | "G", stage, mb) produced so far on this rank
-        away: dict[tuple[int, int], ActionKind] = {}  # (stage, mb) -> EVICT/OFFLOAD not yet brought back
-        back: dict[tuple[int, int], int] = {}  # (stage, mb) -> LOAD/RELOAD index not yet consumed
-        accepted: dict[tuple[int, int], int] = {}
-        offloaded: set[tuple[int, int]] = set()
+        mv = _RankMoves()
+        away, back, evicting = mv.away, mv.back, mv.evicting
         xfer_at, gates = self.xfer_at[r], self.gates[r]
-        evicting: list[int] = []  # EVICTs posted since the last F/R: the next F/R and LOADs wait for them to land
-        returning: list[int] = []  # RETURNs posted since the last ACCEPT, and that ACCEPT: the next ACCEPT waits
         out: list[tuple[_Dep, ...]] = []
         no_deps: tuple[_Dep, ...] = ()
         codes = self.codes[r]
@@ -329,39 +341,45 @@ class _Engine:
                 if evicting and (kc == KF or kc == KR):
                     gates[i] = tuple(evicting)
                     evicting.clear()
-            elif kc == KEVICT or kc == KOFFLOAD:
-                away[(s, m)] = a.kind
-                if kc == KEVICT:
-                    evicting.append(xfer_at[i])
-                if kc == KOFFLOAD:
-                    offloaded.add((s, m))
-                    self._new_xfer(r, HOST, a.kind, s, m, self._bytes_moved(s, m), (r, i), None, (r, HOST),
-                                   signal=("off", r, s, m))
-            elif kc == KLOAD or kc == KRELOAD:
-                away.pop((s, m), None)
-                back[(s, m)] = i
-                if kc == KRELOAD:
-                    if (s, m) not in offloaded:
-                        raise self._fail("offload", f"{a} on rank {r} reloads activations never offloaded", r, i)
-                    tid = self._new_xfer(HOST, r, a.kind, s, m, self._bytes_moved(s, m), None, (r, i),
-                                         (HOST, r))
-                    self._add_data_dep(tid, ("off", r, s, m))
-                else:
-                    self._gate_transfer(xfer_at[i], evicting)
-            elif kc == KACCEPT:
-                accepted[(s, m)] = i
-                self._gate_transfer(xfer_at[i], returning)
-                returning[:] = [xfer_at[i]]  # later ACCEPTs start after this one (and so after these RETURNs)
-            elif kc == KRETURN:
-                if (s, m) not in accepted:
-                    raise self._fail("evict", f"{a} on rank {r} returns activations it never accepted", r, i)
-                self._add_data_dep(xfer_at[i], xfer_at[accepted.pop((s, m))])
-                returning.append(xfer_at[i])
-            if (kc == KEVICT or kc == KOFFLOAD) and ("F", s, m) not in done:
-                self._add_data_dep(xfer_at[i], ("F", s, m))
-                self.needed.add(("F", s, m))
+            else:
+                self._prepare_move(r, i, a, mv)
+                if (kc == KEVICT or kc == KOFFLOAD) and ("F", s, m) not in done:
+                    self._add_data_dep(xfer_at[i], ("F", s, m))
+                    self.needed.add(("F", s, m))
             out.append(tuple(deps) if deps else no_deps)
         return out
+
+    def _prepare_move(self, r: int, i: int, a: Action, mv: "_RankMoves") -> None:
+        """A BPipe or host move of rank ``r``: what its transfer waits for, and the rank's record of moves."""
+        kc, s, m = a.kind.code, a.stage, a.microbatch
+        xfer_at = self.xfer_at[r]
+        if kc == KEVICT or kc == KOFFLOAD:
+            mv.away[(s, m)] = a.kind
+            if kc == KEVICT:
+                mv.evicting.append(xfer_at[i])
+            if kc == KOFFLOAD:
+                mv.offloaded.add((s, m))
+                self._new_xfer(r, HOST, a.kind, s, m, self._bytes_moved(s, m), (r, i), None, (r, HOST),
+                               signal=("off", r, s, m))
+        elif kc == KLOAD or kc == KRELOAD:
+            mv.away.pop((s, m), None)
+            mv.back[(s, m)] = i
+            if kc == KRELOAD:
+                if (s, m) not in mv.offloaded:
+                    raise self._fail("offload", f"{a} on rank {r} reloads activations never offloaded", r, i)
+                tid = self._new_xfer(HOST, r, a.kind, s, m, self._bytes_moved(s, m), None, (r, i), (HOST, r))
+                self._add_data_dep(tid, ("off", r, s, m))
+            else:
+                self._gate_transfer(xfer_at[i], mv.evicting)
+        elif kc == KACCEPT:
+            mv.accepted[(s, m)] = i
+            self._gate_transfer(xfer_at[i], mv.returning)
+            mv.returning[:] = [xfer_at[i]]  # later ACCEPTs start after this one (and so after these RETURNs)
+        elif kc == KRETURN:
+            if (s, m) not in mv.accepted:
+                raise self._fail("evict", f"{a} on rank {r} returns activations it never accepted", r, i)
+            self._add_data_dep(xfer_at[i], xfer_at[mv.accepted.pop((s, m))])
+            mv.returning.append(xfer_at[i])
 
     def _gate_transfer(self, tid: int, landings: list[int]) -> None:
         """Transfer ``tid`` (an ACCEPT/LOAD) starts only once the transfers in ``landings`` have landed."""

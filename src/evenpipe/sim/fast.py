@@ -24,13 +24,15 @@ on the costs) is cached for the last few schedules simulated, so sweeps over cos
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 from itertools import repeat
 
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.schedule.memo import ObjectMemo
 from evenpipe.sim.costs import SimCosts
-from evenpipe.sim.kernel import PARKED, CannotVouch, attempt, compute_memory, served_first, sums_exact, wait_or_park
+from evenpipe.sim.kernel import (PARKED, CannotVouch, attempt, compute_memory, served_first, stage_tables, sums_exact,
+                                 wait_or_park)
 from evenpipe.sim.result import make_trace
 from evenpipe.sim.rules import (ALLOCS, EVENT, FREES, HOST, HOST_SIDE, KACCEPT, KB, KEVICT, KF, KI, KINDS, KLOAD,
                                 KOFFLOAD, KR, KRECV_B, KRECV_F, KRELOAD, KRETURN, KSEND_F, PEER, RECV, RECV_SHIFT,
@@ -132,6 +134,22 @@ _cache: ObjectMemo[Shape] = ObjectMemo(_CACHE_SIZE, weight=lambda s: sum(map(len
 def compile_shape(schedule: Schedule) -> Shape:
     """The cost-independent part of a simulation (raises ``CannotVouch`` for schedules the engine must judge)."""
     return _cache.get(schedule, None, lambda: _Compiler(schedule).run())
+
+
+@dataclass(slots=True)
+class _RankState:
+    """What :meth:`_Compiler._rank` has met so far on one rank (keys (stage, mb), or completion keys)."""
+
+    done: dict[int, int] = field(default_factory=dict)
+    """Completion key -> index of the compute producing it, produced so far."""
+    wanted: dict[int, int] = field(default_factory=dict)
+    """Completion key -> signal, for consumers met before their producer."""
+    away: set[tuple[int, int]] = field(default_factory=set)
+    back: dict[tuple[int, int], int] = field(default_factory=dict)
+    accepted: dict[tuple[int, int], int] = field(default_factory=dict)
+    offloaded: dict[tuple[int, int], int] = field(default_factory=dict)
+    evicting: list[int] = field(default_factory=list)
+    returning: list[int] = field(default_factory=list)
 
 
 class _Compiler:
@@ -276,15 +294,9 @@ class _Compiler:
         num_stages = sched.num_stages
         last = num_stages - 1
         recomputed = self.recomputed
-        done: dict[int, int] = {}  # completion key -> index of the compute producing it, produced so far
-        wanted: dict[int, int] = {}  # completion key -> signal, for consumers met before their producer
-        away: set[tuple[int, int]] = set()
-        back: dict[tuple[int, int], int] = {}
-        accepted: dict[tuple[int, int], int] = {}
-        offloaded: dict[tuple[int, int], int] = {}
+        st = _RankState()
+        done, wanted, away, back, evicting = st.done, st.wanted, st.away, st.back, st.evicting
         xat = self.xfer_at[r]
-        evicting: list[int] = []
-        returning: list[int] = []
         ops: list[tuple] = []  # type: ignore[type-arg]
         for i, c, kc, s, m in zip(range(len(xat)), self.codes[r], self.kcodes[r], self.stages[r], self.mbs[r]):
             if c == RECV:
@@ -293,10 +305,7 @@ class _Compiler:
             if c == SEND:
                 key = (s << 33) | (m << 1) | (kc != KSEND_F)
                 if key not in done:
-                    sig = wanted.get(key)
-                    if sig is None:
-                        sig = wanted[key] = self._signal()
-                    self._data_dep(xat[i], sig)
+                    self._data_dep(xat[i], self._want(wanted, key))
                 ops.append((c, xat[i]))
                 continue
             if c < SEND:
@@ -331,51 +340,53 @@ class _Compiler:
                 ops.append((c, c * num_stages + s, s, mk, s + num_stages if mk in recomputed else s, tuple(deps) + gate,
                             tuple(used), (gate, announce, ()) if gate or announce else None))
                 continue
-            tid = xat[i]
-            ops.append((c, tid))
-            mk = (s, m)
-            if kc == KEVICT or kc == KOFFLOAD:
-                away.add(mk)
-                if kc == KEVICT:
-                    evicting.append(tid)
-                else:
-                    offloaded[mk] = tid
-                    self.host_x.append((r, HOST, KINDS[kc], s, m))
-                    self.mixed.add(r)
-                key = (s << 33) | (m << 1)
-                if key not in done:
-                    sig = wanted.get(key)
-                    if sig is None:
-                        sig = wanted[key] = self._signal()
-                    self._data_dep(tid, sig)
-            elif kc == KLOAD or kc == KRELOAD:
-                away.discard(mk)
-                back[mk] = i
-                if kc == KRELOAD:
-                    if mk not in offloaded:
-                        raise CannotVouch
-                    self.host_x.append((HOST, r, KINDS[kc], s, m))
-                    self.mixed.add(r)
-                    self._data_dep(tid, offloaded[mk])
-                else:
-                    self._gate(tid, evicting)
-                    self.mixed.add(r)
-            elif kc == KACCEPT:
-                accepted[mk] = i
-                self._gate(tid, returning)
-                returning[:] = [tid]
-                self.mixed.add(r)
-            elif kc == KRETURN:
-                if mk not in accepted:
-                    raise CannotVouch
-                self._data_dep(tid, xat[accepted.pop(mk)])
-                returning.append(tid)
-                self.mixed.add(r)
-            if kc == KEVICT:
-                self.mixed.add(r)
+            ops.append((c, xat[i]))
+            self._move(r, i, kc, s, m, st)
         if wanted:
             raise CannotVouch  # a completion waited for that this rank never produces: the engine reports it
         return ops, done
+
+    def _want(self, wanted: dict[int, int], key: int) -> int:
+        """The signal of completion ``key``, which a consumer met before its producer waits for."""
+        sig = wanted.get(key)
+        if sig is None:
+            sig = wanted[key] = self._signal()
+        return sig
+
+    def _move(self, r: int, i: int, kc: int, s: int, m: int, st: "_RankState") -> None:
+        """A BPipe or host move of rank ``r``: what its transfer waits for, and the rank's record of moves."""
+        tid = self.xfer_at[r][i]
+        mk = (s, m)
+        if kc == KEVICT or kc == KOFFLOAD:
+            st.away.add(mk)
+            if kc == KEVICT:
+                st.evicting.append(tid)
+            else:
+                st.offloaded[mk] = tid
+                self.host_x.append((r, HOST, KINDS[kc], s, m))
+            key = (s << 33) | (m << 1)
+            if key not in st.done:
+                self._data_dep(tid, self._want(st.wanted, key))
+        elif kc == KLOAD or kc == KRELOAD:
+            st.away.discard(mk)
+            st.back[mk] = i
+            if kc == KRELOAD:
+                if mk not in st.offloaded:
+                    raise CannotVouch
+                self.host_x.append((HOST, r, KINDS[kc], s, m))
+                self._data_dep(tid, st.offloaded[mk])
+            else:
+                self._gate(tid, st.evicting)
+        elif kc == KACCEPT:
+            st.accepted[mk] = i
+            self._gate(tid, st.returning)
+            st.returning[:] = [tid]
+        elif kc == KRETURN:
+            if mk not in st.accepted:
+                raise CannotVouch
+            self._data_dep(tid, self.xfer_at[r][st.accepted.pop(mk)])
+            st.returning.append(tid)
+        self.mixed.add(r)  # every move changes its rank's memory
 
     def _input(self, r: int, s: int, m: int, src_stage: int, recv_code: int, gradient: int,
                recv_index: dict[tuple[int, int, int], int], done: dict[int, int], wanted: dict[int, int],
@@ -398,10 +409,7 @@ class _Compiler:
             return
         if key in done:
             return
-        sig = wanted.get(key)
-        if sig is None:
-            sig = wanted[key] = self._signal()
-        deps.append(sig)
+        deps.append(self._want(wanted, key))
 
 
 def applies(schedule: Schedule, costs: SimCosts) -> bool:
@@ -454,220 +462,327 @@ class _Run:
         return [spec_bytes[k] for k in sh.x_spec], [spec_dur[k] for k in sh.x_spec], instant, delays
 
     def run(self) -> Trace:
-        sched, sh, costs = self.schedule, self.shape, self.costs
-        stages = costs.stages
-        n = sched.num_ranks
-        x_bytes, x_dur, instant, delays = self._transfer_tables()
-        table = ([st.forward for st in stages] + [st.backward for st in stages]
-                 + [st.backward_input for st in stages] + [st.backward_weight for st in stages]
-                 + [st.recompute_time for st in stages])
-        act = [st.activation_bytes for st in stages]
-        ckpt = [st.checkpoint_bytes for st in stages]
-        fab = act + ckpt  # what a forward saves: activations, or the checkpoint when recomputed
-        wgb = [st.weight_grad_bytes for st in stages]
-        num_x = len(x_dur)
-        avail: list[float | None] = [None] * sh.num_signals
-        avail_at = avail.__getitem__
-        waiters: dict[int, list[int]] = {sig: [-1 - t for t in tids] for sig, tids in sh.data_waiters.items()}
-        x_pending = list(sh.x_pending)
-        x_ready = [0.0] * num_x
-        x_rdata = [0.0] * num_x
-        x_start = [-1.0] * num_x
-        x_end = [-1.0] * num_x
-        x_exposed = [0.0] * num_x
-        x_link = sh.x_link
-        link_order, x_linkpos = sh.serving_order() if not all(instant) else ([], [])
-        link_next = [0] * len(instant)
-        link_end = [0.0] * len(instant)
-        x_src, x_dst, x_stage, x_mb, x_send, x_recv = sh.x_src, sh.x_dst, sh.x_stage, sh.x_mb, sh.x_send, sh.x_recv
-        x_frees = [FREES[k.code] for k in sh.x_kind]
-        x_allocs = [ALLOCS[k.code] for k in sh.x_kind]
-        gated = sh.gated
-        # instant messages nobody else waits to land and that move no saved activations complete inline
-        plain = [instant[lid] and not fr and not al for lid, fr, al in zip(x_link, x_frees, x_allocs)]
-        for tid in gated:
-            plain[tid] = False
-        pcs = [0] * n
-        t_free = [0.0] * n
-        starts = [[0.0] * len(c) for c in sh.codes]
-        ends = [[0.0] * len(c) for c in sh.codes]
-        held: list[dict[tuple[int, int], float]] = [{} for _ in range(n)]
-        mem: list[list[tuple[float, float]]] = [[] for _ in range(n)]
-        todo = list(range(n - 1, -1, -1))
-        ready_x: list[int] = []
-        woken: list[tuple[int, float]] = []  # (signal, time) just set, whose waiters still need waking
-        # what made each transfer ready last: rank << 32 | position of the send or receive whose time is its ready
-        # time (x_trig2: the other side's, when both were reached at that time), -1 when a signal did or tied with
-        # them, -2 before any condition
-        x_trig = [-2] * num_x
-        x_trig2 = [-2] * num_x
-
+        """Evaluate: wake what set signals release, start the transfers whose conditions are met, then run the
+        next rank that may move, until none may; raises :class:`CannotVouch` where the engine must decide."""
+        st = self._state()
+        wake, serve, step = _waker(st), _server(st), _stepper(st)
+        woken, ready_x, todo = st.woken, st.ready_x, st.todo
         while True:
-            while woken:
-                sig, e = woken.pop()
-                for w in waiters.pop(sig, ()):
-                    if w >= 0:
-                        todo.append(w)
-                    else:
-                        w = -1 - w
-                        if x_rdata[w] < e:
-                            x_rdata[w] = e
-                        if x_ready[w] <= e:
-                            x_ready[w] = e
-                            x_trig[w] = -1  # made ready by a signal: no rank order to vouch for ties
-                        x_pending[w] -= 1
-                        if not x_pending[w]:
-                            ready_x.append(w)
-            while ready_x:  # transfers whose conditions are all met
-                tid = ready_x.pop()
-                if x_start[tid] >= 0.0:
-                    continue  # started already, behind its predecessor on a busy link
-                lid = x_link[tid]
-                pos = -1
-                if not instant[lid]:
-                    pos = x_linkpos[tid]
-                    if link_next[lid] != pos:
-                        continue  # its predecessor on the link starts it
-                    order = link_order[lid]
-                while True:
-                    t = x_ready[tid]
-                    if pos > 0:
-                        before = x_ready[order[pos - 1]]
-                        prev = order[pos - 1]
-                        if not (t > before or t == before and served_first(x_trig[prev], x_trig2[prev],
-                                                                             x_trig[tid], x_trig2[tid])):
-                            raise CannotVouch  # maybe not served in FIFO order: the engine decides
-                        if link_end[lid] > t:
-                            t = link_end[lid]
-                    x_start[tid] = t
-                    e = x_end[tid] = t + x_dur[tid]
-                    if x_allocs[tid] and x_bytes[tid]:
-                        d, key = x_dst[tid], (x_stage[tid], x_mb[tid])
-                        held[d][key] = held[d].get(key, 0.0) + x_bytes[tid]
-                        mem[d].append((t, x_bytes[tid]))
-                    if x_frees[tid] and x_bytes[tid]:
-                        d, key = x_src[tid], (x_stage[tid], x_mb[tid])
-                        held[d][key] = held[d].get(key, 0.0) - x_bytes[tid]
-                        mem[d].append((e, -x_bytes[tid]))
-                    p = x_recv[tid]
-                    if p is not None:
-                        ends[p[0]][p[1]] = e
-                    p = x_send[tid]
-                    if p is not None:
-                        ends[p[0]][p[1]] = e
-                    for g in gated.get(tid, ()):
-                        if x_ready[g] <= e:
-                            x_ready[g] = e
-                            x_trig[g] = -1
-                        x_pending[g] -= 1
-                        if not x_pending[g]:
-                            ready_x.append(g)
-                    avail[tid] = e
-                    if tid in waiters:
-                        woken.append((tid, e))
-                    if pos < 0:
-                        break
-                    link_end[lid] = e
-                    pos += 1
-                    link_next[lid] = pos
-                    if pos == len(order):
-                        break
-                    tid = order[pos]
-                    if x_pending[tid]:
-                        break
+            if woken:
+                wake()
+            if ready_x:
+                serve()
             if woken:
                 continue
             if not todo:
                 break
-            r = todo.pop()
-            ops = sh.ops[r]
-            st_r, en_r, held_r, mem_r = starts[r], ends[r], held[r], mem[r]
-            i, count, now = pcs[r], len(ops), t_free[r]
-            while i < count:
-                op = ops[i]
-                c = op[0]
-                if c >= SEND:
-                    tid = op[1]
-                    st_r[i] = en_r[i] = now
-                    if c < RECV and x_rdata[tid] < now:
-                        x_rdata[tid] = now
-                    rt = x_ready[tid]
-                    if rt < now or x_trig[tid] == -2:
-                        x_ready[tid] = now
-                        x_trig[tid] = (r << 32) | i
-                        x_trig2[tid] = -2
-                    elif rt == now:
-                        if x_trig[tid] >= 0 and x_trig2[tid] == -2:
-                            x_trig2[tid] = (r << 32) | i  # both ends reached at the same time
-                        else:
-                            x_trig[tid] = -1
-                    left = x_pending[tid] - 1
-                    x_pending[tid] = left
-                    if not left:
-                        if plain[tid]:
-                            e = x_start[tid] = x_end[tid] = avail[tid] = x_ready[tid]
-                            p = x_recv[tid]
-                            ends[p[0]][p[1]] = e
-                            p = x_send[tid]
-                            ends[p[0]][p[1]] = e
-                            if tid in waiters:
-                                woken.append((tid, e))
-                        else:
-                            ready_x.append(tid)
-                    i += 1
-                    continue
-                _, dk, s, key, mk, waits, used, extra = op
-                start = wait_or_park(avail_at, waits, now, waiters, r)  # its inputs, then the evictions gating it
-                if start == PARKED:
-                    break
-                for tid in used:
-                    rd = x_rdata[tid]
-                    exposed = x_end[tid] - (now if now > rd else rd)
-                    if exposed > x_exposed[tid]:
-                        x_exposed[tid] = exposed
-                end = start + table[dk]
-                compute_memory(c, key, start, end, fab[mk], act[s] - ckpt[s], wgb[s], held_r, mem_r)
-                st_r[i] = start
-                en_r[i] = end
-                if extra is not None:
-                    gate, announce, delayed = extra
-                    if gate:
-                        self._expose_gate(waits[:len(waits) - len(gate)], gate, avail, x_end, x_exposed, now, start)
-                    for sig in announce:
-                        avail[sig] = end
-                        woken.append((sig, end))
-                    for sig, slot in delayed:
-                        t = avail[sig] = end + delays[slot]
-                        woken.append((sig, t))
-                now = end
-                i += 1
-            pcs[r] = i
-            t_free[r] = now
+            step(todo.pop())
+        return self._finish(st)
 
-        if any(pc != len(c) for pc, c in zip(pcs, sh.codes)) or (num_x and min(x_end) < 0.0):
+    def _state(self) -> "_RunState":
+        """The run's tables and its empty mutable state."""
+        sched, sh = self.schedule, self.shape
+        n, num_x = sched.num_ranks, len(sh.x_link)
+        x_bytes, x_dur, instant, delays = self._transfer_tables()
+        table, act, ckpt, wgb = stage_tables(self.costs.stages)
+        x_frees = [FREES[k.code] for k in sh.x_kind]
+        x_allocs = [ALLOCS[k.code] for k in sh.x_kind]
+        # instant messages nobody else waits to land and that move no saved activations complete inline
+        plain = [instant[lid] and not fr and not al for lid, fr, al in zip(sh.x_link, x_frees, x_allocs)]
+        for tid in sh.gated:
+            plain[tid] = False
+        link_order, x_linkpos = sh.serving_order() if not all(instant) else ([], [])
+        return _RunState(
+            sh=sh, x_bytes=x_bytes, x_dur=x_dur, instant=instant, delays=delays, table=table, act=act, ckpt=ckpt,
+            fab=act + ckpt, wgb=wgb, x_frees=x_frees, x_allocs=x_allocs, plain=plain, link_order=link_order,
+            x_linkpos=x_linkpos, avail=[None] * sh.num_signals,
+            waiters={sig: [-1 - t for t in tids] for sig, tids in sh.data_waiters.items()},
+            x_pending=list(sh.x_pending), x_ready=[0.0] * num_x, x_rdata=[0.0] * num_x, x_start=[-1.0] * num_x,
+            x_end=[-1.0] * num_x, x_exposed=[0.0] * num_x, x_trig=[-2] * num_x, x_trig2=[-2] * num_x,
+            link_next=[0] * len(instant), link_end=[0.0] * len(instant), pcs=[0] * n, t_free=[0.0] * n,
+            starts=[[0.0] * len(c) for c in sh.codes], ends=[[0.0] * len(c) for c in sh.codes],
+            held=[{} for _ in range(n)], mem=[[] for _ in range(n)], todo=list(range(n - 1, -1, -1)), ready_x=[],
+            woken=[])
+
+    def _finish(self, st: "_RunState") -> Trace:
+        """Check that everything ran and the memory sums are exact; the trace."""
+        sh = st.sh
+        if any(pc != len(c) for pc, c in zip(st.pcs, sh.codes)) or (st.x_end and min(st.x_end) < 0.0):
             raise CannotVouch  # stuck here: a deadlock, or a link order the engine would not take
         for r in sh.mixed:
-            if not sums_exact(mem[r]):
+            if not sums_exact(st.mem[r]):
                 raise CannotVouch
-        src, dst = x_src, x_dst
-        if HOST in x_src or HOST in x_dst:  # a host move names its rank on both sides
-            src = [d if s == HOST else s for s, d in zip(x_src, x_dst)]
-            dst = [s if d == HOST else d for s, d in zip(x_src, x_dst)]
+        src, dst = sh.x_src, sh.x_dst
+        if HOST in src or HOST in dst:  # a host move names its rank on both sides
+            src = [d if s == HOST else s for s, d in zip(sh.x_src, sh.x_dst)]
+            dst = [s if d == HOST else d for s, d in zip(sh.x_src, sh.x_dst)]
         records = list(map(tuple.__new__, repeat(TransferRecord),
-                           zip(src, dst, sh.x_kind, x_stage, x_mb, x_bytes, x_start, x_end, x_exposed)))
-        return make_trace(sched, costs, starts, ends, records, mem, evaluator=NAME)
+                           zip(src, dst, sh.x_kind, sh.x_stage, sh.x_mb, st.x_bytes, st.x_start, st.x_end,
+                               st.x_exposed)))
+        return make_trace(self.schedule, self.costs, st.starts, st.ends, records, st.mem, evaluator=NAME)
 
-    @staticmethod
-    def _expose_gate(deps: tuple[int, ...], gate: tuple[int, ...], avail: list[float | None], x_end: list[float],
-                     x_exposed: list[float], base: float, start: float) -> None:
-        """The engine's ``_expose_gate``: split the delay the eviction gate added among the gating evictions."""
-        for sig in deps:
-            t = avail[sig]
-            assert t is not None
-            if t > base:
-                base = t
-        for tid in sorted(gate, key=x_end.__getitem__):
-            end = x_end[tid] if x_end[tid] < start else start
-            if end > base:
-                x_exposed[tid] += end - base
-                base = end
+
+@dataclass(slots=True, kw_only=True)
+class _RunState:
+    """One evaluation's tables (per transfer ``x_*``, per link ``link_*``, per rank) and mutable state."""
+
+    sh: Shape
+    x_bytes: list[float]
+    x_dur: list[float]
+    instant: list[bool]
+    """Per link id, whether every message on it takes no time."""
+    delays: list[float]
+    table: list[float]
+    """Compute durations by ``code * stages + stage``."""
+    act: list[float]
+    ckpt: list[float]
+    fab: list[float]
+    """What a forward saves: activations, or (second half) the checkpoint when recomputed."""
+    wgb: list[float]
+    x_frees: list[bool]
+    x_allocs: list[bool]
+    plain: list[bool]
+    """Instant messages nobody else waits to land and that move no saved activations: complete inline."""
+    link_order: list[list[int]]
+    x_linkpos: list[int]
+    avail: list[float | None]
+    """Per signal, when it was set."""
+    waiters: dict[int, list[int]]
+    """Signal -> ranks (>= 0) or transfers (``-1 - id``) waiting for it."""
+    x_pending: list[int]
+    x_ready: list[float]
+    x_rdata: list[float]
+    x_start: list[float]
+    x_end: list[float]
+    x_exposed: list[float]
+    x_trig: list[int]
+    """What made each transfer ready last: ``rank << 32 | position`` of the send or receive whose time is its ready
+    time, -1 when a signal did or tied with them, -2 before any condition."""
+    x_trig2: list[int]
+    """The other side's position, when both ends were reached at that time."""
+    link_next: list[int]
+    link_end: list[float]
+    pcs: list[int]
+    t_free: list[float]
+    starts: list[list[float]]
+    ends: list[list[float]]
+    held: list[dict[tuple[int, int], float]]
+    mem: list[list[tuple[float, float]]]
+    todo: list[int]
+    """Ranks that may move."""
+    ready_x: list[int]
+    """Transfers whose conditions are all met."""
+    woken: list[tuple[int, float]]
+    """(signal, time) just set, whose waiters still need waking."""
+
+
+def _waker(st: _RunState) -> Callable[[], None]:
+    """Wake what the signals just set release: ranks become movable, transfers get one condition nearer."""
+    woken, waiters, todo, ready_x = st.woken, st.waiters, st.todo, st.ready_x
+    x_rdata, x_ready, x_trig, x_pending = st.x_rdata, st.x_ready, st.x_trig, st.x_pending
+
+    def wake() -> None:
+        while woken:
+            sig, e = woken.pop()
+            for w in waiters.pop(sig, ()):
+                if w >= 0:
+                    todo.append(w)
+                else:
+                    w = -1 - w
+                    if x_rdata[w] < e:
+                        x_rdata[w] = e
+                    if x_ready[w] <= e:
+                        x_ready[w] = e
+                        x_trig[w] = -1  # made ready by a signal: no rank order to vouch for ties
+                    x_pending[w] -= 1
+                    if not x_pending[w]:
+                        ready_x.append(w)
+    return wake
+
+
+def _starter(st: _RunState) -> Callable[[int, float], float]:
+    """``begin(tid, t)``: transfer ``tid`` starts at ``t``; its memory changes, its ends' times, what its landing
+    releases; returns its end."""
+    sh = st.sh
+    x_start, x_end, x_dur, x_bytes, x_allocs, x_frees = st.x_start, st.x_end, st.x_dur, st.x_bytes, st.x_allocs, \
+        st.x_frees
+    x_src, x_dst, x_stage, x_mb, x_send, x_recv = sh.x_src, sh.x_dst, sh.x_stage, sh.x_mb, sh.x_send, sh.x_recv
+    held, mem, ends, gated, avail, waiters, woken = st.held, st.mem, st.ends, sh.gated, st.avail, st.waiters, \
+        st.woken
+    x_ready, x_trig, x_pending, ready_x = st.x_ready, st.x_trig, st.x_pending, st.ready_x
+
+    def begin(tid: int, t: float) -> float:
+        x_start[tid] = t
+        e = x_end[tid] = t + x_dur[tid]
+        if x_allocs[tid] and x_bytes[tid]:
+            d, key = x_dst[tid], (x_stage[tid], x_mb[tid])
+            held[d][key] = held[d].get(key, 0.0) + x_bytes[tid]
+            mem[d].append((t, x_bytes[tid]))
+        if x_frees[tid] and x_bytes[tid]:
+            d, key = x_src[tid], (x_stage[tid], x_mb[tid])
+            held[d][key] = held[d].get(key, 0.0) - x_bytes[tid]
+            mem[d].append((e, -x_bytes[tid]))
+        p = x_recv[tid]
+        if p is not None:
+            ends[p[0]][p[1]] = e
+        p = x_send[tid]
+        if p is not None:
+            ends[p[0]][p[1]] = e
+        for g in gated.get(tid, ()):
+            if x_ready[g] <= e:
+                x_ready[g] = e
+                x_trig[g] = -1
+            x_pending[g] -= 1
+            if not x_pending[g]:
+                ready_x.append(g)
+        avail[tid] = e
+        if tid in waiters:
+            woken.append((tid, e))
+        return e
+    return begin
+
+
+def _server(st: _RunState) -> Callable[[], None]:
+    """Start the transfers whose conditions are met, each link's in its static order (raising
+    :class:`CannotVouch` where that may not be the engine's FIFO order)."""
+    begin = _starter(st)
+    ready_x, x_start, x_link, instant, x_linkpos = st.ready_x, st.x_start, st.sh.x_link, st.instant, st.x_linkpos
+    link_next, link_order, link_end, x_ready, x_trig, x_trig2, x_pending = st.link_next, st.link_order, \
+        st.link_end, st.x_ready, st.x_trig, st.x_trig2, st.x_pending
+
+    def serve() -> None:
+        while ready_x:
+            tid = ready_x.pop()
+            if x_start[tid] >= 0.0:
+                continue  # started already, behind its predecessor on a busy link
+            lid = x_link[tid]
+            pos = -1
+            if not instant[lid]:
+                pos = x_linkpos[tid]
+                if link_next[lid] != pos:
+                    continue  # its predecessor on the link starts it
+                order = link_order[lid]
+            while True:
+                t = x_ready[tid]
+                if pos > 0:
+                    before = x_ready[order[pos - 1]]
+                    prev = order[pos - 1]
+                    if not (t > before or t == before and served_first(x_trig[prev], x_trig2[prev],
+                                                                         x_trig[tid], x_trig2[tid])):
+                        raise CannotVouch  # maybe not served in FIFO order: the engine decides
+                    if link_end[lid] > t:
+                        t = link_end[lid]
+                e = begin(tid, t)
+                if pos < 0:
+                    break
+                link_end[lid] = e
+                pos += 1
+                link_next[lid] = pos
+                if pos == len(order):
+                    break
+                tid = order[pos]
+                if x_pending[tid]:
+                    break
+    return serve
+
+
+def _announcer(st: _RunState) -> Callable[[tuple, tuple[int, ...], float, float, float], None]:  # type: ignore[type-arg]
+    """``after(extra, waits, now, start, end)``: a compute's gate exposure and the signals it announces."""
+    avail, x_end, x_exposed, woken, delays = st.avail, st.x_end, st.x_exposed, st.woken, st.delays
+
+    def after(extra: tuple, waits: tuple[int, ...], now: float, start: float, end: float) -> None:  # type: ignore[type-arg]
+        gate, announce, delayed = extra
+        if gate:
+            _expose_gate(waits[:len(waits) - len(gate)], gate, avail, x_end, x_exposed, now, start)
+        for sig in announce:
+            avail[sig] = end
+            woken.append((sig, end))
+        for sig, slot in delayed:
+            t = avail[sig] = end + delays[slot]
+            woken.append((sig, t))
+    return after
+
+
+def _stepper(st: _RunState) -> Callable[[int], None]:
+    """``step(r)``: run rank ``r`` from its cursor until a compute must wait or the list ends."""
+    after = _announcer(st)
+    sh, starts, ends, held, mem, pcs, t_free = st.sh, st.starts, st.ends, st.held, st.mem, st.pcs, st.t_free
+    x_rdata, x_ready, x_trig, x_trig2, x_pending, plain = st.x_rdata, st.x_ready, st.x_trig, st.x_trig2, \
+        st.x_pending, st.plain
+    x_start, x_end, x_exposed, avail, waiters, woken, ready_x = st.x_start, st.x_end, st.x_exposed, st.avail, \
+        st.waiters, st.woken, st.ready_x
+    x_send, x_recv, table, fab, act, ckpt, wgb = sh.x_send, sh.x_recv, st.table, st.fab, st.act, st.ckpt, st.wgb
+    avail_at = avail.__getitem__
+
+    def step(r: int) -> None:
+        ops = sh.ops[r]
+        st_r, en_r, held_r, mem_r = starts[r], ends[r], held[r], mem[r]
+        i, count, now = pcs[r], len(ops), t_free[r]
+        while i < count:
+            op = ops[i]
+            c = op[0]
+            if c >= SEND:
+                tid = op[1]
+                st_r[i] = en_r[i] = now
+                if c < RECV and x_rdata[tid] < now:
+                    x_rdata[tid] = now
+                rt = x_ready[tid]
+                if rt < now or x_trig[tid] == -2:
+                    x_ready[tid] = now
+                    x_trig[tid] = (r << 32) | i
+                    x_trig2[tid] = -2
+                elif rt == now:
+                    if x_trig[tid] >= 0 and x_trig2[tid] == -2:
+                        x_trig2[tid] = (r << 32) | i  # both ends reached at the same time
+                    else:
+                        x_trig[tid] = -1
+                left = x_pending[tid] - 1
+                x_pending[tid] = left
+                if not left:
+                    if plain[tid]:
+                        e = x_start[tid] = x_end[tid] = avail[tid] = x_ready[tid]
+                        p = x_recv[tid]
+                        ends[p[0]][p[1]] = e
+                        p = x_send[tid]
+                        ends[p[0]][p[1]] = e
+                        if tid in waiters:
+                            woken.append((tid, e))
+                    else:
+                        ready_x.append(tid)
+                i += 1
+                continue
+            _, dk, s, key, mk, waits, used, extra = op
+            start = wait_or_park(avail_at, waits, now, waiters, r)  # its inputs, then the evictions gating it
+            if start == PARKED:
+                break
+            for tid in used:
+                rd = x_rdata[tid]
+                exposed = x_end[tid] - (now if now > rd else rd)
+                if exposed > x_exposed[tid]:
+                    x_exposed[tid] = exposed
+            end = start + table[dk]
+            compute_memory(c, key, start, end, fab[mk], act[s] - ckpt[s], wgb[s], held_r, mem_r)
+            st_r[i] = start
+            en_r[i] = end
+            if extra is not None:
+                after(extra, waits, now, start, end)
+            now = end
+            i += 1
+        pcs[r] = i
+        t_free[r] = now
+    return step
+
+
+def _expose_gate(deps: tuple[int, ...], gate: tuple[int, ...], avail: list[float | None], x_end: list[float],
+                 x_exposed: list[float], base: float, start: float) -> None:
+    """The engine's ``_expose_gate``: split the delay the eviction gate added among the gating evictions."""
+    for sig in deps:
+        t = avail[sig]
+        assert t is not None
+        if t > base:
+            base = t
+    for tid in sorted(gate, key=x_end.__getitem__):
+        end = x_end[tid] if x_end[tid] < start else start
+        if end > base:
+            x_exposed[tid] += end - base
+            base = end

@@ -21,8 +21,8 @@ from operator import sub
 from evenpipe.schedule.ir import Schedule
 from evenpipe.schedule.validate import passed_validation
 from evenpipe.sim.costs import SimCosts
-from evenpipe.sim.kernel import (PARKED, CannotVouch, attempt, compute_memory, cross_rank_inputs, recomputed_slots,
-                                 stage_tables, wait_or_park)
+from evenpipe.sim.kernel import (PARKED, CannotVouch, attempt, compute_memory, cross_rank_inputs, kinds_used, park,
+                                 recomputed_slots, stage_tables, wait_or_park)
 from evenpipe.sim.result import by_end, timeline, unit_bytes
 from evenpipe.sim.rules import (CHANNEL, IS_COMPUTE, KINDS, KRECV_B, KRECV_F, KSEND_B, KSEND_F, PLAIN, RECV_SHIFT,
                                 SENDER_SHIFT, B, F, I, R)
@@ -36,7 +36,7 @@ NAME = "free"
 
 def applies(schedule: Schedule, costs: SimCosts) -> bool:
     """Computes and stage-to-stage messages only, on links that charge no CPU time and no late-receive cost."""
-    return not costs.event_engine_only and all(PLAIN.issuperset(ks) for ks in schedule.columns.kinds)
+    return not costs.event_engine_only and PLAIN.issuperset(kinds_used(schedule))
 
 
 def run(schedule: Schedule, costs: SimCosts, *, trust_validation: bool = True) -> Trace:
@@ -90,12 +90,40 @@ class _FreeRun:
         return sends, recvs
 
     def run(self) -> Trace:
+        """Time the computes (checking the instant-link rules), then derive memory; the per-action times and
+        transfer records are derived when first read."""
         sched, costs, cols = self.schedule, self.costs, self.cols
-        P, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
-        stages = costs.stages
+        P = sched.num_ranks
         sends, recvs = self._messages()
         low = (1 << 32) - 1
-        # every link is instant for the bytes it carries
+        self._check_instant(sends, recvs)
+        # computes per rank: positions, and the compute index before each position (-1: none)
+        cpos = [[i for i, c in enumerate(ks) if IS_COMPUTE[c]] for ks in cols.kinds]
+        before = [list(accumulate(map(int, map(IS_COMPUTE.__getitem__, ks)))) for ks in cols.kinds]  # computes up to i
+        offset = list(accumulate([0] + [len(c) for c in cpos]))  # global compute id = offset[r] + j
+        deps = self._compute_deps(cpos, before, offset, recvs, sends)
+        cstart, ends_of = self._time_computes(cpos, offset, deps)
+        mem = self._memory(cpos, offset, cstart, ends_of)
+
+        def times_and_transfers() -> tuple[tuple[list[list[float]], list[list[float]]], tuple[TransferRecord, ...]]:
+            starts, ends, reach = self._action_times(cpos, offset, cstart, ends_of)
+            records = self._records(sends, recvs, reach, ends, low)
+            records.sort(key=by_end)
+            return (starts, ends), tuple(records)
+        # what make_trace derives from the full times, from the computes alone (a message arrives when the later
+        # of its ends is reached, i.e. at some compute's end, so no message ends after the last compute)
+        unit = unit_bytes(sched, costs)
+        spans = [(sum(map(sub, ends_of[a:b], cstart[a:b])), min(cstart[a:b], default=float("inf")),
+                  max(ends_of[a:b], default=float("-inf"))) for a, b in zip(offset, offset[1:])]
+        return Trace.deferred(schedule=sched, memory=tuple(timeline(r, mem[r], unit[r]) for r in range(P)),
+                              unit_bytes=unit, step_time=max(max(ends_of, default=0.0), 0.0), spans=spans,
+                              num_transfers=len(sends), exposed_transfer_time=0.0,
+                              times_and_transfers=times_and_transfers, evaluator=NAME)
+
+    def _check_instant(self, sends: dict[int, int], recvs: dict[int, int]) -> None:
+        """Raise :class:`CannotVouch` unless every link is instant for the bytes it carries."""
+        sched, costs = self.schedule, self.costs
+        S, M = sched.num_stages, sched.num_microbatches
         checked: set[tuple[int, int, int]] = set()
         for key, sp in sends.items():
             channel, rest = divmod(key, S * M)
@@ -103,23 +131,20 @@ class _FreeRun:
             link = (sp >> 32, recvs[key] >> 32, sending if channel == 0 else sending - 1)
             if link not in checked:
                 checked.add(link)
-                if costs.link(link[0], link[1]).transfer_time(stages[link[2]].output_bytes):
+                if costs.link(link[0], link[1]).transfer_time(costs.stages[link[2]].output_bytes):
                     raise CannotVouch
-        # computes per rank: positions, and the compute index before each position (-1: none)
-        cpos = [[i for i, c in enumerate(ks) if IS_COMPUTE[c]] for ks in cols.kinds]
-        before = [list(accumulate(map(int, map(IS_COMPUTE.__getitem__, ks)))) for ks in cols.kinds]  # computes up to i
-        offset = list(accumulate([0] + [len(c) for c in cpos]))  # global compute id = offset[r] + j
-        num_computes = offset[-1]
-        deps = self._compute_deps(cpos, before, offset, recvs, sends)
-        recomputed = {(s, m) for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches) if R in ks
-                      for c, s, m in zip(ks, ss, ms) if c == R}
-        table, act, ckpt, wgb = stage_tables(stages)
-        cstart: list[float] = [0.0] * num_computes
-        cend: list[float | None] = [None] * num_computes
+
+    def _time_computes(self, cpos: list[list[int]], offset: list[int], deps: list[list[tuple[int, ...]]]
+                       ) -> tuple[list[float], list[float]]:
+        """Start and end of every compute (global ids ``offset[r] + j``), each at the latest of its rank being free
+        and the computes it waits for ending."""
+        cols, S, P = self.cols, self.schedule.num_stages, self.schedule.num_ranks
+        table = stage_tables(self.costs.stages)[0]
+        cstart: list[float] = [0.0] * offset[-1]
+        cend: list[float | None] = [None] * offset[-1]
         end_of = cend.__getitem__
         waiters: dict[int, list[int]] = {}
-        pcs = [0] * P
-        t_free = [0.0] * P
+        pcs, t_free = [0] * P, [0.0] * P
         todo = list(range(P - 1, -1, -1))
         while todo:
             r = todo.pop()
@@ -144,32 +169,26 @@ class _FreeRun:
             t_free[r] = now
         if any(pc != len(c) for pc, c in zip(pcs, cpos)):
             raise CannotVouch  # a deadlock: the engine reports it
+        return cstart, cend  # type: ignore[return-value]  # every compute is timed by now
+
+    def _memory(self, cpos: list[list[int]], offset: list[int], cstart: list[float], cend: list[float]
+                ) -> list[list[tuple[float, float]]]:
+        """Each rank's memory changes, in program order, as the engine records them."""
+        cols = self.cols
+        recomputed = {(s, m) for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches) if R in ks
+                      for c, s, m in zip(ks, ss, ms) if c == R}
+        _, act, ckpt, wgb = stage_tables(self.costs.stages)
         mem: list[list[tuple[float, float]]] = []
-        for r, positions in enumerate(cpos):  # memory changes in program order, as the engine records them
+        for r, positions in enumerate(cpos):
             ks, ss, ms, base = cols.kinds[r], cols.stages[r], cols.microbatches[r], offset[r]
             held: dict[tuple[int, int], float] = {}
             mem_r: list[tuple[float, float]] = []
             for j, i in enumerate(positions):
                 s, mk = ss[i], (ss[i], ms[i])
-                compute_memory(ks[i], mk, cstart[base + j], cend[base + j],  # type: ignore[arg-type]
+                compute_memory(ks[i], mk, cstart[base + j], cend[base + j],
                                ckpt[s] if mk in recomputed else act[s], act[s] - ckpt[s], wgb[s], held, mem_r)
             mem.append(mem_r)
-        ends_of: list[float] = cend  # type: ignore[assignment]  # every compute is timed by now
-
-        def times_and_transfers() -> tuple[tuple[list[list[float]], list[list[float]]], tuple[TransferRecord, ...]]:
-            starts, ends, reach = self._action_times(cpos, offset, cstart, ends_of)
-            records = self._records(sends, recvs, reach, ends, low)
-            records.sort(key=by_end)
-            return (starts, ends), tuple(records)
-        # what make_trace derives from the full times, from the computes alone (a message arrives when the later
-        # of its ends is reached, i.e. at some compute's end, so no message ends after the last compute)
-        unit = unit_bytes(sched, costs)
-        spans = [(sum(map(sub, ends_of[a:b], cstart[a:b])), min(cstart[a:b], default=float("inf")),
-                  max(ends_of[a:b], default=float("-inf"))) for a, b in zip(offset, offset[1:])]
-        return Trace.deferred(schedule=sched, memory=tuple(timeline(r, mem[r], unit[r]) for r in range(P)),
-                              unit_bytes=unit, step_time=max(max(ends_of, default=0.0), 0.0), spans=spans,
-                              num_transfers=len(sends), exposed_transfer_time=0.0,
-                              times_and_transfers=times_and_transfers, evaluator=NAME)
+        return mem
 
     def run_validated(self) -> Trace:
         """:meth:`run` for a schedule that passed the validator, in one pass over each rank's list.
@@ -182,19 +201,25 @@ class _FreeRun:
         order, until that slot is written and starts at the later of its rank being free and that time --
         :meth:`run`'s rule; receives add nothing and are skipped. Memory changes are recorded as each compute is
         timed, in program order, by :func:`~evenpipe.sim.fast.compute_memory`."""
-        sched, costs, cols = self.schedule, self.costs, self.cols
-        P, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
+        sched, costs = self.schedule, self.costs
         layout, stages = sched.stage_to_rank, costs.stages
-        for s in range(S - 1):  # every cut between two ranks carries both directions' messages of every mb
+        for s in range(sched.num_stages - 1):  # every cut between ranks carries both directions' messages
             a, b = layout[s], layout[s + 1]
             nb = stages[s].output_bytes
             if a != b and (costs.link(a, b).transfer_time(nb) or costs.link(b, a).transfer_time(nb)):
                 raise CannotVouch
+        return self._validated_trace(*self._one_pass())
+
+    def _one_pass(self) -> tuple[list[list[float]], list[list[float]], list[list[tuple[float, float]]]]:
+        """:meth:`run_validated`'s pass: per rank the start and end of each compute (receives dropped, sends
+        kept) and the memory changes."""
+        sched, cols = self.schedule, self.cols
+        P, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
         recomputed = recomputed_slots(sched)
-        table, act, ckpt, wgb = stage_tables(stages)
+        table, act, ckpt, wgb = stage_tables(self.costs.stages)
         slot = [0.0] * (2 * S * M)  # 2u: when F(u)'s input was sent; 2u + 1: B/I(u)'s output gradient
         posted = bytearray(2 * S * M)
-        cross_in, cross_grad = cross_rank_inputs(layout)
+        cross_in, cross_grad = cross_rank_inputs(sched.stage_to_rank)
         # receives add nothing on instant links (the consumer waits for the send itself): drop them
         lists = []
         for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches):
@@ -231,7 +256,7 @@ class _FreeRun:
                     k = 2 * u if c == FWD else 2 * u + 1
                     if cross_in[s] if c == FWD else cross_grad[s]:
                         if not posted[k]:
-                            waiters.setdefault(k, []).append(r)
+                            park(waiters, k, r)
                             break
                         if slot[k] > now:
                             start = slot[k]
@@ -244,7 +269,14 @@ class _FreeRun:
             pcs[r], t_free[r] = i, now
         if any(pc != len(ks) for pc, (ks, _, _) in zip(pcs, lists)):
             raise CannotVouch  # cannot happen after the dry run; the engine would report it
-        num_transfers = sum(ks.count(SF) + ks.count(SB) for ks in cols.kinds)
+        return starts, ends, mem
+
+    def _validated_trace(self, starts: list[list[float]], ends: list[list[float]],
+                         mem: list[list[tuple[float, float]]]) -> Trace:
+        """The deferred trace of :meth:`_one_pass`'s computes: the sends, receives and records come when read."""
+        sched, costs, cols = self.schedule, self.costs, self.cols
+        P = sched.num_ranks
+        num_transfers = sum(ks.count(KSEND_F) + ks.count(KSEND_B) for ks in cols.kinds)
 
         def times_and_transfers() -> tuple[tuple[list[list[float]], list[list[float]]], tuple[TransferRecord, ...]]:
             sends, recvs = self._messages()

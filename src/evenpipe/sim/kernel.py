@@ -16,12 +16,13 @@ from contextlib import contextmanager
 from typing import Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 from evenpipe.schedule.ir import Schedule
+from evenpipe.schedule.memo import ObjectMemo
 from evenpipe.sim.costs import StageCosts
 from evenpipe.sim.rules import B, F, I, KR, W
 from evenpipe.sim.trace import Trace
 
 __all__ = ["CannotVouch", "PARKED", "park", "wait_or_park", "compute_memory", "served_first", "sums_exact",
-           "stage_tables", "recomputed_slots", "cross_rank_inputs", "gc_paused", "attempt"]
+           "stage_tables", "recomputed_slots", "cross_rank_inputs", "kinds_used", "gc_paused", "attempt"]
 
 _EXACT_LIMIT = 2 ** 53
 PARKED = -1.0
@@ -134,6 +135,15 @@ def cross_rank_inputs(layout: tuple[int, ...]) -> tuple[list[bool], list[bool]]:
     S = len(layout)
     return ([s > 0 and layout[s - 1] != layout[s] for s in range(S)],
             [s + 1 < S and layout[s + 1] != layout[s] for s in range(S)])
+
+
+_kinds: ObjectMemo[frozenset[int]] = ObjectMemo(4)
+
+
+def kinds_used(schedule: Schedule) -> frozenset[int]:
+    """The kind codes ``schedule`` holds (computed once for the last few schedule objects asked about: the
+    dispatcher's ``applies`` checks ask each time)."""
+    return _kinds.get(schedule, None, lambda: frozenset().union(*map(set, schedule.columns.kinds)))
 
 
 @contextmanager

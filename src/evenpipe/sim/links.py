@@ -26,13 +26,15 @@ event engine's, float for float.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import repeat
+from typing import Callable
 
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.schedule.validate import passed_validation
 from evenpipe.sim.costs import SimCosts
-from evenpipe.sim.kernel import (PARKED, CannotVouch, attempt, compute_memory, cross_rank_inputs, recomputed_slots,
-                                 served_first, stage_tables, sums_exact, wait_or_park)
+from evenpipe.sim.kernel import (PARKED, CannotVouch, attempt, compute_memory, cross_rank_inputs, kinds_used, park,
+                                 recomputed_slots, served_first, stage_tables, sums_exact, wait_or_park)
 from evenpipe.sim.result import by_end, timeline, unit_bytes
 from evenpipe.sim.rules import (BRINGS_BACK, FIRST_MOVE, FIRST_TRANSFER, KACCEPT, KEVICT, KRECV_F, KRETURN, KSEND_B,
                                 KSEND_F, PEER_ONLY, B, F, I, R)
@@ -48,7 +50,7 @@ _K = ActionKind
 def applies(schedule: Schedule, costs: SimCosts) -> bool:
     """A validated schedule without host moves, on links that charge no CPU time and no late-receive cost."""
     return not costs.event_engine_only and passed_validation(schedule) and \
-        all(PEER_ONLY.issuperset(ks) for ks in schedule.columns.kinds)
+        PEER_ONLY.issuperset(kinds_used(schedule))
 
 
 def run(schedule: Schedule, costs: SimCosts) -> Trace:
@@ -66,7 +68,7 @@ def simulate_links(schedule: Schedule, costs: SimCosts) -> Trace | None:
 
 class _LinkRun:
     def __init__(self, schedule: Schedule, costs: SimCosts) -> None:
-        self.has_moves = any(KEVICT in ks for ks in schedule.columns.kinds)
+        self.has_moves = KEVICT in kinds_used(schedule)
         self.schedule, self.costs = schedule, costs
 
     def _cuts(self) -> tuple[list[float], list[float], list[int], list[int], list[bool]]:
@@ -118,293 +120,49 @@ class _LinkRun:
         return dur, lid, nbytes
 
     def run(self) -> Trace:
-        """The one pass of the module's rules over every rank's list. One function with closures over its local
-        lists, because the hot loop's speed is local-variable access; raises ``CannotVouch`` where it cannot vouch."""
+        """The one pass of the module's rules over every rank's list: the hot loop and the link and move
+        handlers are closures over the run's lists (:class:`_LinkState`), because the loop's speed is access to
+        local and closed-over variables; raises ``CannotVouch`` where it cannot vouch."""
+        st = self._state()
+        step = _stepper(st)
+        todo = st.todo
+        while todo:
+            step(todo.pop())
+        if any(pc != len(ks) for pc, ks in zip(st.pcs, st.kinds)):
+            raise CannotVouch  # the evaluation stopped (a link order it cannot take): the dataflow path decides
+        if self.has_moves:
+            NK, mend, sreach = st.NK, st.mend, st.sreach
+            if any(mend[k] < 0.0 for k in range(NK, 2 * NK) if sreach[k] >= 0.0):
+                raise CannotVouch
+            if not all(sums_exact(st.mem[r]) for r in range(st.P) if st.mixed[r]):
+                raise CannotVouch  # the memory points could depend on the order of same-time changes
+        return self._trace(st.starts, st.ends, st.mem, st.sreach, st.spos, st.rpos, st.mstart, st.mend, st.exposed,
+                           st.bbytes)
+
+    def _state(self) -> "_LinkState":
+        """The run's tables and its empty lists."""
         sched, costs, cols = self.schedule, self.costs, self.schedule.columns
         P, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
-        layout = sched.stage_to_rank
         table, act, ckpt, wgb = stage_tables(costs.stages)
         dur_f, dur_b, link_f, link_b, instant = self._cuts()
         recomputed = recomputed_slots(sched)
-        cross_in, cross_grad = cross_rank_inputs(layout)
+        cross_in, cross_grad = cross_rank_inputs(sched.stage_to_rank)
         NK = 2 * S * M  # message slots: 2u, the input of F(u); 2u + 1, the output gradient of B/I(u); then moves
         moves = self.has_moves
         bdur, blid, bbytes = self._moves(recomputed, act, ckpt, instant) if moves else ([], [], [])
         total = 2 * NK if moves else NK
-        sreach, rreach = [-1.0] * total, [-1.0] * total  # when each end was reached (-1: not yet)
-        spos, rpos = [0] * total, [0] * total  # where: rank << 32 | index
-        ready, mstart, mend, exposed = [0.0] * total, [0.0] * total, [-1.0] * total, [0.0] * total
-        # moves only, by slot - NK: conditions still missing (both ends, and each landing it waits for), the
-        # latest of those landings, when its data was ready on the sending side, and who waits for it to land
-        pending = [2] * NK if moves else []
-        landed_by = [-1.0] * NK if moves else []
-        rdata = [0.0] * NK if moves else []
-        gated: dict[int, list[int]] = {}
-        startable: list[int] = []  # moves whose conditions are all met
-        mixed = [False] * P  # ranks whose memory changes include moves' (recorded out of time order)
-        queue: list[list[int]] = [[] for _ in range(P * P)]  # per link, its messages in the sender's order
-        head = [0] * (P * P)
-        link_end = [0.0] * (P * P)
-        waiters: dict[int, list[int]] = {}
-        todo = list(range(P - 1, -1, -1))
-        low = (1 << 32) - 1
-        mem: list[list[tuple[float, float]]] = [[] for _ in range(P)]
-        held: list[dict[int, float]] = [{} for _ in range(P)]  # (stage * M + mb) -> bytes
-
-        def finish(k: int, t: float, duration: float) -> None:
-            mstart[k] = t
-            e = mend[k] = t + duration
-            q, i = spos[k] >> 32, spos[k] & low
-            ends[q][i] = e
-            d, i = rpos[k] >> 32, rpos[k] & low
-            ends[d][i] = e
-            woken = waiters.pop(k, None)
-            if woken:
-                todo.extend(woken)
-            if k >= NK:  # a move: the sender frees on arrival, the receiver allocates at the start
-                j = k - NK
-                nb = bbytes[j]
-                if nb:
-                    u = j >> 1
-                    hq, hd = held[q], held[d]
-                    hq[u] = hq.get(u, 0.0) - nb
-                    mem[q].append((e, -nb))
-                    hd[u] = hd.get(u, 0.0) + nb
-                    mem[d].append((t, nb))
-                    mixed[q] = mixed[d] = True
-                for g in gated.pop(k, ()):
-                    jg = g - NK
-                    if e > landed_by[jg]:
-                        landed_by[jg] = e
-                    if g == k + 1 and not j & 1 and e > rdata[jg]:  # a return's data: its own eviction
-                        rdata[jg] = e
-                    pending[jg] -= 1
-                    if not pending[jg]:
-                        startable.append(g)
-
-        def wait_landing(k: int, g: int) -> None:
-            """Move ``k`` starts only after move ``g`` has landed."""
-            e = mend[g]
-            if e >= 0.0:
-                if e > landed_by[k - NK]:
-                    landed_by[k - NK] = e
-            else:
-                pending[k - NK] += 1
-                gated.setdefault(g, []).append(k)
-
-        def move_ready(k: int) -> float:
-            t = sreach[k]
-            if rreach[k] > t:
-                t = rreach[k]
-            if landed_by[k - NK] > t:
-                t = landed_by[k - NK]
-            ready[k] = t
-            return t
-
-        def start_moves() -> None:
-            while startable:
-                k = startable.pop()
-                if mend[k] >= 0.0:
-                    continue  # started already by its link's queue
-                lid = blid[k - NK]
-                if instant[lid]:
-                    finish(k, move_ready(k), 0.0)
-                elif queue[lid][head[lid]] == k:  # its send was reached, so it is queued, at or after the head
-                    advance(lid)
-
-        def triggers(k: int) -> tuple[int, int]:
-            """The positions whose time made ``k`` ready (the second -2 unless both ends did; -1 for a landing)."""
-            t = ready[k]
-            if k >= NK and landed_by[k - NK] == t:
-                return (-1, -2)
-            a = spos[k] if sreach[k] == t else -2
-            b = rpos[k] if rreach[k] == t else -2
-            return (a, b) if a >= 0 else (b, -2)
-
-        def advance(lid: int) -> None:
-            """Start the link's messages in order while the next one has all its conditions met."""
-            q, h = queue[lid], head[lid]
-            busy = link_end[lid]
-            while h < len(q):
-                k = q[h]
-                if k < NK:
-                    t = rreach[k]
-                    if t < 0.0:
-                        break
-                    if sreach[k] > t:
-                        t = sreach[k]
-                    ready[k] = t
-                    duration = dur_b[(k >> 1) // M] if k & 1 else dur_f[(k >> 1) // M - 1]
-                else:
-                    if pending[k - NK]:
-                        break
-                    t = move_ready(k)
-                    duration = bdur[k - NK]
-                if h:
-                    before = ready[q[h - 1]]
-                    if not (t > before or t == before and served_first(*triggers(q[h - 1]), *triggers(k))):
-                        raise CannotVouch  # maybe not served in FIFO order: the engine decides
-                    if busy > t:
-                        t = busy
-                if k < NK:  # finish(k, t, duration), inlined for the common case
-                    mstart[k] = t
-                    busy = mend[k] = t + duration
-                    p = spos[k]
-                    ends[p >> 32][p & low] = busy
-                    p = rpos[k]
-                    ends[p >> 32][p & low] = busy
-                    woken = waiters.pop(k, None)
-                    if woken:
-                        todo.extend(woken)
-                else:  # finishing a move only queues the moves it releases: this link is not re-entered
-                    finish(k, t, duration)
-                    busy = mend[k]
-                h += 1
-            head[lid] = h
-            link_end[lid] = busy
-
-        starts = [[0.0] * len(ks) for ks in cols.kinds]
-        ends = [[0.0] * len(ks) for ks in cols.kinds]
-        evicting: list[list[int]] = [[] for _ in range(P)]  # evictions since the rank's last F/R
-        returning: list[list[int]] = [[] for _ in range(P)]  # the last ACCEPT's move and the RETURNs since
-        back: list[dict[int, int]] = [{} for _ in range(P)]  # u -> its LOAD's move, until a compute consumes it
-        pcs, t_free = [0] * P, [0.0] * P
-        FWD, BWD, BIN, RE, SF, SB, RF, EV, AC, RET = F, B, I, R, KSEND_F, KSEND_B, KRECV_F, KEVICT, KACCEPT, KRETURN
-        MOVE, TRANSFER = FIRST_MOVE, FIRST_TRANSFER
-        mend_at = mend.__getitem__
-        while todo:
-            r = todo.pop()
-            ks, ss, ms = cols.kinds[r], cols.stages[r], cols.microbatches[r]
-            st_r, en_r, mem_r, held_r = starts[r], ends[r], mem[r], held[r]
-            ev_r, ret_r, back_r = evicting[r], returning[r], back[r]
-            i, n, now = pcs[r], len(ks), t_free[r]
-            base = r << 32
-            while i < n:
-                c = ks[i]
-                s = ss[i]
-                u = s * M + ms[i]
-                if c >= MOVE:  # a BPipe move's end: reached now
-                    st_r[i] = en_r[i] = now
-                    if c == EV or c == RET:
-                        k = NK + 2 * u + BRINGS_BACK[c]
-                        sreach[k], spos[k] = now, base | i
-                        if c == EV:
-                            rdata[k - NK] = now
-                            ev_r.append(k)
-                        else:  # its data is ready when it is reached and its eviction has landed
-                            e = mend[k - 1]
-                            rdata[k - NK] = e if e > now else now
-                            wait_landing(k, k - 1)
-                            ret_r.append(k)
-                        if not instant[blid[k - NK]]:
-                            queue[blid[k - NK]].append(k)
-                    else:
-                        k = NK + 2 * u + BRINGS_BACK[c]
-                        rreach[k], rpos[k] = now, base | i
-                        for g in ret_r if c == AC else ev_r:
-                            wait_landing(k, g)
-                        if c == AC:
-                            ret_r[:] = [k]
-                        else:
-                            back_r[u] = k
-                    pending[k - NK] -= 1
-                    if not pending[k - NK]:
-                        startable.append(k)
-                    if startable:
-                        start_moves()
-                    i += 1
-                    continue
-                if c >= TRANSFER:  # a send or a receive: reached now
-                    st_r[i] = en_r[i] = now
-                    if c == SF or c == SB:
-                        k = 2 * (u + M) if c == SF else 2 * (u - M) + 1
-                        sreach[k], spos[k] = now, base | i
-                        lid = link_f[s] if c == SF else link_b[s - 1]
-                    else:
-                        k = 2 * u if c == RF else 2 * u + 1
-                        rreach[k], rpos[k] = now, base | i
-                        lid = link_f[s - 1] if c == RF else link_b[s]
-                    if instant[lid]:
-                        if sreach[k] >= 0.0 and rreach[k] >= 0.0:
-                            ready[k] = t = sreach[k] if sreach[k] > rreach[k] else rreach[k]
-                            finish(k, t, 0.0)
-                    else:  # advance the link only when this message is its next and both ends are reached
-                        q = queue[lid]
-                        if c == SF or c == SB:
-                            q.append(k)
-                            go = rreach[k] >= 0.0 and head[lid] == len(q) - 1
-                        else:
-                            go = head[lid] < len(q) and q[head[lid]] == k
-                        if go:
-                            advance(lid)
-                            if startable:
-                                start_moves()
-                    i += 1
-                    continue
-                start = now
-                k_in = k_back = -1
-                if c == FWD or c == BWD or c == BIN:
-                    k = 2 * u if c == FWD else 2 * u + 1
-                    if cross_in[s] if c == FWD else cross_grad[s]:
-                        e = mend[k]
-                        if e < 0.0:
-                            waiters.setdefault(k, []).append(r)
-                            break
-                        k_in = k
-                        if e > start:
-                            start = e
-                if back_r and c != FWD and u in back_r:  # the first compute after a LOAD waits for the return
-                    k_back = back_r[u]
-                    e = mend[k_back]
-                    if e < 0.0:
-                        waiters.setdefault(k_back, []).append(r)
-                        break
-                    if e > start:
-                        start = e
-                gate = ev_r if (c == FWD or c == RE) and ev_r else None
-                if gate is not None:  # this FWD/RE allocates only after the rank's evictions since the last landed
-                    start = wait_or_park(mend_at, gate, start, waiters, r)
-                    if start == PARKED:
-                        break
-                base_t = now  # the engine's exposure rules: each input's lateness beyond the rank being free
-                if k_in >= 0:
-                    e, d = mend[k_in], sreach[k_in]
-                    late = e - (now if now > d else d)
-                    if late > exposed[k_in]:
-                        exposed[k_in] = late
-                    if e > base_t:
-                        base_t = e
-                if k_back >= 0:
-                    e, d = mend[k_back], rdata[k_back - NK]
-                    late = e - (now if now > d else d)
-                    if late > exposed[k_back]:
-                        exposed[k_back] = late
-                    if e > base_t:
-                        base_t = e
-                if gate is not None:  # the delay the gate added, split among the evictions by arrival
-                    for g in sorted(gate, key=mend.__getitem__):
-                        e = mend[g] if mend[g] < start else start
-                        if e > base_t:
-                            exposed[g] += e - base_t
-                            base_t = e
-                    gate.clear()
-                if k_back >= 0:
-                    del back_r[u]
-                now = start + table[c * S + s]
-                compute_memory(c, u, start, now, ckpt[s] if u in recomputed else act[s], act[s] - ckpt[s], wgb[s],
-                               held_r, mem_r)
-                st_r[i] = start
-                en_r[i] = now
-                i += 1
-            pcs[r], t_free[r] = i, now
-        if any(pc != len(ks) for pc, ks in zip(pcs, cols.kinds)):
-            raise CannotVouch  # the evaluation stopped (a link order it cannot take): the dataflow path decides
-        if moves:
-            if any(mend[k] < 0.0 for k in range(NK, total) if sreach[k] >= 0.0):
-                raise CannotVouch
-            if not all(sums_exact(mem[r]) for r in range(P) if mixed[r]):
-                raise CannotVouch  # the memory points could depend on the order of same-time changes
-        return self._trace(starts, ends, mem, sreach, spos, rpos, mstart, mend, exposed, bbytes)
+        return _LinkState(
+            P=P, S=S, M=M, NK=NK, kinds=cols.kinds, stages=cols.stages, mbs=cols.microbatches, table=table, act=act,
+            ckpt=ckpt, wgb=wgb, dur_f=dur_f, dur_b=dur_b, link_f=link_f, link_b=link_b, instant=instant,
+            recomputed=recomputed, cross_in=cross_in, cross_grad=cross_grad, bdur=bdur, blid=blid, bbytes=bbytes,
+            sreach=[-1.0] * total, rreach=[-1.0] * total, spos=[0] * total, rpos=[0] * total, ready=[0.0] * total,
+            mstart=[0.0] * total, mend=[-1.0] * total, exposed=[0.0] * total, pending=[2] * NK if moves else [],
+            landed_by=[-1.0] * NK if moves else [], rdata=[0.0] * NK if moves else [], gated={}, startable=[],
+            mixed=[False] * P, queue=[[] for _ in range(P * P)], head=[0] * (P * P), link_end=[0.0] * (P * P),
+            waiters={}, todo=list(range(P - 1, -1, -1)), mem=[[] for _ in range(P)], held=[{} for _ in range(P)],
+            starts=[[0.0] * len(ks) for ks in cols.kinds], ends=[[0.0] * len(ks) for ks in cols.kinds],
+            evicting=[[] for _ in range(P)], returning=[[] for _ in range(P)], back=[{} for _ in range(P)],
+            pcs=[0] * P, t_free=[0.0] * P)
 
     def _trace(self, starts: list[list[float]], ends: list[list[float]], mem: list[list[tuple[float, float]]],
                sreach: list[float], spos: list[int], rpos: list[int], mstart: list[float], mend: list[float],
@@ -469,6 +227,392 @@ class _LinkRun:
         u = j >> 1
         return tuple.__new__(TransferRecord, (spos[k] >> 32, rpos[k] >> 32, _K.RETURN if j & 1 else _K.EVICT, u // M,
                                               u % M, move_bytes[j], mstart[k], mend[k], exposed[k]))
+
+
+_LOW = (1 << 32) - 1
+"""Mask of the index in a position ``rank << 32 | index``."""
+
+
+@dataclass(slots=True, kw_only=True)
+class _LinkState:
+    """One run's tables and lists. Message slots ``k``: ``2u`` the input of ``F(u)``, ``2u + 1`` the output
+    gradient of ``B``/``I(u)``, then ``NK + 2u`` the eviction of ``u`` and ``NK + 2u + 1`` its return."""
+
+    P: int
+    S: int
+    M: int
+    NK: int
+    """Number of plain message slots (``2 * S * M``)."""
+    kinds: tuple[list[int], ...]
+    stages: tuple[list[int], ...]
+    mbs: tuple[list[int], ...]
+    table: list[float]
+    act: list[float]
+    ckpt: list[float]
+    wgb: list[float]
+    dur_f: list[float]
+    dur_b: list[float]
+    link_f: list[int]
+    link_b: list[int]
+    instant: list[bool]
+    """Per link id (``src * P + dst``), whether every message on it takes no time."""
+    recomputed: set[int]
+    cross_in: list[bool]
+    cross_grad: list[bool]
+    bdur: list[float]
+    blid: list[int]
+    bbytes: list[float]
+    sreach: list[float]
+    """Per slot, when its send was reached (-1: not yet); ``rreach`` the same for its receive."""
+    rreach: list[float]
+    spos: list[int]
+    """Per slot, where its send is: ``rank << 32 | index``; ``rpos`` the same for its receive."""
+    rpos: list[int]
+    ready: list[float]
+    mstart: list[float]
+    mend: list[float]
+    exposed: list[float]
+    pending: list[int]
+    """Moves only, by slot - NK: conditions still missing (both ends, and each landing it waits for)."""
+    landed_by: list[float]
+    """Moves only: the latest of the landings it waits for."""
+    rdata: list[float]
+    """Moves only: when its data was ready on the sending side."""
+    gated: dict[int, list[int]]
+    """Move slot -> moves that wait for it to land."""
+    startable: list[int]
+    """Moves whose conditions are all met."""
+    mixed: list[bool]
+    """Ranks whose memory changes include moves' (recorded out of time order)."""
+    queue: list[list[int]]
+    """Per link, its messages in the sender's order."""
+    head: list[int]
+    link_end: list[float]
+    waiters: dict[int, list[int]]
+    todo: list[int]
+    mem: list[list[tuple[float, float]]]
+    held: list[dict[int, float]]
+    """Per rank, (stage * M + mb) -> bytes."""
+    starts: list[list[float]]
+    ends: list[list[float]]
+    evicting: list[list[int]]
+    """Per rank, evictions since its last F/R."""
+    returning: list[list[int]]
+    """Per rank, the last ACCEPT's move and the RETURNs since."""
+    back: list[dict[int, int]]
+    """Per rank, u -> its LOAD's move, until a compute consumes it."""
+    pcs: list[int]
+    t_free: list[float]
+
+
+def _finisher(st: _LinkState) -> Callable[[int, float, float], None]:
+    """``finish(k, t, duration)``: message ``k`` moves from ``t``; a move's memory changes and the moves its
+    landing releases."""
+    mstart, mend, spos, rpos, ends, waiters, todo, NK = st.mstart, st.mend, st.spos, st.rpos, st.ends, st.waiters, \
+        st.todo, st.NK
+    bbytes, held, mem, mixed, gated, landed_by, rdata, pending, startable = st.bbytes, st.held, st.mem, st.mixed, \
+        st.gated, st.landed_by, st.rdata, st.pending, st.startable
+    low = _LOW
+
+    def finish(k: int, t: float, duration: float) -> None:
+        mstart[k] = t
+        e = mend[k] = t + duration
+        q, i = spos[k] >> 32, spos[k] & low
+        ends[q][i] = e
+        d, i = rpos[k] >> 32, rpos[k] & low
+        ends[d][i] = e
+        woken = waiters.pop(k, None)
+        if woken:
+            todo.extend(woken)
+        if k >= NK:  # a move: the sender frees on arrival, the receiver allocates at the start
+            j = k - NK
+            nb = bbytes[j]
+            if nb:
+                u = j >> 1
+                hq, hd = held[q], held[d]
+                hq[u] = hq.get(u, 0.0) - nb
+                mem[q].append((e, -nb))
+                hd[u] = hd.get(u, 0.0) + nb
+                mem[d].append((t, nb))
+                mixed[q] = mixed[d] = True
+            for g in gated.pop(k, ()):
+                jg = g - NK
+                if e > landed_by[jg]:
+                    landed_by[jg] = e
+                if g == k + 1 and not j & 1 and e > rdata[jg]:  # a return's data: its own eviction
+                    rdata[jg] = e
+                pending[jg] -= 1
+                if not pending[jg]:
+                    startable.append(g)
+    return finish
+
+
+def _landings(st: _LinkState) -> tuple[Callable[[int, int], None], Callable[[int], float]]:
+    """``wait_landing(k, g)``: move ``k`` starts only after move ``g`` has landed; ``move_ready(k)``: when move
+    ``k``'s conditions are met (both ends reached, the landings it waits for landed)."""
+    mend, landed_by, pending, gated, sreach, rreach, ready, NK = st.mend, st.landed_by, st.pending, st.gated, \
+        st.sreach, st.rreach, st.ready, st.NK
+
+    def wait_landing(k: int, g: int) -> None:
+        e = mend[g]
+        if e >= 0.0:
+            if e > landed_by[k - NK]:
+                landed_by[k - NK] = e
+        else:
+            pending[k - NK] += 1
+            gated.setdefault(g, []).append(k)
+
+    def move_ready(k: int) -> float:
+        t = sreach[k]
+        if rreach[k] > t:
+            t = rreach[k]
+        if landed_by[k - NK] > t:
+            t = landed_by[k - NK]
+        ready[k] = t
+        return t
+    return wait_landing, move_ready
+
+
+def _advancer(st: _LinkState, finish: Callable[[int, float, float], None], move_ready: Callable[[int], float]
+              ) -> Callable[[int], None]:
+    """``advance(lid)``: start the link's messages in order while the next one has all its conditions met."""
+    queue, head, link_end, rreach, sreach, ready, dur_b, dur_f, M, NK = st.queue, st.head, st.link_end, st.rreach, \
+        st.sreach, st.ready, st.dur_b, st.dur_f, st.M, st.NK
+    pending, bdur, mstart, mend, spos, rpos, ends, waiters, todo, landed_by = st.pending, st.bdur, st.mstart, \
+        st.mend, st.spos, st.rpos, st.ends, st.waiters, st.todo, st.landed_by
+    low = _LOW
+
+    def triggers(k: int) -> tuple[int, int]:
+        """The positions whose time made ``k`` ready (the second -2 unless both ends did; -1 for a landing)."""
+        t = ready[k]
+        if k >= NK and landed_by[k - NK] == t:
+            return (-1, -2)
+        a = spos[k] if sreach[k] == t else -2
+        b = rpos[k] if rreach[k] == t else -2
+        return (a, b) if a >= 0 else (b, -2)
+
+    def advance(lid: int) -> None:
+        q, h = queue[lid], head[lid]
+        busy = link_end[lid]
+        while h < len(q):
+            k = q[h]
+            if k < NK:
+                t = rreach[k]
+                if t < 0.0:
+                    break
+                if sreach[k] > t:
+                    t = sreach[k]
+                ready[k] = t
+                duration = dur_b[(k >> 1) // M] if k & 1 else dur_f[(k >> 1) // M - 1]
+            else:
+                if pending[k - NK]:
+                    break
+                t = move_ready(k)
+                duration = bdur[k - NK]
+            if h:
+                before = ready[q[h - 1]]
+                if not (t > before or t == before and served_first(*triggers(q[h - 1]), *triggers(k))):
+                    raise CannotVouch  # maybe not served in FIFO order: the engine decides
+                if busy > t:
+                    t = busy
+            if k < NK:  # finish(k, t, duration), inlined for the common case
+                mstart[k] = t
+                busy = mend[k] = t + duration
+                p = spos[k]
+                ends[p >> 32][p & low] = busy
+                p = rpos[k]
+                ends[p >> 32][p & low] = busy
+                woken = waiters.pop(k, None)
+                if woken:
+                    todo.extend(woken)
+            else:  # finishing a move only queues the moves it releases: this link is not re-entered
+                finish(k, t, duration)
+                busy = mend[k]
+            h += 1
+        head[lid] = h
+        link_end[lid] = busy
+    return advance
+
+
+def _move_handlers(st: _LinkState, finish: Callable[[int, float, float], None]
+                   ) -> tuple[Callable[[int, int, int, int, float], None], Callable[[], None], Callable[[int], None]]:
+    """``reach_move(r, i, c, u, now)``: rank ``r`` reaches a BPipe move's end; ``start_moves()``: start the moves
+    whose conditions are met; and the links' ``advance``."""
+    wait_landing, move_ready = _landings(st)
+    advance = _advancer(st, finish, move_ready)
+    startable, mend, blid, instant, queue, head, NK = st.startable, st.mend, st.blid, st.instant, st.queue, \
+        st.head, st.NK
+    sreach, spos, rreach, rpos, rdata, pending = st.sreach, st.spos, st.rreach, st.rpos, st.rdata, st.pending
+    evicting, returning, back, starts, ends = st.evicting, st.returning, st.back, st.starts, st.ends
+
+    def start_moves() -> None:
+        while startable:
+            k = startable.pop()
+            if mend[k] >= 0.0:
+                continue  # started already by its link's queue
+            lid = blid[k - NK]
+            if instant[lid]:
+                finish(k, move_ready(k), 0.0)
+            elif queue[lid][head[lid]] == k:  # its send was reached, so it is queued, at or after the head
+                advance(lid)
+
+    def reach_move(r: int, i: int, c: int, u: int, now: float) -> None:
+        starts[r][i] = ends[r][i] = now
+        k = NK + 2 * u + BRINGS_BACK[c]
+        if c == KEVICT or c == KRETURN:
+            sreach[k], spos[k] = now, (r << 32) | i
+            if c == KEVICT:
+                rdata[k - NK] = now
+                evicting[r].append(k)
+            else:  # its data is ready when it is reached and its eviction has landed
+                e = mend[k - 1]
+                rdata[k - NK] = e if e > now else now
+                wait_landing(k, k - 1)
+                returning[r].append(k)
+            if not instant[blid[k - NK]]:
+                queue[blid[k - NK]].append(k)
+        else:
+            rreach[k], rpos[k] = now, (r << 32) | i
+            for g in returning[r] if c == KACCEPT else evicting[r]:
+                wait_landing(k, g)
+            if c == KACCEPT:
+                returning[r][:] = [k]
+            else:
+                back[r][u] = k
+        pending[k - NK] -= 1
+        if not pending[k - NK]:
+            startable.append(k)
+        if startable:
+            start_moves()
+    return reach_move, start_moves, advance
+
+
+def _move_gates(st: _LinkState) -> tuple[Callable[[int, int, int, float], float],
+                                         Callable[[int, int, int, float, float, float], None]]:
+    """For a compute of a rank with BPipe moves in flight: ``wait(r, c, u, start)``, the start after the return
+    of its evicted activations (the first backward-side compute after a ``LOAD``) and, for an ``F``/``R``, the
+    landing of the rank's evictions since the last ``F``/``R`` (or :data:`PARKED`); ``expose(r, c, u, now, start,
+    base)``, charging those waits to the moves by the engine's rules."""
+    mend, waiters, rdata, exposed, NK, back, evicting = st.mend, st.waiters, st.rdata, st.exposed, st.NK, st.back, \
+        st.evicting
+    mend_at = mend.__getitem__
+
+    def wait(r: int, c: int, u: int, start: float) -> float:
+        back_r = back[r]
+        if back_r and c != F and u in back_r:  # the first compute after a LOAD waits for the return
+            k_back = back_r[u]
+            e = mend[k_back]
+            if e < 0.0:
+                park(waiters, k_back, r)
+                return PARKED
+            if e > start:
+                start = e
+        if (c == F or c == R) and evicting[r]:  # this F/R allocates only after the rank's evictions have landed
+            start = wait_or_park(mend_at, evicting[r], start, waiters, r)
+        return start
+
+    def expose(r: int, c: int, u: int, now: float, start: float, base_t: float) -> None:
+        back_r, gate = back[r], evicting[r]
+        k_back = back_r[u] if back_r and c != F and u in back_r else -1
+        if k_back >= 0:
+            e, d = mend[k_back], rdata[k_back - NK]
+            late = e - (now if now > d else d)
+            if late > exposed[k_back]:
+                exposed[k_back] = late
+            if e > base_t:
+                base_t = e
+        if (c == F or c == R) and gate:  # the delay the gate added, split among the evictions by arrival
+            for g in sorted(gate, key=mend.__getitem__):
+                e = mend[g] if mend[g] < start else start
+                if e > base_t:
+                    exposed[g] += e - base_t
+                    base_t = e
+            gate.clear()
+        if k_back >= 0:
+            del back_r[u]
+    return wait, expose
+
+
+def _stepper(st: _LinkState) -> Callable[[int], None]:
+    """``step(r)``: run rank ``r`` from its cursor until a compute must wait or the list ends."""
+    finish = _finisher(st)
+    reach_move, start_moves, advance = _move_handlers(st, finish)
+    moves_wait, moves_expose = _move_gates(st)
+    kinds, stages, mbs, starts, ends, mem, held, evicting, back, pcs, t_free = st.kinds, st.stages, st.mbs, \
+        st.starts, st.ends, st.mem, st.held, st.evicting, st.back, st.pcs, st.t_free
+    M, S, sreach, spos, rreach, rpos, link_f, link_b, instant, ready, queue, head, startable = st.M, st.S, \
+        st.sreach, st.spos, st.rreach, st.rpos, st.link_f, st.link_b, st.instant, st.ready, st.queue, st.head, \
+        st.startable
+    cross_in, cross_grad, mend, waiters, exposed, table, ckpt, act, wgb, recomputed = st.cross_in, st.cross_grad, \
+        st.mend, st.waiters, st.exposed, st.table, st.ckpt, st.act, st.wgb, st.recomputed
+    FWD, BWD, BIN, RE, SF, SB, RF, MOVE, TRANSFER = F, B, I, R, KSEND_F, KSEND_B, KRECV_F, FIRST_MOVE, FIRST_TRANSFER
+
+    def step(r: int) -> None:
+        ks, ss, ms = kinds[r], stages[r], mbs[r]
+        st_r, en_r, mem_r, held_r, ev_r, back_r = starts[r], ends[r], mem[r], held[r], evicting[r], back[r]
+        i, n, now = pcs[r], len(ks), t_free[r]
+        base = r << 32
+        while i < n:
+            c = ks[i]
+            s = ss[i]
+            u = s * M + ms[i]
+            if c >= MOVE:  # a BPipe move's end: reached now
+                reach_move(r, i, c, u, now)
+            elif c >= TRANSFER:  # a send or a receive: reached now
+                st_r[i] = en_r[i] = now
+                if c == SF or c == SB:
+                    k = 2 * (u + M) if c == SF else 2 * (u - M) + 1
+                    sreach[k], spos[k] = now, base | i
+                    lid = link_f[s] if c == SF else link_b[s - 1]
+                else:
+                    k = 2 * u if c == RF else 2 * u + 1
+                    rreach[k], rpos[k] = now, base | i
+                    lid = link_f[s - 1] if c == RF else link_b[s]
+                if instant[lid]:
+                    if sreach[k] >= 0.0 and rreach[k] >= 0.0:
+                        ready[k] = t = sreach[k] if sreach[k] > rreach[k] else rreach[k]
+                        finish(k, t, 0.0)
+                else:  # advance the link only when this message is its next and both ends are reached
+                    q = queue[lid]
+                    if c == SF or c == SB:
+                        q.append(k)
+                        go = rreach[k] >= 0.0 and head[lid] == len(q) - 1
+                    else:
+                        go = head[lid] < len(q) and q[head[lid]] == k
+                    if go:
+                        advance(lid)
+                        if startable:
+                            start_moves()
+            else:  # a compute
+                start = now
+                if c == FWD or c == BWD or c == BIN:
+                    k = 2 * u if c == FWD else 2 * u + 1
+                    if cross_in[s] if c == FWD else cross_grad[s]:
+                        e = mend[k]
+                        if e < 0.0:
+                            park(waiters, k, r)
+                            break
+                        d = sreach[k]  # the engine's exposure: the input's lateness beyond the rank being free
+                        late = e - (now if now > d else d)  # (the same if a later park makes it run again)
+                        if late > exposed[k]:
+                            exposed[k] = late
+                        if e > start:
+                            start = e
+                gated = ev_r and (c == FWD or c == RE) or back_r and c != FWD and u in back_r
+                if gated:
+                    base_t = start
+                    start = moves_wait(r, c, u, start)
+                    if start == PARKED:
+                        break
+                    moves_expose(r, c, u, now, start, base_t)
+                now = start + table[c * S + s]
+                compute_memory(c, u, start, now, ckpt[s] if u in recomputed else act[s], act[s] - ckpt[s], wgb[s],
+                               held_r, mem_r)
+                st_r[i] = start
+                en_r[i] = now
+            i += 1
+        pcs[r], t_free[r] = i, now
+    return step
 
 
 def _numbers(slots: list[int], spos: list[int], rpos: list[int]) -> list[int]:
