@@ -38,6 +38,18 @@ def test_interleaved_defaults_to_two_chunks(capsys: pytest.CaptureFixture[str]) 
     assert out["chunks"] == 2 and out["num_stages"] == 4
 
 
+def test_latency_aware_orders_for_the_link_latency(capsys: pytest.CaptureFixture[str]) -> None:
+    times = ["--stages", "8", "--microbatches", "8", "--forward-time", "1", "--backward-time", "1",
+             "--weight-time", "1", "--link-latency", "1"]
+    ours = _json(capsys, "--schedule", "latency-aware", *times)
+    zb = _json(capsys, "--schedule", "zb-h1", *times)
+    assert ours["schedule"] == "latency-aware" and ours["meta"]["cap"] == 8
+    assert max(ours["peak_activations"]) <= max(zb["peak_activations"])
+    assert ours["step_time"] <= 0.85 * zb["step_time"]
+    capped = _json(capsys, "--schedule", "latency-aware", *times, "--activation-cap", "3", "--chunks", "2")
+    assert capped["chunks"] == 2 and max(capped["peak_activations"]) <= 3
+
+
 def test_slow_link_bpipe_reports_exposed_transfers(capsys: pytest.CaptureFixture[str]) -> None:
     fast = _json(capsys, "--schedule", "bpipe", "--stages", "4", "--microbatches", "8")
     slow = _json(capsys, "--schedule", "bpipe", "--stages", "4", "--microbatches", "8", "--link-bandwidth", "0.5",
@@ -92,6 +104,9 @@ def test_unit_cost_pictures_label_time_in_units(tmp_path: pathlib.Path, monkeypa
     (["--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--forward-time", "-1"], "--forward-time"),
     (["--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--link-bandwidth", "0"], "--link-bandwidth"),
     (["--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--chunks", "2"], "num_chunks"),
+    (["--schedule", "latency-aware", "--stages", "2", "--microbatches", "2", "--chunks", "3"], "allowed: 1, 2"),
+    (["--schedule", "latency-aware", "--stages", "2", "--microbatches", "2", "--activation-cap", "0.5"],
+     "allowed: cap >= 1"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], args: list[str], needle: str) -> None:
     assert main(["simulate", *args]) == 2

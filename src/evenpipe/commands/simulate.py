@@ -12,8 +12,9 @@ from evenpipe.commands.model_args import (add_model_arguments, any_model_given, 
                                           parse_layout)
 from evenpipe.errors import ConfigError
 from evenpipe.report.tables import exposed_table, summary_table
-from evenpipe.schedule import ScheduleFamily, build_schedule
+from evenpipe.schedule import LinkPlan, ScheduleFamily, build_schedule
 from evenpipe.schedule.build import plan_durations_for
+from evenpipe.schedule.family import Ordering
 from evenpipe.sim import Link, SimCosts, Trace, simulate
 
 __all__ = ["add_arguments", "run", "trace_from_args", "summary_json", "UNIT_COSTS_NOTE"]
@@ -29,8 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=int, required=True, metavar="P", help="pipeline ranks P")
     parser.add_argument("--microbatches", type=int, required=True, metavar="M", help="micro-batches per step M")
     parser.add_argument("--chunks", type=int, default=None, metavar="V",
-                        help="stages per rank for interleaved / looped-bfs (default 2); the other families fix it "
-                        "(1, or 2 for the V-shaped zb-v, v-half, v-min, dualpipev)")
+                        help="stages per rank for interleaved / looped-bfs (default 2); latency-aware takes 1 or 2 (a "
+                        "V; default 1); the other families fix it (1, or 2 for the V-shaped zb-v, v-half, v-min, "
+                        "dualpipev)")
     times = parser.add_argument_group("durations per micro-batch of one rank's layers (unit costs: any one time "
                                       "unit, seconds only if you give seconds)")
     times.add_argument("--forward-time", type=float, default=1.0, metavar="F", help="forward (default 1)")
@@ -57,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="BPipe: activation units of one stage a rank may hold (default: the lowest balanced "
                         "peak the pairing allows; ceil((P+1)/2) for 1F1B)")
     parser.add_argument("--recompute", action="store_true", help="recompute activations before each backward")
+    parser.add_argument("--activation-cap", type=float, default=None, metavar="UNITS",
+                        help="latency-aware: activation units (a rank's layers for one micro-batch) a rank may "
+                        "hold (default P, 1F1B's peak); the schedule is ordered for the links' latency and "
+                        "bandwidth and these durations")
     prof = parser.add_argument_group("measured costs (instead of the durations and sizes above)")
     prof.add_argument("--profile", default=None, metavar="PROFILE",
                       help="profile JSON from `evenpipe profile`: per-stage costs, link and optimizer step measured")
@@ -86,24 +92,54 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     if not args.link_bandwidth > 0:
         raise ConfigError(f"--link-bandwidth must be > 0, got {args.link_bandwidth}")
+    profiled = bool(getattr(args, "profile", None))
+    cap = getattr(args, "activation_cap", None)
+    costs, plan = None, None
+    if family.traits.ordering is Ordering.LATENCY_AWARE and not profiled:
+        build_schedule(family, num_ranks=args.stages, num_microbatches=1, num_chunks=chunks)  # sizes checked first
+        costs = _costs(args, family, chunks, len(family.traits.stage_to_rank(args.stages, chunks)))
+        plan = link_plan_for(costs, family.traits.stage_to_rank(args.stages, chunks), cap=cap)
+    elif cap is not None:
+        warnings.warn(f"--activation-cap has no effect on schedule {family.value!r} (only latency-aware "
+                      "takes it, and not with --profile)", stacklevel=2)
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         sched = build_schedule(family, num_ranks=args.stages, num_microbatches=args.microbatches,
                                num_chunks=chunks, bpipe_budget=args.bpipe_budget, recompute=args.recompute,
                                plan_durations=plan_durations_for(args.forward_time, args.backward_time,
-                                                                 args.weight_time), bpipe=args.bpipe)
-    if getattr(args, "profile", None):
+                                                                 args.weight_time), bpipe=args.bpipe,
+                               link_plan=plan)
+    if profiled:
         return _profiled(args, sched).trace
+    return simulate(sched, costs or _costs(args, family, chunks, sched.num_stages))
+
+
+def _costs(args: argparse.Namespace, family: ScheduleFamily, chunks: int, num_stages: int) -> SimCosts:
+    """The costs the arguments give: from the model, or the durations and sizes (``num_stages`` stages)."""
     if any_model_given(args):
-        return simulate(sched, _model_costs(args, family, chunks))
-    costs = SimCosts.uniform(
-        num_stages=sched.num_stages, num_chunks=sched.num_chunks, forward=args.forward_time,
+        return _model_costs(args, family, chunks)
+    return SimCosts.uniform(
+        num_stages=num_stages, num_chunks=chunks, forward=args.forward_time,
         backward=args.backward_time, weight=args.weight_time, activation_bytes=args.activation_bytes,
         output_bytes=args.output_bytes,
         checkpoint_bytes=(args.output_bytes if args.checkpoint_bytes is None else args.checkpoint_bytes)
         if args.recompute else None,
         link=Link(latency_s=args.link_latency, bandwidth_bytes_per_s=args.link_bandwidth))
-    return simulate(sched, costs)
+
+
+def link_plan_for(costs: SimCosts, stage_to_rank: tuple[int, ...], *, cap: float | None = None) -> LinkPlan:
+    """What the latency-aware generator plans with under ``costs``: the slowest rank's forward, input- and
+    weight-gradient times over its stages, and every rank pair's time for the largest message."""
+    P = max(stage_to_rank) + 1
+    per_rank = [[0.0, 0.0, 0.0] for _ in range(P)]
+    for st, r in zip(costs.stages, stage_to_rank):
+        for k, t in enumerate((st.forward, st.backward_input, st.backward_weight)):
+            per_rank[r][k] += t
+    size = max((st.output_bytes for st in costs.stages), default=0.0)
+    message = tuple(tuple(0.0 if a == b else costs.link(a, b).transfer_time(size) for b in range(P))
+                    for a in range(P))
+    f, i, w = (max(row[k] for row in per_rank) for k in range(3))
+    return LinkPlan(forward=f, backward_input=i, backward_weight=w, message=message, cap=cap)
 
 
 def _profiled(args: argparse.Namespace, sched: Any) -> Any:

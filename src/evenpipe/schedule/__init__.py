@@ -24,6 +24,7 @@ from evenpipe.schedule.bpipe import (
 from evenpipe.schedule.build import add_offload, add_recompute, build_schedule, compute_order
 from evenpipe.schedule.comm import derive_communication
 from evenpipe.schedule.family import ScheduleFamily
+from evenpipe.schedule.generate.latency_plan import LinkPlan
 from evenpipe.schedule.grid import format_grid
 from evenpipe.schedule.ir import (
     COMPUTE_KINDS,
@@ -39,6 +40,7 @@ from evenpipe.schedule.witness import WITNESS_DURATIONS, WitnessTiming, witness_
 
 __all__ = [
     "COMPUTE_KINDS",
+    "LinkPlan",
     "RECV_KINDS",
     "SEND_KINDS",
     "WITNESS_DURATIONS",

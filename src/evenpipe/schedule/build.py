@@ -11,11 +11,13 @@ from typing import Callable, Iterator
 from evenpipe.errors import ConfigError
 from evenpipe.schedule.bpipe import bpipe_transform
 from evenpipe.schedule.comm import derive_communication
-from evenpipe.schedule.family import Ordering, ScheduleFamily, Transform
+from evenpipe.schedule.family import ChunkRule, Ordering, ScheduleFamily, Transform
 from evenpipe.schedule.generate import gpipe, interleaved, looped_bfs, one_f_one_b, zb_h1
 from evenpipe.schedule.generate.capped import capped_zero_bubble
 from evenpipe.schedule.generate.building_block import building_block_v
 from evenpipe.schedule.generate.dualpipe_v import dualpipe_v
+from evenpipe.schedule.generate.latency_aware import LinkPlan, latency_aware
+from evenpipe.schedule.generate.latency_comm import place_messages
 from evenpipe.schedule.generate.zb_v import zb_v
 from evenpipe.schedule.columns import Columns
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
@@ -26,7 +28,8 @@ __all__ = ["build_schedule", "add_offload", "add_recompute", "compute_order", "p
 
 def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None,
                    bpipe_budget: int | None = None, recompute: bool = False,
-                   plan_durations: tuple[int, int, int] | None = None, bpipe: bool = False) -> Schedule:
+                   plan_durations: tuple[int, int, int] | None = None, bpipe: bool = False,
+                   link_plan: LinkPlan | None = None) -> Schedule:
     """A complete schedule (compute, SEND/RECV, and for bpipe EVICT/ACCEPT/RETURN/LOAD), already validated.
 
     ``num_chunks`` is V, the stages per rank, for ``interleaved`` and ``looped-bfs`` (default 2); the other
@@ -39,14 +42,18 @@ def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbat
     :func:`plan_durations_for` turns measured or modelled times into them). ``bpipe`` applies the BPipe
     transform to any family that allows it (``bpipe`` itself is 1F1B with it); ``bpipe_budget`` is then in
     activation units of one stage (a chunk when interleaved), default the lowest balanced peak the pairing
-    allows. Bad values raise ``ConfigError``.
+    allows. ``link_plan`` is what ``latency-aware`` orders for (times, each link's message time, the per-rank
+    activation cap; default: ``plan_durations`` over free links, cap P). Bad values raise ``ConfigError``.
     """
     fam = ScheduleFamily.parse(family)
     num_chunks = fam.traits.chunks.chunks(num_chunks) if num_chunks is None else num_chunks
+    if link_plan is not None and fam.traits.ordering is not Ordering.LATENCY_AWARE:
+        warnings.warn(f"a link plan has no effect on schedule {fam.value!r}", stacklevel=2)
+        link_plan = None
     with _gc_paused():
         return _build(fam, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks,
                       bpipe_budget=bpipe_budget, recompute=recompute, plan_durations=plan_durations,
-                      bpipe=bpipe or fam is ScheduleFamily.BPIPE)
+                      bpipe=bpipe or fam is ScheduleFamily.BPIPE, link_plan=link_plan)
 
 
 def plan_durations_for(forward: float, backward_input: float, backward_weight: float) -> tuple[int, int, int]:
@@ -71,12 +78,12 @@ def _gc_paused() -> Iterator[None]:
 
 def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_chunks: int,
            bpipe_budget: int | None, recompute: bool, plan_durations: tuple[int, int, int] | None,
-           bpipe: bool) -> Schedule:
+           bpipe: bool, link_plan: LinkPlan | None = None) -> Schedule:
     if bpipe and Transform.BPIPE not in fam.traits.transforms:
         allowed = ", ".join(f.value for f in ScheduleFamily if Transform.BPIPE in f.traits.transforms)
         raise ConfigError(f"--bpipe does not apply to schedule {fam.value!r}; allowed: {allowed}")
     compute = compute_order(fam, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks,
-                            plan_durations=plan_durations)
+                            plan_durations=plan_durations, link_plan=link_plan)
     if bpipe_budget is not None and not bpipe:
         warnings.warn(f"bpipe_budget={bpipe_budget} has no effect on schedule {fam.value!r}", stacklevel=3)
     if recompute:
@@ -86,6 +93,8 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
         full = bpipe_transform(compute, budget=bpipe_budget)
         meta.update(full.meta)
         meta["family"] = fam.value
+    elif fam.traits.ordering is Ordering.LATENCY_AWARE:  # receives posted by the planned times, not a witness's
+        full = place_messages(compute, _link_plan(link_plan, plan_durations))
     else:
         full = derive_communication(compute)
     full = full.renamed(fam.value, meta)
@@ -96,7 +105,8 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
 @functools.lru_cache(maxsize=16)  # schedules are immutable: the planner's memory count and its estimate, a
 # configuration and its BPipe twin, build on one compute order (and so share its BPipe transform)
 def compute_order(family: ScheduleFamily, *, num_ranks: int, num_microbatches: int,
-                  num_chunks: int | None = None, plan_durations: tuple[int, int, int] | None = None) -> Schedule:
+                  num_chunks: int | None = None, plan_durations: tuple[int, int, int] | None = None,
+                  link_plan: LinkPlan | None = None) -> Schedule:
     """The compute-only schedule of ``family`` after checking the sizes (``ConfigError`` when out of range);
     the same object for the same arguments while it is among the last few asked for."""
     P, M = num_ranks, num_microbatches
@@ -110,6 +120,9 @@ def compute_order(family: ScheduleFamily, *, num_ranks: int, num_microbatches: i
     if V < 1:
         raise ConfigError(f"num_chunks must be >= 1, got {V}")
     traits = family.traits
+    if not traits.chunks.allows(V) and traits.chunks is ChunkRule.ONE_OR_TWO:
+        raise ConfigError(f"schedule {family.value!r} takes 1 or 2 stages per rank (one, or two in a V); got "
+                          f"num_chunks={V}, allowed: 1, 2")
     if not traits.chunks.allows(V):
         fixed = traits.chunks.chunks(None)
         what = "one stage" if fixed == 1 else f"{fixed} stages"
@@ -120,12 +133,23 @@ def compute_order(family: ScheduleFamily, *, num_ranks: int, num_microbatches: i
         raise ConfigError(f"{family.value} {why}")
     if family.traits.ordering is Ordering.MEMORY_CAPPED:
         return _capped(family, P, M, V, plan_durations or (1, 1, 1))
+    if family.traits.ordering is Ordering.LATENCY_AWARE:
+        return latency_aware(num_ranks=P, num_microbatches=M, plan=_link_plan(link_plan, plan_durations),
+                             stage_to_rank=traits.stage_to_rank(P, V))
     if family.traits.ordering is Ordering.BUILDING_BLOCK:
         durations = plan_durations or (1, 1, 1)
         return building_block_v(family.value, num_ranks=P, num_microbatches=M,
                                 stage_to_rank=traits.stage_to_rank(P, V),
                                 durations=durations, meta={"chunks": 2, "plan_durations": list(durations)})
     return _GENERATORS[family](P, M, V)
+
+
+def _link_plan(link_plan: LinkPlan | None, plan_durations: tuple[int, int, int] | None) -> LinkPlan:
+    """The latency-aware family's plan: the one given, else ``plan_durations`` (default 1, 1, 1) over free links."""
+    if link_plan is not None:
+        return link_plan
+    f, i, w = plan_durations or (1, 1, 1)
+    return LinkPlan(forward=f, backward_input=i, backward_weight=w)
 
 
 def _capped(family: ScheduleFamily, P: int, M: int, V: int, durations: tuple[int, int, int]) -> Schedule:

@@ -41,6 +41,9 @@ class ScheduleFamily(enum.Enum):
     """DualPipeV (DeepSeek-V3's DualPipe cut in half): V placement, paired forward/backward steady state."""
     BPIPE = "bpipe"
     """1F1B plus BPipe's evict/load transfers between ranks x and p-1-x (Kim et al., 2023)."""
+    LATENCY_AWARE = "latency-aware"
+    """List scheduling that knows each link's message time, under a per-rank activation cap (after CrossPipe,
+    Chen et al., 2025); one stage per rank, or two in a V with ``--chunks 2``."""
 
     @classmethod
     def parse(cls, name: "str | ScheduleFamily") -> "ScheduleFamily":
@@ -64,11 +67,12 @@ class Placement(enum.Enum):
     LINEAR = "one stage per rank: stage s on rank s"
     LOOPED = "V chunks per rank, round-robin: stage s on rank s % P"
     V_SHAPE = "two chunks per rank in a V: stage s on rank s for s < P, else on rank 2P-1-s"
+    LINEAR_OR_V = "one stage per rank (V=1), or two chunks per rank in a V (V=2)"
 
     def stage_to_rank(self, num_ranks: int, num_chunks: int) -> tuple[int, ...]:
         """Rank of every stage."""
         P = num_ranks
-        if self is Placement.LINEAR:
+        if self is Placement.LINEAR or (self is Placement.LINEAR_OR_V and num_chunks == 1):
             return tuple(range(P))
         if self is Placement.LOOPED:
             return tuple(s % P for s in range(P * num_chunks))
@@ -81,6 +85,7 @@ class ChunkRule(enum.Enum):
     ONE = "exactly 1"
     TWO = "exactly 2 (fixed by the placement)"
     CHOSEN = "the user's V >= 1 (default 2)"
+    ONE_OR_TWO = "the user's V, 1 or 2 (default 1)"
 
     def chunks(self, requested: int | None) -> int:
         """The chunk count to use for a request (``None``: the default)."""
@@ -88,9 +93,13 @@ class ChunkRule(enum.Enum):
             return 1
         if self is ChunkRule.TWO:
             return 2
-        return 2 if requested is None else requested
+        if requested is None:
+            return 1 if self is ChunkRule.ONE_OR_TWO else 2
+        return requested
 
     def allows(self, chunks: int) -> bool:
+        if self is ChunkRule.ONE_OR_TWO:
+            return chunks in (1, 2)
         return chunks == self.chunks(chunks) and chunks >= 1
 
 
@@ -106,6 +115,7 @@ class Ordering(enum.Enum):
     V_PATTERN = "ZB-V's fixed warm-up and F-I-W steady state on the V, then input gradients first"
     BUILDING_BLOCK = "one micro-batch's shortest-lived V block, repeated (Qi et al. 2024b)"
     DUALPIPE = "DualPipeV's eight phases around a paired forward/backward steady state"
+    LATENCY_AWARE = "list scheduling with each link's message time, I then F within a per-rank cap then W"
 
 
 class Transform(enum.Enum):
@@ -141,7 +151,7 @@ class FamilyTraits:
     @property
     def plans_with_durations(self) -> bool:
         """Whether the generator orders actions for given F, I, W durations (``plan_durations``)."""
-        return self.ordering in (Ordering.MEMORY_CAPPED, Ordering.BUILDING_BLOCK)
+        return self.ordering in (Ordering.MEMORY_CAPPED, Ordering.BUILDING_BLOCK, Ordering.LATENCY_AWARE)
 
     def microbatch_error(self, num_ranks: int, num_microbatches: int, num_chunks: int) -> str | None:
         """Why ``num_microbatches`` is not allowed (``None`` when it is)."""
@@ -195,6 +205,9 @@ TRAITS: dict[ScheduleFamily, FamilyTraits] = {
     ScheduleFamily.BPIPE: FamilyTraits(placement=Placement.LINEAR, chunks=ChunkRule.ONE,
                                        ordering=Ordering.ONE_F_ONE_B, split_backward=False,
                                        transforms=_BOTH),  # already transformed: --bpipe changes nothing
+    ScheduleFamily.LATENCY_AWARE: FamilyTraits(placement=Placement.LINEAR_OR_V, chunks=ChunkRule.ONE_OR_TWO,
+                                               ordering=Ordering.LATENCY_AWARE, split_backward=True,
+                                               transforms=_RECOMPUTE_ONLY),
 }
 """One record per family."""
 assert set(TRAITS) == set(ScheduleFamily), "every family needs its traits"

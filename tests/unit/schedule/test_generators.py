@@ -108,4 +108,4 @@ def test_families_parse() -> None:
     assert ScheduleFamily.parse("looped_bfs") is ScheduleFamily.LOOPED_BFS
     assert ScheduleFamily.parse(ScheduleFamily.BPIPE) is ScheduleFamily.BPIPE
     assert [f.value for f in ScheduleFamily] == ["gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2",
-                                                 "zb-v", "v-half", "v-min", "dualpipev", "bpipe"]
+                                                 "zb-v", "v-half", "v-min", "dualpipev", "bpipe", "latency-aware"]
