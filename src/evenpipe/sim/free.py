@@ -1,4 +1,4 @@
-"""The simulator's rules on instant links, evaluated over computes only (the first path :func:`simulate` tries).
+"""The simulator's rules on instant links, evaluated over computes only (the first evaluator the dispatcher tries).
 
 When every message takes no time (free links, or sizes and latency zero) and the schedule holds only computes and
 explicit activation / gradient messages, the event engine's times reduce to a longest path over the computes: a
@@ -200,7 +200,7 @@ class _FreeRun:
         consumer's slot, and a compute whose input comes from another rank (the layout tells) waits, in evaluation
         order, until that slot is written and starts at the later of its rank being free and that time --
         :meth:`run`'s rule; receives add nothing and are skipped. Memory changes are recorded as each compute is
-        timed, in program order, by :func:`~evenpipe.sim.fast.compute_memory`."""
+        timed, in program order, by :func:`~evenpipe.sim.kernel.compute_memory`."""
         sched, costs = self.schedule, self.costs
         layout, stages = sched.stage_to_rank, costs.stages
         for s in range(sched.num_stages - 1):  # every cut between ranks carries both directions' messages

@@ -14,7 +14,7 @@ follows the producer); a move also waits for what the engine makes it wait for -
 rank's earlier ``RETURN``\\ s and ``ACCEPT`` started to land, a ``RETURN`` for its own eviction to land, a ``LOAD``
 for its rank's evictions since the last ``F``/``R``. A link serves its messages one at a time in the sender's
 program order, which is the engine's FIFO order when their ready times increase along it (ties: the dataflow
-path's rule, :func:`~evenpipe.sim.fast._served_first`; a tie made by a landing is left to the engine), checked as
+path's rule, :func:`~evenpipe.sim.kernel.served_first`; a tie made by a landing is left to the engine), checked as
 each starts; a link whose messages all take no time never queues. A compute starts at the latest of its rank
 being free, its input message's end, the return of its evicted activations (the first backward-side compute after
 a ``LOAD``) and, for an ``F``/``R``, the landing of its rank's evictions since the last ``F``/``R``; exposed times
@@ -167,7 +167,7 @@ class _LinkRun:
     def _trace(self, starts: list[list[float]], ends: list[list[float]], mem: list[list[tuple[float, float]]],
                sreach: list[float], spos: list[int], rpos: list[int], mstart: list[float], mend: list[float],
                exposed: list[float], move_bytes: list[float]) -> Trace:
-        """What :func:`~evenpipe.sim.engine.make_trace` would return, with the transfer records built only when
+        """What :func:`~evenpipe.sim.result.make_trace` would return, with the transfer records built only when
         first read: the step time, memory, per-action times (the trace derives the compute spans from them), number
         of transfers, the records of
         those some compute waited on (in order of arrival: by end, then the engine's numbering) and their exposed
