@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints to keep")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir (any schedule, stages, "
-                        "layout, dp)")
+                        "layout, dp, tp, sharding, dtype)")
     p.add_argument("--overwrite-checkpoints", action="store_true",
                    help="start at step 0 although --checkpoint-dir holds checkpoints; they are deleted once this "
                         "run's first checkpoint is complete")

@@ -1,12 +1,13 @@
-"""Checkpoints that survive any change of schedule, pipeline degree, stage layout and data parallelism.
+"""Checkpoints that survive any change of schedule, pipeline degree, stage layout, data-parallel degree,
+tensor-parallel degree, sharding mode and dtype.
 
 Saved with torch.distributed.checkpoint (DCP) as one flat dictionary of tensors whose keys do not depend on how
-the model is cut:
+the model is cut or sharded:
 
-- ``model/<canonical name>``: every parameter, under its name in the whole model (see
-  :mod:`evenpipe.training.params`); replicas and stages that hold the same parameter save it once (DCP dedupes);
-- ``optim/<canonical name>/<exp_avg | exp_avg_sq | step>``: AdamW's state, flattened per parameter, so stages
-  never collide and a rank of any later layout finds the state of the parameters it holds;
+- ``model/<canonical name>`` and ``optim/<canonical name>/<exp_avg | exp_avg_sq | step>``: the fp32 weights the
+  optimizer steps and AdamW's state, under each parameter's name in the whole model, in the un-sharded layout
+  (DTensor shards of tensor parallelism and FSDP are saved as shards of it; see
+  :mod:`evenpipe.training.checkpoint_state`);
 - ``trainer/step``, ``trainer/samples``: steps done and sequences consumed (the data position; the learning-rate
   schedule is a function of the step);
 - ``rng/cpu/rank<R>`` (and ``rng/cuda/rank<R>``): each rank's RNG state, restored when the world has the same ranks.
@@ -35,7 +36,7 @@ from evenpipe.errors import ConfigError
 from evenpipe.training.checkpoint_manifest import (FileEntry, Manifest, checkpoint_name, checksum_problem,
                                                    file_entry, prune_plan, read_manifest, size_problem,
                                                    step_directories, write_manifest)
-from evenpipe.training.params import RankParameters
+from evenpipe.training.checkpoint_state import CheckpointTarget, load_plan, missing_weights, save_entries
 
 __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "newest_complete_checkpoint", "checkpoint_name"]
 
@@ -44,7 +45,6 @@ log = logging.getLogger("evenpipe.train")
 LATEST = "latest"
 """File in the checkpoint directory naming the newest checkpoint saved (informative only)."""
 _TMP = ".tmp-"
-_ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,16 +57,6 @@ class TrainState:
     """Training sequences consumed (the data position)."""
 
 
-def _adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-    """AdamW's state of ``p``, created (zeros, step 0) when it does not exist yet, so a load has a target."""
-    state = optimizer.state[p]
-    if not state:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return state
-
-
 def _rng_keys() -> dict[str, torch.Tensor]:
     rank = dist.get_rank()
     out = {f"rng/cpu/rank{rank}": torch.get_rng_state()}
@@ -75,19 +65,12 @@ def _rng_keys() -> dict[str, torch.Tensor]:
     return out
 
 
-def _state_dict(params: RankParameters, optimizer: torch.optim.Optimizer, state: TrainState) -> dict[str, Any]:
-    sd: dict[str, Any] = {f"model/{name}": p.detach() for name, p in params.named.items()}
-    for name, p in params.named.items():
-        adam = _adam_state(optimizer, p)
-        for key in _ADAM_KEYS:
-            sd[f"optim/{name}/{key}"] = adam[key]
-    sd["trainer/step"] = torch.tensor(state.step, dtype=torch.int64)
-    sd["trainer/samples"] = torch.tensor(state.samples, dtype=torch.int64)
-    return sd
+def _trainer_keys(state: TrainState) -> dict[str, torch.Tensor]:
+    return {"trainer/step": torch.tensor(state.step, dtype=torch.int64),
+            "trainer/samples": torch.tensor(state.samples, dtype=torch.int64)}
 
 
-def save_checkpoint(directory: str, *, params: RankParameters, optimizer: torch.optim.Optimizer,
-                    state: TrainState, keep: int, world: dict[str, Any] | None = None,
+def save_checkpoint(directory: str, *, target: CheckpointTarget, state: TrainState, keep: int, world: dict[str, Any] | None = None,
                     replaced: Sequence[str] = ()) -> str:
     """Save this rank's part of the job (collective over the world); the checkpoint's path.
 
@@ -104,7 +87,7 @@ def save_checkpoint(directory: str, *, params: RankParameters, optimizer: torch.
             if entry.startswith(_TMP):
                 shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
     dist.barrier()
-    sd = {**_state_dict(params, optimizer, state), **_rng_keys()}
+    sd = {**save_entries(target), **_trainer_keys(state), **_rng_keys()}
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
     dist.barrier()
     entries = _gather_entries(tmp)
@@ -175,24 +158,23 @@ def _next_candidate(directory: str, names: list[str]) -> tuple[str, Manifest] | 
     return None
 
 
-def load_checkpoint(path: str, *, params: RankParameters, optimizer: torch.optim.Optimizer) -> TrainState:
-    """Load the parameters and AdamW state this rank holds, whatever layout saved them (collective)."""
+def load_checkpoint(path: str, *, target: CheckpointTarget) -> TrainState:
+    """Load the weights and AdamW state this rank holds, whatever layout, mode or dtype saved them (collective)."""
     reader = dcp.FileSystemReader(path)
-    saved = set(reader.read_metadata().state_dict_metadata)
-    sd = _state_dict(params, optimizer, TrainState(step=0, samples=0))
-    missing = sorted(k for k in sd if k.startswith("model/") and k not in saved)
+    saved = reader.read_metadata().state_dict_metadata
+    missing = missing_weights(target, saved)
     if missing:
-        raise ConfigError(f"checkpoint {path} has no parameter {missing[0][6:]!r} ({len(missing)} missing); it was "
+        raise ConfigError(f"checkpoint {path} has no parameter {missing[0]!r} ({len(missing)} missing); it was "
                           "saved from a different model")
-    sd = {k: v for k, v in sd.items() if k in saved}
+    plan = load_plan(target)
+    sd = {k: v for k, v in plan.state_dict.items() if k in saved}
+    trainer = _trainer_keys(TrainState(step=0, samples=0))
     rng = {k: v.clone() for k, v in _rng_keys().items() if k in saved}
-    dcp.load({**sd, **rng}, storage_reader=reader)
-    with torch.no_grad():
-        for name, p in params.named.items():
-            p.copy_(sd[f"model/{name}"])  # p.detach() shares storage, so this is a no-op unless on another device
+    dcp.load({**sd, **trainer, **rng}, storage_reader=reader)
+    plan.finish()
     if rng.keys() == _rng_keys().keys():
         for key, value in rng.items():
             torch.set_rng_state(value) if key.startswith("rng/cpu") else torch.cuda.set_rng_state(value)
     elif dist.get_rank() == 0:
         log.warning("the checkpoint's ranks differ from this job's: random-number state not restored")
-    return TrainState(step=int(sd["trainer/step"]), samples=int(sd["trainer/samples"]))
+    return TrainState(step=int(trainer["trainer/step"]), samples=int(trainer["trainer/samples"]))

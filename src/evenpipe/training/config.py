@@ -408,9 +408,6 @@ class TrainConfig:
         if self.data.global_batch % (sched.num_microbatches * dp):
             raise ConfigError(f"--global-batch {self.data.global_batch} is not divisible by microbatches x dp = "
                               f"{sched.num_microbatches} x {dp}")
-        if self.checkpoint.directory is not None and self.model.dtype.value != "float32":
-            raise ConfigError("--checkpoint-dir needs --dtype float32 for now (bfloat16 keeps its AdamW state on "
-                              "fp32 master copies, which checkpoints do not save yet)")
         from evenpipe.runtime.stages import partition_layers
         partition_layers(cfg.num_layers, sched.num_stages, layout=sched.layout)
         _check_tp(cfg, self.runtime.tp, self.model.hf_config)
@@ -418,10 +415,6 @@ class TrainConfig:
             raise ConfigError(f"--sharding full cannot run --schedule {sched.family.value}: its weight-gradient "
                               "passes run outside FSDP's backward hooks; use --sharding optimizer or a schedule "
                               "without a split backward")
-        if self.checkpoint.directory is not None and (self.runtime.tp > 1 or self.runtime.sharding is not
-                                                      Sharding.NONE):
-            raise ConfigError("--checkpoint-dir needs --tp 1 and --sharding none for now (checkpoints store whole "
-                              "parameters under canonical names; sharded ones are not saved yet)")
         self.token_batches(cfg.vocab)  # the data source's own checks (file readable, vocabulary large enough)
 
     def token_batches(self, vocab: int) -> Any:

@@ -25,6 +25,7 @@ from evenpipe.runtime.comm import ParallelGroups, build_groups, init_from_env
 from evenpipe.runtime.mesh import MeshDim
 from evenpipe.training.checkpoint import TrainState, load_checkpoint, newest_complete_checkpoint, save_checkpoint
 from evenpipe.training.checkpoint_manifest import step_directories
+from evenpipe.training.checkpoint_state import checkpoint_target
 from evenpipe.training.config import Backend, RuntimeOptions, Sharding, TrainConfig
 from evenpipe.training.fault import Watchdog, timeout_after_step
 from evenpipe.training.metrics import MetricsSink, StepMetrics, format_progress
@@ -273,7 +274,7 @@ def _resume(job: _Job, watch: Watchdog) -> TrainState:
             log.info(f"no complete checkpoint in {ck.directory}; starting at step 0")
         return TrainState(step=0, samples=0)
     watch.progress("loading a checkpoint", watched=False)
-    state = load_checkpoint(path, params=job.params, optimizer=job.optimizer)
+    state = load_checkpoint(path, target=checkpoint_target(job.params, job.optimizer, job.stages.values()))
     if dist.get_rank() == 0:
         log.info(f"resuming from {path} (step {state.step})")
     return state
@@ -286,7 +287,8 @@ def _save(job: _Job, watch: Watchdog, state: TrainState) -> None:
     world = {"world": dist.get_world_size(), "pp": job.config.schedule.num_ranks, "dp": rt.dp, "tp": rt.tp,
              "schedule": job.config.schedule.family.value, "sharding": rt.sharding.value,
              "dtype": job.config.model.dtype.value}
-    path = save_checkpoint(ck.directory, params=job.params, optimizer=job.optimizer, state=state, keep=ck.keep,
+    path = save_checkpoint(ck.directory, target=checkpoint_target(job.params, job.optimizer, job.stages.values()),
+                           state=state, keep=ck.keep,
                            world=world, replaced=job.replaced)
     job.replaced = ()
     watch.progress()

@@ -18,6 +18,7 @@ from evenpipe.training.checkpoint import TrainState, load_checkpoint, newest_com
 from evenpipe.training.checkpoint_manifest import (MANIFEST, Manifest, check_fresh_directory, checksum_problem,
                                                    file_entry, prune_plan, read_manifest, size_problem,
                                                    step_directories)
+from evenpipe.training.checkpoint_state import checkpoint_target
 from evenpipe.training.params import RankParameters
 
 S = {n: f"step_{n:08d}" for n in range(0, 20, 2)}
@@ -108,7 +109,7 @@ def _job(seed: int) -> tuple[RankParameters, torch.optim.Optimizer]:
 
 
 def _save(d: pathlib.Path, step: int, params: RankParameters, opt: torch.optim.Optimizer, **kw: object) -> str:
-    return save_checkpoint(str(d), params=params, optimizer=opt, state=TrainState(step=step, samples=4 * step),
+    return save_checkpoint(str(d), target=checkpoint_target(params, opt), state=TrainState(step=step, samples=4 * step),
                            keep=int(kw.pop("keep", 2)), **kw)  # type: ignore[arg-type]
 
 
@@ -133,7 +134,7 @@ def test_damaged_newest_falls_back_to_the_previous_complete(tmp_path: pathlib.Pa
     assert [r.getMessage() for r in caplog.records if r.name == "evenpipe.train"] == [
         f"skipping damaged checkpoint {newest}: {name} has {size // 2} bytes where the manifest says {size}"]
     other, opt2 = _job(1)
-    assert load_checkpoint(found, params=other, optimizer=opt2) == TrainState(step=2, samples=8)
+    assert load_checkpoint(found, target=checkpoint_target(other, opt2)) == TrainState(step=2, samples=8)
     for n, p in other.named.items():
         assert torch.equal(p, want[n]), n
 
