@@ -47,6 +47,10 @@ class AnalyticSource:
         return self.hw
 
     @property
+    def uniform(self) -> bool:
+        return True
+
+    @property
     def reduction_overlaps_backward(self) -> bool:
         return self.efficiency.dp_overlap
 

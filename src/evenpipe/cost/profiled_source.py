@@ -72,6 +72,10 @@ class ProfiledSource:
         return None
 
     @property
+    def uniform(self) -> bool:
+        return True
+
+    @property
     def reduction_overlaps_backward(self) -> bool:
         return False
 

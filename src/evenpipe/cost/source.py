@@ -115,6 +115,11 @@ class CostSource(Protocol):
         ...
 
     @property
+    def uniform(self) -> bool:
+        """Whether every rank answers alike (then asking rank 0 stands for all)."""
+        ...
+
+    @property
     def reduction_overlaps_backward(self) -> bool:
         """Whether a rank's data-parallel reduction overlaps the backward of its last micro-batch."""
         ...

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from evenpipe.cost import Efficiency, Hardware, ModelSpec, ParallelConfig, Recompute, stage_layers
 from evenpipe.cost.analytic_source import AnalyticSource
 from evenpipe.cost.source import CostSource, Holding, shape_of
+from evenpipe.cost.timing import LayerTimes
 from evenpipe.schedule import ScheduleFamily
 from evenpipe.schedule.memo import Memo
 from evenpipe.sim.costs import SimCosts
@@ -181,6 +182,12 @@ _layer_work: Memo[float] = Memo(_CACHE_LIMIT)
 _busiest_layers: Memo[int] = Memo(_CACHE_LIMIT)
 
 
+def _work(lt: LayerTimes, recompute: Recompute) -> float:
+    """One layer's forward, backward and (under full recomputation) recomputed forward."""
+    return (lt.forward + lt.backward_input + lt.backward_weight_compute
+            + (lt.recompute if recompute is Recompute.FULL else 0.0))
+
+
 def work_lower_bound(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, efficiency: Efficiency | None = None) -> float:
     """:func:`work_bound` under the analytic source of ``model`` on ``hw``."""
     return work_bound(AnalyticSource(model, hw, efficiency or Efficiency()), cfg)
@@ -194,13 +201,13 @@ def work_bound(source: CostSource, cfg: ParallelConfig) -> float:
     its makespan; the margin keeps it below whatever rounding the exact sums take. A search may skip a
     configuration on it, without the exact bound, whenever it already cannot win.
     """
-    key = (source, cfg.tp, cfg.microbatch_size, cfg.sequence_parallel, cfg.attention, cfg.recompute,
+    ranks = (0,) if source.uniform else tuple(range(cfg.pp))  # the fastest rank's layer bounds every rank's
+    key = (source, ranks, cfg.tp, cfg.microbatch_size, cfg.sequence_parallel, cfg.attention, cfg.recompute,
            cfg.chunks > 1, cfg.schedule.traits.split_backward)
 
     def layer_work() -> float:
-        lt = source.layer_times(cfg, 0, shape_of(source.model, cfg))
-        return (lt.forward + lt.backward_input + lt.backward_weight_compute
-                + (lt.recompute if cfg.recompute is Recompute.FULL else 0.0))
+        shape = shape_of(source.model, cfg)
+        return min(_work(source.layer_times(cfg, r, shape), cfg.recompute) for r in ranks)
 
     def busiest_layers() -> int:
         per_rank = [0] * cfg.pp
