@@ -62,6 +62,7 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, list[float
     import torch.distributed as dist
 
     import evenpipe.runtime.executor as executor
+    import evenpipe.runtime.step_compute as step_compute
     from evenpipe.runtime.comm import build_groups
     from evenpipe.runtime.data import TokenBatches
     from evenpipe.runtime.stages import build_stage_modules
@@ -89,8 +90,8 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, list[float
     x_hidden = torch.randn(b, seq, hidden) * 0.5
 
     timed: dict[str, list[float]] = {"F": [], "B": []}
-    engine, forward = executor._run_backward, module.forward
-    executor._run_backward = _timing(engine, timed["B"])  # type: ignore[assignment]
+    engine, forward = step_compute.run_backward, module.forward
+    step_compute.run_backward = _timing(engine, timed["B"])  # type: ignore[assignment]
     module.forward = _timing(forward, timed["F"])  # type: ignore[method-assign]
 
     def profile_style_forward(key: tuple[int, int]) -> tuple[float, Any]:

@@ -60,10 +60,7 @@ UPWARD_ALLOWLIST: set[tuple[str, str]] = set()
 """(importer, imported) pairs that break :data:`FLOORS` today, each commented with its owner; each must still
 exist, so none goes stale. Empty: keep it so."""
 
-CIRCLE_ALLOWLIST = [
-    # TEMPORARY, owned by helper `runtime`: a step context and a stash protocol both depend on.
-    {"evenpipe.runtime.bpipe", "evenpipe.runtime.executor"},
-]
+CIRCLE_ALLOWLIST: list[set[str]] = []
 """Import circles (strongly connected modules) that exist today; each must match a circle exactly, so a removed
 or changed circle fails the test until its entry is removed or updated."""
 

@@ -36,7 +36,8 @@ simulator). These waits cannot deadlock: :func:`evenpipe.schedule.comm.derive_co
 so that it progresses under *rendezvous* semantics, where a send blocks at the action itself until its receive
 is there and the transfer done. Every wait above is for a message that stands earlier in the same rank's list,
 so waiting for it at a later point is never stricter than rendezvous (the first step's header wait blocks at
-the receive action itself, exactly as rendezvous does); the validator's dry run checks that order. Once waited, the batch (its works hold the tensors) is dropped, so nothing references the buffer any more.
+the receive action itself, exactly as rendezvous does); the validator's dry run checks that order. Once
+waited, the batch (its works hold the tensors) is dropped, so nothing references the buffer any more.
 
 Accounting (the activation stash) follows the same points: an ``ACCEPT``'s buffer is counted as hosted, and a
 ``LOAD``'s as the evictor's own (under a stand-in key, :func:`loading_key`), when it is allocated; the ``LOAD``'s
@@ -52,36 +53,26 @@ step have not been run; the BPipe group's sends and receives share one communica
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from evenpipe.runtime.comm import PendingBatch, Transfer, post_batch
-from evenpipe.runtime.executor import register_kinds
+from evenpipe.runtime.stash import StashMeta
+from evenpipe.runtime.step_context import (Handler, Phase, Posting, StashKey, StepContext, register_addon,
+                                           register_handler)
 from evenpipe.schedule.ir import Action, ActionKind
-
-if TYPE_CHECKING:
-    from evenpipe.runtime.executor import _StepRun
 
 __all__ = ["BPIPE_KINDS", "BpipeOps", "loading_key"]
 
 _K = ActionKind
 BPIPE_KINDS = frozenset({_K.EVICT, _K.ACCEPT, _K.RETURN, _K.LOAD})
 """The kinds BPipe runs; the executor dispatches them to :meth:`BpipeOps.transfers`."""
-register_kinds("bpipe", BPIPE_KINDS)
+_PARTS = 3
+"""Messages per unit: the first step's size header, the meta, the flat buffer (tags ``part`` 0, 1, 2)."""
 
 
-def _empty_unit(key: tuple[int, int]) -> Any:
-    from evenpipe.runtime.stash import StashMeta
-    return StashMeta(key=key, storage_bytes=())
-
-
-def _meta_from(t: torch.Tensor) -> Any:
-    from evenpipe.runtime.stash import StashMeta
-    return StashMeta.from_tensor(t)
-
-
-def loading_key(key: tuple[int, int]) -> tuple[int, int]:
+def loading_key(key: StashKey) -> StashKey:
     """Stash key under which a ``LOAD``'s receive buffer for ``key = (stage, mb)`` is counted until restored
     (a negative micro-batch index, which no real key has)."""
     return key[0], -1 - key[1]
@@ -96,7 +87,8 @@ class _Incoming:
     role: ActionKind
     peer: int
     group: object
-    tag: int
+    tags: list[int]
+    """The tags of its header, meta and flat buffer."""
     what: str
     data_batch: PendingBatch | None = None
     meta_buf: torch.Tensor | None = None
@@ -104,30 +96,23 @@ class _Incoming:
 
 
 class BpipeOps:
-    """BPipe transfers of one step on one rank (created by the executor's step run)."""
+    """BPipe transfers of one step on one rank (the executor's add-on ``"bpipe"``, made for each step)."""
 
-    def __init__(self, run: "_StepRun", sizes: Sizes, learning: bool) -> None:
-        self.run = run
+    def __init__(self, ctx: StepContext, sizes: Sizes, learning: bool) -> None:
+        self.ctx = ctx
         self.sizes = sizes
         self.learning = learning
-        self.incoming: dict[tuple[int, int], _Incoming] = {}
+        self.incoming: dict[StashKey, _Incoming] = {}
         self.evicts: list[PendingBatch] = []
         """EVICT send batches not waited yet (their works hold the exported buffers)."""
         self.returns: list[PendingBatch] = []
         """RETURN send batches not waited yet (their works hold the returned buffers)."""
-        self.last_accept: tuple[int, int] | None = None
+        self.last_accept: StashKey | None = None
         """Key of the previous ACCEPT (its data is waited before the next ACCEPT allocates)."""
-        self.loading: dict[tuple[int, int], torch.Tensor] = {}
+        self.loading: dict[StashKey, torch.Tensor] = {}
         """LOAD buffers counted under :func:`loading_key` until their unit is restored."""
 
     # -- memory waits (see the module docstring) -------------------------------------------------------------
-    def posted(self, a: Action, batch: PendingBatch) -> None:
-        """Keep an EVICT's or RETURN's send batch until its wait point."""
-        if a.kind is _K.EVICT:
-            self.evicts.append(batch)
-        elif a.kind is _K.RETURN:
-            self.returns.append(batch)
-
     def before_compute(self, a: Action) -> None:
         """Rule 1: a ``F`` or ``R`` waits for the rank's earlier evictions and frees their buffers."""
         if a.kind in (_K.FORWARD, _K.RECOMPUTE):
@@ -138,9 +123,9 @@ class BpipeOps:
         while batches:
             batch = batches.pop(0)
             batch.wait()
-            self.run._sent(batch)
+            self.ctx.mail.sent(batch)
 
-    def _before_alloc(self, inc: _Incoming, key: tuple[int, int]) -> None:
+    def _before_alloc(self, inc: _Incoming, key: StashKey) -> None:
         """Rules 2 and 3: what a LOAD's or ACCEPT's receive buffer waits for before it is allocated."""
         if inc.role is _K.LOAD:
             self._wait_sends(self.evicts)
@@ -150,10 +135,10 @@ class BpipeOps:
         if prev is not None and prev.role is _K.ACCEPT and prev.data_batch is not None:
             prev.data_batch.wait()
 
-    def _charge(self, key: tuple[int, int], inc: _Incoming) -> None:
+    def _charge(self, key: StashKey, inc: _Incoming) -> None:
         """Count a just-allocated receive buffer: hosted for an ACCEPT, own (stand-in key) for a LOAD."""
         assert inc.flat is not None
-        stash = self.run.ex.stash
+        stash = self.ctx.stash
         if inc.role is _K.ACCEPT:
             stash.host(key, None, inc.flat)
         elif inc.flat.numel():
@@ -161,27 +146,23 @@ class BpipeOps:
             self.loading[key] = inc.flat
 
     # -- posting ---------------------------------------------------------------------------------------------
-    def _tag(self, a: Action, part: int) -> int:
-        back = a.kind in (_K.RETURN, _K.LOAD)
-        return ((a.stage * self.run.ex.schedule.num_microbatches + a.microbatch) * 2 + int(back)) * 3 + part
-
-    def transfers(self, a: Action) -> list[tuple[Transfer, Any]]:
-        """The messages one BPipe action posts."""
-        ex = self.run.ex
+    def transfers(self, a: Action) -> list[Posting]:
+        """The messages one BPipe action posts (an EVICT's or RETURN's batch is kept until its wait point)."""
+        ctx = self.ctx
         assert a.peer is not None
-        peer, grp = ex.groups.global_rank(a.peer), ex.groups.bpipe_group
+        peer, grp = ctx.groups.global_rank(a.peer), ctx.groups.bpipe_group
         key = a.key
         what = f"{a.kind.name} stage {a.stage} mb {a.microbatch}"
         if a.kind in (_K.ACCEPT, _K.LOAD):
-            inc = _Incoming(a.kind, peer, grp, self._tag(a, 0), what)
+            inc = _Incoming(a.kind, peer, grp, [ctx.tag(a, part=i, num_parts=_PARTS) for i in range(_PARTS)], what)
             self._before_alloc(inc, key)
             self.incoming[key] = inc
             if a.kind is _K.ACCEPT:
                 self.last_accept = key
             if self.learning:  # first step: the sizes come first (waited here, where rendezvous would block)
-                header = torch.zeros(2, dtype=torch.int64, device=ex.device)
-                post_batch([Transfer(send=False, tensor=header, peer=peer, group=grp, tag=inc.tag, what=what)],
-                           timeout_s=ex.groups.timeout_s).wait()
+                header = torch.zeros(2, dtype=torch.int64, device=ctx.device)
+                post_batch([Transfer(send=False, tensor=header, peer=peer, group=grp, tag=inc.tags[0], what=what)],
+                           timeout_s=ctx.groups.timeout_s).wait()
                 n_meta, n_flat = (int(v) for v in header.tolist())
                 if a.kind is _K.ACCEPT:
                     self.sizes[a.stage] = (n_meta, n_flat)
@@ -195,15 +176,20 @@ class BpipeOps:
             return [(t, on_data) for t in made]
         if a.kind is _K.EVICT:
             meta, flat = self._evict(key)
-            meta_t = meta.to_tensor().to(ex.device)
+            meta_t = meta.to_tensor().to(ctx.device)
             self._check_size(a.stage, meta_t.numel(), flat.numel())
         else:
             meta_t, flat = self._unhost(key)
         parts: tuple[torch.Tensor, ...] = (meta_t, flat)
         if self.learning:
-            parts = (torch.tensor([meta_t.numel(), flat.numel()], dtype=torch.int64, device=ex.device), *parts)
-        first = 0 if self.learning else 1
-        return [(Transfer(send=True, tensor=t, peer=peer, group=grp, tag=self._tag(a, first + i), what=what), None)
+            parts = (torch.tensor([meta_t.numel(), flat.numel()], dtype=torch.int64, device=ctx.device), *parts)
+        first = _PARTS - len(parts)
+        pending = self.evicts if a.kind is _K.EVICT else self.returns
+
+        def keep(batch: PendingBatch) -> None:
+            pending.append(batch)
+        return [(Transfer(send=True, tensor=t, peer=peer, group=grp, tag=ctx.tag(a, part=first + i, num_parts=_PARTS),
+                          what=what), keep if i == 0 else None)
                 for i, t in enumerate(parts)]
 
     def _check_size(self, stage: int, n_meta: int, n_flat: int) -> None:
@@ -214,47 +200,47 @@ class BpipeOps:
                                f"was {self.sizes.get(stage)}; units must keep their size between steps")
 
     def _data_transfers(self, inc: _Incoming, n_meta: int, n_flat: int) -> list[Transfer]:
-        dev = self.run.ex.device
+        dev = self.ctx.device
         inc.meta_buf = torch.empty(n_meta, dtype=torch.int64, device=dev)
         inc.flat = torch.empty(n_flat, dtype=torch.uint8, device=dev)
-        return [Transfer(send=False, tensor=b, peer=inc.peer, group=inc.group, tag=inc.tag + 1 + i, what=inc.what)
+        return [Transfer(send=False, tensor=b, peer=inc.peer, group=inc.group, tag=inc.tags[1 + i], what=inc.what)
                 for i, b in enumerate((inc.meta_buf, inc.flat))]
 
-    def _evict(self, key: tuple[int, int]) -> tuple[Any, torch.Tensor]:
-        run, stash = self.run, self.run.ex.stash
-        sent = run.output_sends.pop(key, None)
+    def _evict(self, key: StashKey) -> tuple[StashMeta, torch.Tensor]:
+        ctx, stash = self.ctx, self.ctx.stash
+        sent = ctx.mail.output_sends.pop(key, None)
         if sent is not None:  # the stage output may be one of the storages dropped in place: send it first
             sent.wait_sends()
         if key in stash.keys():
             meta, flat = stash.export(key)
             stash.drop(key)
         else:  # nothing kept (a recomputed first stage keeps only its token ids, which are not activations)
-            meta, flat = _empty_unit(key), torch.empty(0, dtype=torch.uint8, device=run.ex.device)
-        run.evicted_bytes += flat.numel()
+            meta, flat = StashMeta(key=key, storage_bytes=()), torch.empty(0, dtype=torch.uint8, device=ctx.device)
+        ctx.evicted_bytes += flat.numel()
         return meta, flat
 
-    def _unhost(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _unhost(self, key: StashKey) -> tuple[torch.Tensor, torch.Tensor]:
         self._complete(key)
         inc = self.incoming.pop(key)
-        _, flat = self.run.ex.stash.unhost(key)
+        _, flat = self.ctx.stash.unhost(key)
         assert inc.meta_buf is not None
         return inc.meta_buf, flat
 
     # -- receiving -------------------------------------------------------------------------------------------
-    def _complete(self, key: tuple[int, int]) -> tuple[Any, torch.Tensor]:
+    def _complete(self, key: StashKey) -> tuple[StashMeta, torch.Tensor]:
         inc = self.incoming[key]
         assert inc.data_batch is not None and inc.meta_buf is not None and inc.flat is not None
         inc.data_batch.wait()
-        return _meta_from(inc.meta_buf), inc.flat
+        return StashMeta.from_tensor(inc.meta_buf), inc.flat
 
-    def before_backward(self, key: tuple[int, int]) -> None:
+    def before_backward(self, key: StashKey) -> None:
         """Make a loaded unit usable again before its stage's RECOMPUTE or backward (no-op if never evicted)."""
         inc = self.incoming.get(key)
         if inc is None or inc.role is not _K.LOAD:
             return
         meta, flat = self._complete(key)
         del self.incoming[key]
-        stash = self.run.ex.stash
+        stash = self.ctx.stash
         if self.loading.pop(key, None) is not None:  # the unit's own charge replaces the buffer's
             stash.release_all_of(loading_key(key))
         if key in stash.keys():  # dropped at EVICT (possibly an empty unit)
@@ -268,3 +254,21 @@ class BpipeOps:
         left = sorted(self.incoming)
         assert not left, f"BPipe units never returned/loaded: {left}"
         assert not self.loading, f"LOAD buffers never restored: {sorted(self.loading)}"
+
+
+def _post(a: Action, ctx: StepContext) -> list[Posting]:
+    ops = ctx.addons["bpipe"]
+    assert isinstance(ops, BpipeOps)
+    return ops.transfers(a)
+
+
+def _make_ops(ctx: StepContext, kept: dict[Any, Any]) -> BpipeOps:
+    """This step's :class:`BpipeOps`; unit sizes are learned on the first step of each micro-batch shape."""
+    shape = tuple(ctx.live.mb_inputs[0].shape)
+    learning = shape not in kept
+    return BpipeOps(ctx, kept.setdefault(shape, {}), learning)
+
+
+for _kind in sorted(BPIPE_KINDS, key=lambda k: k.code):
+    register_handler(_kind, Handler(owner="bpipe", phase=Phase.EXTENSION, post=_post))
+register_addon("bpipe", _make_ops)

@@ -63,9 +63,8 @@ from evenpipe.cost.profile import (
     Profile,
     ProfileError,
 )
-from evenpipe.runtime.executor import _run_backward
 from evenpipe.runtime.rendezvous import hosted_rendezvous
-from evenpipe.runtime.split_backward import backward_input, backward_weight
+from evenpipe.runtime.split_backward import backward_input, backward_weight, run_backward
 from evenpipe.runtime.stages import StageModule
 
 __all__ = ["ProfileOptions", "profile_model", "measure_layers", "DTYPES"]
@@ -279,7 +278,7 @@ class _LayerBench:
         if not sizes:
             sizes.update(self._bytes(x, out, extra, key))
         g = _output_grad(out)
-        t_b, _ = self.timer.time(lambda: _run_backward([out], [g], keep_graph=False))
+        t_b, _ = self.timer.time(lambda: run_backward([out], [g], keep_graph=False))
         self._done(key, x, True)
         # zero-bubble split
         x = self._inputs(x0)
@@ -432,7 +431,7 @@ def _computes_before_the_optimizer(options: ProfileOptions, built: Any, chain: S
     def run(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
         def computes() -> None:
             out = forward()
-            _run_backward([out], [_output_grad(out)], keep_graph=False)
+            run_backward([out], [_output_grad(out)], keep_graph=False)
         return computes
     return {LayerKind.EMBEDDING: run(lambda: built.parts.first(tokens)),
             LayerKind.BLOCK: run(lambda: stage(hidden.detach().requires_grad_(True))),
@@ -490,7 +489,7 @@ def _alternation(options: ProfileOptions, device: torch.device, dtype: torch.dty
 
     def backward(out: torch.Tensor) -> float:
         g = _output_grad(out)
-        return timer.time(lambda: _run_backward([out], [g], keep_graph=False))[0]
+        return timer.time(lambda: run_backward([out], [g], keep_graph=False))[0]
 
     def interleaved() -> tuple[float, float]:
         f = bw = 0.0

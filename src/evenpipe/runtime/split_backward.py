@@ -23,7 +23,7 @@ import torch
 from torch.autograd import Variable
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["WeightState", "backward_input", "backward_weight"]
+__all__ = ["WeightState", "backward_input", "backward_weight", "run_backward"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,9 +40,10 @@ class WeightState:
     """Outputs and their gradients when ``I`` ran nothing (no input needs a gradient): ``W`` is a full backward."""
 
 
-def _engine(roots: Sequence[Any], grads: Sequence[Any], inputs: Sequence[Any], *, keep_graph: bool,
-            accumulate: bool) -> tuple[torch.Tensor, ...]:
-    """The autograd engine without the output/grad shape check (stage outputs may have freed storage)."""
+def run_backward(roots: Sequence[Any], grads: Sequence[Any], *, keep_graph: bool, inputs: Sequence[Any] = (),
+                 accumulate: bool = True) -> tuple[torch.Tensor, ...]:
+    """The autograd engine without ``torch.autograd.backward``'s output/grad shape check (stage outputs may have
+    freed storage): gradients of ``inputs`` (accumulated into ``.grad`` when ``accumulate``, else returned)."""
     return Variable._execution_engine.run_backward(  # type: ignore[attr-defined,no-any-return]
         tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
 
@@ -148,7 +149,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch
             handles.append(s.register_prehook(keep))
     early_params = [params_of[p] for p in early]
     try:
-        got = _engine(outputs, grad_outputs, [*need, *early_params], keep_graph=True, accumulate=False)
+        got = run_backward(outputs, grad_outputs, inputs=[*need, *early_params], keep_graph=True, accumulate=False)
     finally:
         for h in handles:
             h.remove()
@@ -176,7 +177,7 @@ def backward_weight(state: WeightState, params: Sequence[torch.Tensor]) -> None:
         outs, grads = state.roots
         want = [p for p in params if p.requires_grad]
         if want:
-            _engine(outs, grads, want, keep_graph=False, accumulate=True)
+            run_backward(outs, grads, inputs=want, keep_graph=False, accumulate=True)
         state.roots = None
         return
     for p, g in state.early:
@@ -191,8 +192,8 @@ def backward_weight(state: WeightState, params: Sequence[torch.Tensor]) -> None:
         if not edges:
             continue
         # groups share no split node, so each graph part runs at most once: free it as we go
-        got = _engine(edges, seeds, [get_gradient_edge(p) for p in group_params], keep_graph=False,
-                      accumulate=False)
+        got = run_backward(edges, seeds, inputs=[get_gradient_edge(p) for p in group_params], keep_graph=False,
+                           accumulate=False)
         for p, g in zip(group_params, got):
             _accumulate(p, g)
     state.groups.clear()

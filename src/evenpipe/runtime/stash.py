@@ -180,7 +180,7 @@ class ActivationStash:
         self._modules: list[nn.Module] = list(modules)
         self._states: dict[StashKey, _KeyState] = {}
         self._refs: dict[int, int] = {}  # storage identity -> number of live (not dropped) keys holding it
-        self._hosted: dict[StashKey, tuple[StashMeta, torch.Tensor]] = {}
+        self._hosted: dict[StashKey, tuple[StashMeta | None, torch.Tensor]] = {}
         self._lock = threading.RLock()
         self.own_bytes = 0
         """Bytes of unique storages held by keys that are not dropped (activations on this rank now)."""
@@ -414,8 +414,8 @@ class ActivationStash:
 
     # ------------------------------------------------------------------ evict / load (acceptor side)
 
-    def host(self, key: StashKey, meta: StashMeta, flat: torch.Tensor) -> None:
-        """Keep a partner's evicted buffer until :meth:`unhost`."""
+    def host(self, key: StashKey, meta: StashMeta | None, flat: torch.Tensor) -> None:
+        """Keep a partner's evicted buffer (and its meta, when known) until :meth:`unhost`."""
         with self._lock:
             if key in self._hosted:
                 raise StashError(f"already hosting {_key_text(key)}")
@@ -423,7 +423,7 @@ class ActivationStash:
             self.hosted_bytes += flat.numel() * flat.element_size()
             self._update_peaks()
 
-    def unhost(self, key: StashKey) -> tuple[StashMeta, torch.Tensor]:
+    def unhost(self, key: StashKey) -> tuple[StashMeta | None, torch.Tensor]:
         """Give back (and stop counting) a hosted buffer."""
         with self._lock:
             if key not in self._hosted:

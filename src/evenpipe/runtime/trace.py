@@ -22,7 +22,8 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from evenpipe.schedule.ir import MATCHING_RECV, Action, ActionKind, Schedule
+from evenpipe.schedule.ir import Action, ActionKind, Schedule
+from evenpipe.schedule.validate import message_key
 from evenpipe.sim.trace import ActionRecord, MemoryTimeline, Trace, TransferRecord
 
 __all__ = ["RankRecorder", "SendRecord", "RecvRecord", "measured_trace", "write_chrome_trace", "save_trace",
@@ -32,8 +33,8 @@ _WAITED_INSIDE = {ActionKind.FORWARD: (ActionKind.RECV_F,), ActionKind.BACKWARD:
                   ActionKind.BACKWARD_INPUT: (ActionKind.RECV_B, ActionKind.LOAD),
                   ActionKind.RECOMPUTE: (ActionKind.LOAD,)}
 """Compute kind -> receives of the same stage and micro-batch the executor waits for inside the compute."""
-_STAGE_SHIFT = {ActionKind.SEND_F: 1, ActionKind.SEND_B: -1}
-"""Sending kind -> stage offset of the matching receive (BPipe's EVICT/RETURN keep the stage)."""
+_MessageKey = tuple[int, int, int]
+"""A message as :func:`~evenpipe.schedule.validate.message_key` names it (the same on both sides)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -110,27 +111,23 @@ class RankRecorder:
         return min((a[2] for a in self.actions), default=0.0)
 
 
-def _match(send: SendRecord, src: int) -> tuple[int, ActionKind, int, int]:
-    """``(rank, kind, stage, micro-batch)`` of the receive that completes ``send`` from rank ``src``."""
-    a = send.action
-    return (send.dst, MATCHING_RECV[a.kind], a.stage + _STAGE_SHIFT.get(a.kind, 0), a.microbatch)
-
-
-def _transfers(recs: Sequence[RankRecorder], t0: float) -> list[TransferRecord]:
-    recv_of = {(r.rank, rv.action.kind, rv.action.stage, rv.action.microbatch): rv for r in recs for rv in r.recvs}
+def _transfers(recs: Sequence[RankRecorder], t0: float) -> list[tuple[_MessageKey, TransferRecord]]:
+    """Every message sent, matched with its receive by message key, as (key, record)."""
+    recv_of = {(r.rank, message_key(r.rank, rv.action)): rv for r in recs for rv in r.recvs}
     out = []
     for r in recs:
         for s in r.sends:
-            rv = recv_of.get(_match(s, r.rank))
+            key = message_key(r.rank, s.action)
+            rv = recv_of.get((s.dst, key))
             if rv is not None and rv.arrived >= 0:
                 start, end = max(s.start, rv.posted), max(rv.arrived, s.start, rv.posted)
                 exposed = max(0.0, rv.arrived - rv.wait_start)
             else:  # the receiver never saw it (not traced): the sender's stamp is the bound
                 start, end, exposed = s.start, max(s.end, s.start), 0.0
-            out.append(TransferRecord(src=r.rank, dst=s.dst, kind=s.action.kind, stage=s.action.stage,
-                                      microbatch=s.action.microbatch, num_bytes=float(s.num_bytes),
-                                      start=start - t0, end=end - t0, exposed_s=exposed))
-    return sorted(out, key=lambda t: t.end)
+            out.append((key, TransferRecord(src=r.rank, dst=s.dst, kind=s.action.kind, stage=s.action.stage,
+                                            microbatch=s.action.microbatch, num_bytes=float(s.num_bytes),
+                                            start=start - t0, end=end - t0, exposed_s=exposed)))
+    return out
 
 
 def measured_trace(schedule: Schedule, recorders: Sequence[RankRecorder],
@@ -138,11 +135,9 @@ def measured_trace(schedule: Schedule, recorders: Sequence[RankRecorder],
     """Combine every pipeline rank's records of one step into a ``Trace`` with ``source='measured'``."""
     recs = sorted(recorders, key=lambda r: r.rank)
     t0 = min((r.t0 for r in recs if r.actions), default=0.0)
-    transfers = _transfers(recs, t0)
-    delivered = {(t.src, t.kind, t.stage, t.microbatch): t.end for t in transfers}
-    for t in transfers:  # the receiving side of each message, under its receive's key
-        kind = MATCHING_RECV[t.kind]
-        delivered[(t.dst, kind, t.stage + _STAGE_SHIFT.get(t.kind, 0), t.microbatch)] = t.end
+    keyed = _transfers(recs, t0)
+    transfers = sorted((t for _, t in keyed), key=lambda t: t.end)
+    delivered = {(rank, key): t.end for key, t in keyed for rank in (t.src, t.dst)}  # both sides of a message
 
     arrived = {(r.rank, rv.action.kind, rv.action.stage, rv.action.microbatch): rv.arrived - t0
                for r in recs for rv in r.recvs if rv.arrived >= 0}
@@ -150,7 +145,7 @@ def measured_trace(schedule: Schedule, recorders: Sequence[RankRecorder],
     def end_of(rank: int, a: Action, start: float, end: float) -> float:
         if not a.kind.is_transfer:
             return end - t0
-        return max(delivered.get((rank, a.kind, a.stage, a.microbatch), end - t0), start - t0)
+        return max(delivered.get((rank, message_key(rank, a)), end - t0), start - t0)
 
     def start_of(rank: int, a: Action, start: float, end: float) -> float:
         """A compute starts once the messages it waits for inside it have arrived (the wait is idle time)."""

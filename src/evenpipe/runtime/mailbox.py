@@ -1,0 +1,110 @@
+"""One step's messages on one rank: posting batches, receives waiting for their consumer, sends to retire.
+
+Sends are waited lazily: a batch posted before a compute is waited after the next compute
+(:meth:`Mailbox.retire_sends`), and every send is waited at the end of the step. A receive is taken (waited)
+just before the compute that consumes it. With tracing, every posted message gets a record (see
+:mod:`evenpipe.runtime.trace`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from evenpipe.runtime.comm import PendingBatch, Transfer, post_batch
+from evenpipe.runtime.stash import StashKey
+from evenpipe.runtime.trace import RankRecorder, SendRecord
+from evenpipe.schedule.ir import Action, ActionKind
+
+__all__ = ["Mailbox"]
+
+
+class Mailbox:
+    """The pending messages of one step (see the module docstring)."""
+
+    def __init__(self, *, timeout_s: float, recorder: RankRecorder | None) -> None:
+        self.timeout_s = timeout_s
+        self.recorder = recorder
+        self.recvs: dict[tuple[ActionKind, int, int], tuple[PendingBatch, torch.Tensor]] = {}
+        """Posted pipeline receives by (kind, stage, micro-batch), until a compute takes them."""
+        self.sends: list[PendingBatch] = []
+        """Send batches posted since the last compute."""
+        self.earlier_sends: list[PendingBatch] = []
+        """... posted before it: waited after the next compute."""
+        self.output_sends: dict[StashKey, PendingBatch] = {}
+        """The ``SEND_F`` batch of each key (an EVICT or OFFLOAD waits on it before freeing the output)."""
+        self._send_records: dict[int, list[SendRecord]] = {}
+
+    def post(self, items: list[tuple[Transfer, Callable[[PendingBatch], None] | None, Action]], t0: float, *,
+             track_sends: bool = True) -> PendingBatch:
+        """Post ``items`` (message, what to do with its batch, its action) as one batch started at ``t0``; its
+        sends are retired by the step unless ``track_sends`` is False (BPipe waits its own)."""
+        batch = post_batch([t for t, _, _ in items], timeout_s=self.timeout_s)
+        rec = self.recorder
+        for t, on_posted, a in items:
+            if on_posted is not None:
+                on_posted(batch)
+            if t.send and rec is not None:  # one record per sending action (all its messages)
+                recs = self._send_records.setdefault(id(batch), [])
+                if not recs or recs[-1].action is not a:
+                    recs.append(SendRecord(action=a, dst=a.peer if a.peer is not None else -1, num_bytes=0,
+                                           start=t0))
+                    rec.sends.append(recs[-1])
+                recs[-1].num_bytes += t.tensor.numel() * t.tensor.element_size()
+            elif rec is not None:
+                rec.received(a, t.tensor, t0, batch)
+        if track_sends and any(t.send for t, _, _ in items):
+            self.sends.append(batch)
+        return batch
+
+    def expect(self, kind: ActionKind, stage: int, mb: int, batch: PendingBatch, buf: torch.Tensor) -> None:
+        """A receive into ``buf`` was posted in ``batch``; a compute takes it with :meth:`take`."""
+        self.recvs[(kind, stage, mb)] = (batch, buf)
+
+    def take(self, kind: ActionKind, stage: int, mb: int) -> torch.Tensor | None:
+        """Wait for and return the posted receive (None when there is none: a local hand-off)."""
+        item = self.recvs.pop((kind, stage, mb), None)
+        if item is None:
+            return None
+        batch, buf = item
+        batch.wait_for(buf)
+        return buf
+
+    def poll_receives(self) -> None:
+        """Look at every posted receive (stamps arrivals for the trace, see ``RankRecorder.received``)."""
+        for batch, _ in self.recvs.values():
+            batch.is_completed()
+
+    def retire_sends(self) -> None:
+        """After each compute: wait for the sends posted before the compute that just ran, and release them.
+
+        Each send so overlaps at least one compute, and its payload (a stage output, a gradient) is freed one
+        compute later instead of at the end of the step (gloo reports a send complete only once it is waited).
+        Waiting for a send later than its own place in the rank's list is never stricter than the rendezvous
+        semantics the validator proves deadlock-free, so this cannot deadlock.
+        """
+        for b in self.earlier_sends:
+            b.wait_sends()
+            self.sent(b)
+        self.earlier_sends = self.sends
+        self.sends = []
+
+    def sent(self, batch: PendingBatch) -> None:
+        """``batch``'s sends were waited: stamp their records."""
+        if self.recorder is not None:
+            now = time.perf_counter()
+            for rec in self._send_records.pop(id(batch), []):
+                rec.end = now
+
+    def finish(self) -> None:
+        """End of step: wait every send still pending; every receive was consumed."""
+        for b in self.earlier_sends + self.sends:  # a send posted before the last compute is still unwaited
+            b.wait_sends()
+            self.sent(b)
+        self.sends.clear()
+        self.earlier_sends.clear()
+        self.output_sends.clear()
+        leftover = [k for k in self.recvs]
+        assert not leftover, f"receives never consumed: {leftover}"
