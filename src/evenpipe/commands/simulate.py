@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evenpipe.commands.model_args import (add_model_arguments, any_model_given, hardware_from_arg, model_from_args,
                                           parse_layout)
@@ -16,6 +16,9 @@ from evenpipe.schedule import LinkPlan, ScheduleFamily, build_schedule
 from evenpipe.schedule.build import plan_durations_for
 from evenpipe.schedule.family import Ordering
 from evenpipe.sim import Link, SimCosts, Trace, simulate
+
+if TYPE_CHECKING:
+    from evenpipe.cost.cluster import Cluster
 
 __all__ = ["add_arguments", "run", "trace_from_args", "summary_json", "UNIT_COSTS_NOTE"]
 
@@ -59,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="BPipe: activation units of one stage a rank may hold (default: the lowest balanced "
                         "peak the pairing allows; ceil((P+1)/2) for 1F1B)")
     parser.add_argument("--recompute", action="store_true", help="recompute activations before each backward")
+    parser.add_argument("--cluster", default=None, metavar="FILE",
+                        help="cluster description (docs/cluster.md): each rank's device and speed scale its "
+                        "computes, link classes set every rank pair's latency and bandwidth")
     parser.add_argument("--activation-cap", type=float, default=None, metavar="UNITS",
                         help="latency-aware: activation units (a rank's layers for one micro-batch) a rank may "
                         "hold (default P, 1F1B's peak); the schedule is ordered for the links' latency and "
@@ -93,12 +99,14 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
     if not args.link_bandwidth > 0:
         raise ConfigError(f"--link-bandwidth must be > 0, got {args.link_bandwidth}")
     profiled = bool(getattr(args, "profile", None))
+    cluster = _cluster(args, profiled)
     cap = getattr(args, "activation_cap", None)
     costs, plan = None, None
     if family.traits.ordering is Ordering.LATENCY_AWARE and not profiled:
         build_schedule(family, num_ranks=args.stages, num_microbatches=1, num_chunks=chunks)  # sizes checked first
-        costs = _costs(args, family, chunks, len(family.traits.stage_to_rank(args.stages, chunks)))
-        plan = link_plan_for(costs, family.traits.stage_to_rank(args.stages, chunks), cap=cap)
+        layout = family.traits.stage_to_rank(args.stages, chunks)
+        costs = _costs(args, family, chunks, layout, cluster)
+        plan = link_plan_for(costs, layout, cap=cap)
     elif cap is not None:
         warnings.warn(f"--activation-cap has no effect on schedule {family.value!r} (only latency-aware "
                       "takes it, and not with --profile)", stacklevel=2)
@@ -111,20 +119,41 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
                                link_plan=plan)
     if profiled:
         return _profiled(args, sched).trace
-    return simulate(sched, costs or _costs(args, family, chunks, sched.num_stages))
+    return simulate(sched, costs or _costs(args, family, chunks, sched.stage_to_rank, cluster))
 
 
-def _costs(args: argparse.Namespace, family: ScheduleFamily, chunks: int, num_stages: int) -> SimCosts:
-    """The costs the arguments give: from the model, or the durations and sizes (``num_stages`` stages)."""
+def _cluster(args: argparse.Namespace, profiled: bool) -> "Cluster | None":
+    """The ``--cluster`` file, checked (``None`` without one)."""
+    from evenpipe.cost.cluster import load_cluster  # the cost package loads only when asked for
+    path = getattr(args, "cluster", None)
+    if not path:
+        return None
+    if profiled:
+        raise ConfigError("--cluster does not combine with --profile (a profile measured this machine's ranks "
+                          "and link); allowed: --cluster with unit durations or --model costs")
+    if args.link_latency != 0 or args.link_bandwidth != math.inf:
+        warnings.warn("--link-latency and --link-bandwidth have no effect with --cluster (its link classes set "
+                      "every rank pair's link)", stacklevel=3)
+    return load_cluster(path)
+
+
+def _costs(args: argparse.Namespace, family: ScheduleFamily, chunks: int, stage_to_rank: tuple[int, ...],
+           cluster: "Cluster | None") -> SimCosts:
+    """The costs the arguments give: from the model, or the durations and sizes; on the cluster, if any."""
     if any_model_given(args):
-        return _model_costs(args, family, chunks)
-    return SimCosts.uniform(
-        num_stages=num_stages, num_chunks=chunks, forward=args.forward_time,
-        backward=args.backward_time, weight=args.weight_time, activation_bytes=args.activation_bytes,
-        output_bytes=args.output_bytes,
-        checkpoint_bytes=(args.output_bytes if args.checkpoint_bytes is None else args.checkpoint_bytes)
-        if args.recompute else None,
-        link=Link(latency_s=args.link_latency, bandwidth_bytes_per_s=args.link_bandwidth))
+        costs = _model_costs(args, family, chunks)
+    else:
+        costs = SimCosts.uniform(
+            num_stages=len(stage_to_rank), num_chunks=chunks, forward=args.forward_time,
+            backward=args.backward_time, weight=args.weight_time, activation_bytes=args.activation_bytes,
+            output_bytes=args.output_bytes,
+            checkpoint_bytes=(args.output_bytes if args.checkpoint_bytes is None else args.checkpoint_bytes)
+            if args.recompute else None,
+            link=Link(latency_s=args.link_latency, bandwidth_bytes_per_s=args.link_bandwidth))
+    if cluster is None:
+        return costs
+    from evenpipe.cost.cluster import cluster_sim_costs
+    return cluster_sim_costs(costs, cluster, tuple(stage_to_rank))
 
 
 def link_plan_for(costs: SimCosts, stage_to_rank: tuple[int, ...], *, cap: float | None = None) -> LinkPlan:
@@ -209,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         trace = pred.trace
     else:
         trace = trace_from_args(args)
-    unit_costs = pred is None and not any_model_given(args)
+    unit_costs = pred is None and not any_model_given(args) and not args.cluster  # a cluster's links are in s
     files = []
     if args.out:
         from evenpipe.report.bundle import write_bundle  # imports matplotlib
