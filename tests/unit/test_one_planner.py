@@ -95,3 +95,12 @@ def test_one_source_at_a_time(tmp_path: pathlib.Path, capsys: pytest.CaptureFixt
     code = main(["plan", *GPU, "--profile", str(profile), "--gpus", "4", "--global-batch", "16"])
     err = capsys.readouterr().err
     assert code == 2 and "one of --gpu or --profile" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_profiled_plan_names_the_train_command_of_the_profiled_model(tmp_path: pathlib.Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "profile.json"
+    profile.write_text(make_profile(layers=8).to_json())
+    assert main(["plan", "--profile", str(profile), "--gpus", "2", "--global-batch", "8", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "-m evenpipe train --model gpt-tiny " in out and "--stages 2" in out and "note:" not in out

@@ -140,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_json(source, args, result, explanation, elapsed), indent=2))
     elif hw is None:
         print("\n".join(_measured_table(result)))
+        if result.candidates:
+            print("\n".join(_launch_lines(_launch(result.candidates[0], model, args.gpus, args))))
         if explanation is not None:
             print()
             print(explanation.text)
@@ -189,12 +191,13 @@ def _json(source: CostSource, args: argparse.Namespace, result: PlanResult,
 
 def _launch(c: Candidate, model: ModelSpec, gpus_per_node: int, args: argparse.Namespace) -> LaunchCommand:
     """The command that runs candidate ``c`` (see :mod:`evenpipe.plan.launch`)."""
-    if args.hf_config is not None:
-        model_args: tuple[str, ...] = ("--hf-config", os.path.abspath(args.hf_config))
+    profiled_config = bool(args.profile) and model.name.endswith(".json")  # a profile of a Hugging Face config
+    if args.hf_config is not None or profiled_config:
+        model_args: tuple[str, ...] = ("--hf-config", os.path.abspath(args.hf_config or model.name))
     else:
         model_args = ("--model", args.model or model.name)
     cmd = launch_command(c.config, model=model, model_args=model_args, gpus_per_node=gpus_per_node)
-    if args.model is None and args.hf_config is None:
+    if args.model is None and args.hf_config is None and not args.profile:
         cmd = dataclasses.replace(cmd, notes=(*cmd.notes, "evenpipe train builds named presets: --arch models "
                                                            "have no train equivalent yet"))
     elif args.hf_config is not None and not _train_accepts("--hf-config"):
