@@ -67,7 +67,7 @@ from evenpipe.runtime.rendezvous import hosted_rendezvous
 from evenpipe.runtime.split_backward import backward_input, backward_weight, run_backward
 from evenpipe.runtime.stages import StageModule
 
-__all__ = ["ProfileOptions", "profile_model", "measure_layers", "DTYPES"]
+__all__ = ["ProfileOptions", "profile_model", "measure_layers", "DTYPES", "WorkerResult", "WorkerFailure"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """``--dtype`` names."""
@@ -702,6 +702,35 @@ def _handoff_terms(per_rank: Sequence[Handoffs]) -> tuple[float, float, int]:
 
 # ---- processes ------------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerResult:
+    """What one profiling process measured (sent to the parent through a queue)."""
+
+    rank: int
+    layers: dict[LayerKind, list[LayerSample]]
+    """Samples per layer kind (empty where this process did not measure layers: one GPU, rank > 0)."""
+    optimizer_s: dict[LayerKind, float]
+    """Optimizer seconds per layer, per kind (empty where layers were not measured)."""
+    link: list[LinkSample]
+    """Ping-pong times per message size (empty with one process)."""
+    step_overhead_s: float
+    """Seconds of one small collective (0 with one process)."""
+    backend: str
+    transfer_cpu_s_per_byte: float
+    """Compute slowdown per byte moved (CPU only; 0 where not measured)."""
+    handoffs: Handoffs
+    """1F1B hand-off times (CPU ranks 0 and 1; empty elsewhere)."""
+    alternation: Alternation
+    """Interleaved-order factors (1.0 where not measured)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    """A profiling process failed: ``message`` names the rank and the error, with a short traceback."""
+
+    message: str
+
+
 def _worker(rank: int, world: int, port: int, options: ProfileOptions, show: bool, queue: Any) -> None:
     try:
         torch.set_num_threads(1 if options.device == "cpu" else torch.get_num_threads())
@@ -737,13 +766,15 @@ def _worker(rank: int, world: int, port: int, options: ProfileOptions, show: boo
                 dist.barrier()
                 handoff = _handoffs(rank, options, device, DTYPES[options.dtype])
         progress.step("point-to-point messages")
-        queue.put(("ok", rank, layers, opt, link, overhead, backend, cpu_per_byte, handoff, alternation))
+        queue.put(WorkerResult(rank=rank, layers=layers, optimizer_s=opt, link=link, step_overhead_s=overhead,
+                               backend=backend, transfer_cpu_s_per_byte=cpu_per_byte, handoffs=handoff,
+                               alternation=alternation))
         if world > 1:
             dist.barrier()
             dist.destroy_process_group()
     except BaseException as e:  # report to the parent, never hang it
-        queue.put(("error", f"profiling rank {rank} failed: {type(e).__name__}: {e}\n"
-                            f"{traceback.format_exc(limit=4)}"))
+        queue.put(WorkerFailure(f"profiling rank {rank} failed: {type(e).__name__}: {e}\n"
+                                f"{traceback.format_exc(limit=4)}"))
 
 
 def _machine(options: ProfileOptions, backend: str, world: int) -> Machine:
@@ -798,7 +829,7 @@ def _profile_in(options: ProfileOptions, world: int, port: int, *, show_progress
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
-        results: dict[int, tuple] = {}
+        results: dict[int, WorkerResult] = {}
         while len(results) < world:
             try:
                 item = queue.get(timeout=2.0)
@@ -806,9 +837,9 @@ def _profile_in(options: ProfileOptions, world: int, port: int, *, show_progress
                 if time.monotonic() > deadline or all(not p.is_alive() for p in procs):
                     raise ProfileError("profiling processes stopped without a result") from None
                 continue
-            if item[0] == "error":
-                raise ProfileError(item[1].splitlines()[0] + "\n" + "\n".join(item[1].splitlines()[1:]))
-            results[item[1]] = item[2:]
+            if isinstance(item, WorkerFailure):
+                raise ProfileError(item.message.splitlines()[0] + "\n" + "\n".join(item.message.splitlines()[1:]))
+            results[item.rank] = item
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -818,15 +849,21 @@ def _profile_in(options: ProfileOptions, world: int, port: int, *, show_progress
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = env_threads
-    layers, opt, link, overhead, backend, _, _, _ = results[0]
-    measured = [r for r in results.values() if r[0]]
-    pair = [results[r][5] for r in (0, 1) if r in results]  # the two processes that exchanged
-    waiting, late, handoff_bytes = _handoff_terms([results[r][6] for r in (0, 1) if r in results])
-    alternations = [r[7] for r in measured]
-    return Profile(machine=_machine(options, backend, world), model=_model_info(options),
-                   layers=_merge_layers([r[0] for r in measured]),
-                   optimizer_s={k: statistics.median(r[1][k] for r in measured) for k in opt}, link=tuple(link),
-                   step_overhead_s=overhead, transfer_cpu_s_per_byte=statistics.mean(pair) if world > 1 else 0.0,
+    return _combine(options, world, results)
+
+
+def _combine(options: ProfileOptions, world: int, results: dict[int, WorkerResult]) -> Profile:
+    """One profile from every process's result (rank 0's link, overhead and backend)."""
+    first = results[0]
+    measured = [r for r in results.values() if r.layers]
+    pair = [results[r].transfer_cpu_s_per_byte for r in (0, 1) if r in results]  # the two that exchanged
+    waiting, late, handoff_bytes = _handoff_terms([results[r].handoffs for r in (0, 1) if r in results])
+    alternations = [r.alternation for r in measured]
+    return Profile(machine=_machine(options, first.backend, world), model=_model_info(options),
+                   layers=_merge_layers([r.layers for r in measured]),
+                   optimizer_s={k: statistics.median(r.optimizer_s[k] for r in measured) for k in first.optimizer_s},
+                   link=tuple(first.link), step_overhead_s=first.step_overhead_s,
+                   transfer_cpu_s_per_byte=statistics.mean(pair) if world > 1 else 0.0,
                    handoff_latency_s=waiting, late_receive_s=late, handoff_bytes=handoff_bytes,
                    alternation_forward=statistics.mean(a.forward for a in alternations),
                    alternation_backward=statistics.mean(a.backward for a in alternations),

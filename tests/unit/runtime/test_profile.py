@@ -6,6 +6,7 @@ them)."""
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pytest
 import torch
@@ -243,3 +244,37 @@ def test_alternation_chunks_are_half_a_chain_when_two_fit(layers: int, chain: in
     cfg = model_config("gpt-tiny", num_layers=layers)
     opts = ProfileOptions(model_name="gpt-tiny", model_config=cfg, block_chain=chain)
     assert alternation_chunk_blocks(opts) == blocks
+
+
+def _result(rank: int, *, t: float, measured: bool, backend: str = "gloo") -> Any:
+    from evenpipe.cost.profile import LayerSample, LinkSample
+    from evenpipe.runtime.profile import Alternation, Handoffs, WorkerResult
+    sample = LayerSample(microbatch_size=1, seq_len=8, forward_s=t, backward_s=2 * t, backward_input_s=t,
+                         backward_weight_s=t, recompute_s=t, saved_bytes=100.0, input_saved_bytes=0.0,
+                         output_bytes=10.0, weight_grad_bytes=5.0)
+    return WorkerResult(rank=rank, layers={k: [sample] for k in LayerKind} if measured else {},
+                        optimizer_s={k: t for k in LayerKind} if measured else {},
+                        link=[LinkSample(num_bytes=4, seconds=t)], step_overhead_s=t, backend=backend,
+                        transfer_cpu_s_per_byte=t, handoffs=Handoffs((t,), (3 * t,), 64),
+                        alternation=Alternation(1.0 + t, 1.0 + 2 * t, 2) if measured else Alternation(1.0, 1.0, 0))
+
+
+def test_the_processes_results_combine_by_name() -> None:
+    """Rank 0 gives the link, overhead and backend; measured processes the layers (median), optimizer (median)
+    and alternation (mean); ranks 0 and 1 the transfer cost and the hand-offs."""
+    from evenpipe.runtime.profile import _combine
+    cfg = model_config("gpt-tiny")
+    opts = ProfileOptions(model_name="gpt-tiny", model_config=cfg, microbatch_sizes=(1,), repeats=1, warmup=0,
+                          num_processes=3)
+    results = {1: _result(1, t=0.3, measured=True, backend="other"), 0: _result(0, t=0.1, measured=True),
+               2: _result(2, t=0.8, measured=False, backend="other")}
+    p = _combine(opts, 3, results)
+    assert p.machine.backend == "gloo" and p.step_overhead_s == 0.1 and p.link[0].seconds == 0.1
+    assert p.transfer_cpu_s_per_byte == pytest.approx(0.2)
+    assert p.optimizer_s == {k: pytest.approx(0.2) for k in LayerKind}
+    assert p.layers[LayerKind.BLOCK][0].forward_s == pytest.approx(0.2)
+    assert p.layers[LayerKind.BLOCK][0].backward_s == pytest.approx(0.4)
+    assert p.alternation_forward == pytest.approx(1.2) and p.alternation_backward == pytest.approx(1.4)
+    assert p.alternation_blocks == 2
+    assert p.handoff_latency_s == pytest.approx(0.2) and p.late_receive_s == pytest.approx(0.4)
+    assert p.handoff_bytes == 64
