@@ -1,8 +1,10 @@
 """Latency-aware schedules against 1F1B, interleaved and ZB-H1 on slow links (issue 35 point 4), simulated.
 
     .venv/bin/python benchmarks/bench_latency.py [--stages 4,8] [--per-rank 1,2,4] [--latencies 0,0.25,0.5,1,2]
+                                                 [--between-datacenters]
 
-For each P, M = k*P and link latency (in forwards: every rank-to-rank link takes that long per message), one row:
+For each P, M = k*P and link latency (in forwards: every rank-to-rank link takes that long per message; with
+``--between-datacenters`` only the link between ranks P/2-1 and P/2, CrossPipe's two datacenters), one row:
 the simulated step and the largest per-rank activation peak (units of a rank's layers) of each baseline, of
 latency-aware with one stage per rank (V=1) and in a V (V=2), both capped at the baselines' smallest peak, and
 the gain of the better latency-aware over the best baseline (1 - its step / best step). Costs F = I = W = 1 per
@@ -19,20 +21,35 @@ from evenpipe.sim import Link, SimCosts, simulate
 BASELINES = (("1f1b", None), ("interleaved", 2), ("zb-h1", None))
 
 
-def run(family: str, P: int, M: int, latency: float, chunks: int | None = None,
-        plan: LinkPlan | None = None) -> tuple[float, float]:
+def latencies(P: int, latency: float, between_datacenters: bool = False) -> tuple[tuple[float, ...], ...]:
+    """``[src][dst]`` message time: ``latency`` on every link, or only between ranks P/2-1 and P/2."""
+    def slow(a: int, b: int) -> bool:
+        return a != b and (not between_datacenters or {a, b} == {P // 2 - 1, P // 2})
+    return tuple(tuple(latency if slow(a, b) else 0.0 for b in range(P)) for a in range(P))
+
+
+def run(family: str, P: int, M: int, latency: float, chunks: int | None = None, plan: LinkPlan | None = None,
+        between_datacenters: bool = False) -> tuple[float, float]:
     """Simulated step and largest per-rank activation peak."""
     s = build_schedule(family, num_ranks=P, num_microbatches=M, num_chunks=chunks, link_plan=plan)
-    trace = simulate(s, SimCosts.uniform(num_stages=s.num_stages, num_chunks=s.num_chunks, forward=1.0,
-                                         backward=1.0, weight=1.0, link=Link(latency_s=latency)))
+    table = latencies(P, latency, between_datacenters)
+    links = {(a, b): Link(latency_s=table[a][b]) for a in range(P) for b in range(P) if table[a][b] > 0}
+    uniform = SimCosts.uniform(num_stages=s.num_stages, num_chunks=s.num_chunks, forward=1.0, backward=1.0,
+                               weight=1.0)
+    trace = simulate(s, SimCosts.from_stages(uniform.stages, links=links))
     return trace.step_time, max(trace.peak_activations)
 
 
-def row(P: int, M: int, latency: float) -> str:
-    base = [run(f, P, M, latency, v) for f, v in BASELINES]
-    cap = min(p for _, p in base)
-    plan = LinkPlan.uniform(num_ranks=P, latency=latency, cap=cap)
-    ours = [run("latency-aware", P, M, latency, v, plan) for v in (1, 2)]
+def compare(P: int, M: int, latency: float, between_datacenters: bool = False
+            ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(step, peak) of each baseline, and of latency-aware V=1 and V=2 capped at the baselines' smallest peak."""
+    base = [run(f, P, M, latency, v, None, between_datacenters) for f, v in BASELINES]
+    plan = LinkPlan(message=latencies(P, latency, between_datacenters), cap=min(p for _, p in base))
+    return base, [run("latency-aware", P, M, latency, v, plan, between_datacenters) for v in (1, 2)]
+
+
+def row(P: int, M: int, latency: float, between_datacenters: bool) -> str:
+    base, ours = compare(P, M, latency, between_datacenters)
     best = min(t for t, _ in base)
     gain = 1 - min(t for t, _ in ours) / best
     cells = " ".join(f"{t:7.2f} {p:5.1f}" for t, p in base + ours)
@@ -44,6 +61,8 @@ def main() -> None:
     ap.add_argument("--stages", default="4,8", help="pipeline sizes P (default 4,8)")
     ap.add_argument("--per-rank", default="1,2,4", help="M as multiples of P (default 1,2,4)")
     ap.add_argument("--latencies", default="0,0.25,0.5,1,2", help="link latency in forwards (default 0,0.25,0.5,1,2)")
+    ap.add_argument("--between-datacenters", action="store_true",
+                    help="only the link between ranks P/2-1 and P/2 is slow (two datacenters)")
     args = ap.parse_args()
     names = [f"{f}{'' if v is None else f' V={v}'}" for f, v in BASELINES] + ["latency V=1", "latency V=2"]
     print(f"{'P':>2s} {'M':>3s} {'lat':>5s} " + " ".join(f"{n[:13]:>13s}" for n in names) + "    gain")
@@ -51,7 +70,7 @@ def main() -> None:
     for P in (int(x) for x in args.stages.split(",")):
         for k in (int(x) for x in args.per_rank.split(",")):
             for latency in (float(x) for x in args.latencies.split(",")):
-                print(row(P, k * P, latency), flush=True)
+                print(row(P, k * P, latency, args.between_datacenters), flush=True)
 
 
 if __name__ == "__main__":

@@ -151,34 +151,36 @@ class _ListRun:
         self.left: list[dict[int, int]] = [{} for _ in range(P)]
         self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(P)]
         self.link_free: dict[tuple[int, int], float] = {}
+        self.wake = [0.0] * P
+        """Per rank: the next time it may start something (its busy end, or an input landing)."""
         self.work: list[list[Work]] = [[] for _ in range(P)]
         for m in range(M):
             self.f_arrive[0][m] = 0.0
             self.i_arrive[self.S - 1][m] = 0.0
 
     def run(self) -> tuple[float, list[list[Work]]]:
-        """Makespan and per-rank work."""
-        busy = [0.0] * self.P
+        """Makespan and per-rank work. A rank is asked again only when it may have something new: at the end of
+        its own action, or when an input it waits for lands (``self.wake``, lowered by :meth:`_send`)."""
+        wake = self.wake
         remaining, t, end = 3 * self.S * self.M, 0.0, 0.0
         while remaining:
-            wake = _NEVER
             progressed = True
             while progressed:
                 progressed = False
                 for r in range(self.P):
-                    if busy[r] > t:
+                    if wake[r] > t:
                         continue
                     step, when = self._choose(r, t)
                     if step is None:
-                        wake = min(wake, when)
+                        wake[r] = when
                         continue
-                    busy[r] = finish = t + self.dur[step[0]]
+                    wake[r] = finish = t + self.dur[step[0]]
                     end = max(end, finish)
                     self._start(r, step, finish)
                     remaining -= 1
                     progressed = True
-            nxt = min([b for b in busy if b > t] + [wake])
-            assert remaining == 0 or nxt < _NEVER, f"latency-aware: list simulation stalled at t={t}"
+            nxt = min(wake)
+            assert remaining == 0 or t < nxt < _NEVER, f"latency-aware: list simulation stalled at t={t}"
             t = nxt
         return end, self.work
 
@@ -233,10 +235,11 @@ class _ListRun:
         """Arrival time of a message from ``src_stage``'s rank to ``dst_stage``'s, sent at ``at``."""
         a, b = self.layout[src_stage], self.layout[dst_stage]
         if a == b:
-            return at
+            return at  # the rank's own action: it is asked again when that ends
         start = max(at, self.link_free.get((a, b), 0.0))
         arrive = start + self.plan.message_time(a, b)
         self.link_free[(a, b)] = arrive
+        self.wake[b] = min(self.wake[b], arrive)
         return arrive
 
     def _start(self, r: int, step: Work, finish: float) -> None:
