@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"evenpipe.commands.{args.command.replace('-', '_')}")
     try:
         return int(module.run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback
+        print(f"evenpipe {args.command}: interrupted", file=sys.stderr)
+        return 130
     except EvenpipeError as e:
         first = str(e).splitlines()[0]
         print(f"evenpipe {args.command}: error: {first}", file=sys.stderr)

@@ -14,6 +14,10 @@ which waits for it, so the rank can report even while its main thread sits insid
 Lines go to ``status_dir/rank<R>.fault`` for the launcher to print at the end of the job, or straight to stderr
 when there is no status directory (under a user's own torchrun). ``status_dir/rank<R>.step`` holds the number
 of steps the rank has finished (a heartbeat, so the launcher can say when a rank that died silently was lost).
+
+A rank started by ``evenpipe train``'s own launcher does not outlive it: when the launcher is gone (killed, so
+its workers were re-parented), the watchdog removes the job's temporary directory and ends the rank quietly
+(see :class:`evenpipe.training.jobdir.LauncherLink`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from evenpipe.training.jobdir import LauncherLink
 
 __all__ = ["FaultReport", "Watchdog", "FAULT_EXIT_CODE", "fault_path", "step_path", "timeout_after_step",
            "short_reason"]
@@ -73,7 +80,8 @@ class FaultReport:
 class Watchdog:
     """Per-rank progress watchdog and wait observer (see the module docstring)."""
 
-    def __init__(self, *, rank: int, timeout_s: float, status_dir: str | None) -> None:
+    def __init__(self, *, rank: int, timeout_s: float, status_dir: str | None,
+                 launcher: LauncherLink | None = None) -> None:
         self.rank = rank
         self.timeout_s = timeout_s
         """Longest a rank may go without progress; the loop may tighten it after the first step."""
@@ -90,6 +98,8 @@ class Watchdog:
         self._progress = time.monotonic()
         self._lock = threading.Lock()
         self._failed = False
+        self._launcher = launcher
+        """The launcher this rank must not outlive (None under a user's own torchrun)."""
 
     # -- wait observer (called by evenpipe.runtime.comm.wait_all) ------------------------------------------
     def begin_wait(self, what: str, peer: int) -> None:
@@ -124,14 +134,17 @@ class Watchdog:
         """Heartbeat after a finished step (written for the launcher)."""
         self.progress()
         if self.status_dir is not None:
-            _write_atomic(step_path(self.status_dir, self.rank), str(steps_done))
+            try:
+                _write_atomic(step_path(self.status_dir, self.rank), str(steps_done))
+            except OSError:  # the launcher is ending the job and removed the directory
+                pass
 
     def start(self) -> None:
         """Start the watchdog and SIGTERM threads; call before creating process groups, so that every later
         thread inherits the blocked SIGTERM."""
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_BLOCK, self._stop_signals())
         threading.Thread(target=self._watch, name="evenpipe-watchdog", daemon=True).start()
-        threading.Thread(target=self._on_sigterm, name="evenpipe-sigterm", daemon=True).start()
+        threading.Thread(target=self._on_stop_signal, name="evenpipe-sigterm", daemon=True).start()
 
     # -- reporting -----------------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -147,11 +160,15 @@ class Watchdog:
         return f"no progress for {now - self._progress:.0f} s while {self.phase}{after} (in a collective)"
 
     def fail(self, cause: str) -> NoReturn:
-        """Report ``cause`` once and end the process."""
+        """Report ``cause`` once and end the process (quietly when the launcher is gone)."""
+        self._leave_if_orphaned()
         with self._lock:
             if not self._failed:
                 self._failed = True
-                self._emit(FaultReport(rank=self.rank, step=self.step, cause=cause).line())
+                try:
+                    self._emit(FaultReport(rank=self.rank, step=self.step, cause=cause).line())
+                except OSError:  # the status directory is gone (the launcher removed it): end all the same
+                    pass
         os._exit(FAULT_EXIT_CODE)
 
     def _emit(self, line: str) -> None:
@@ -163,15 +180,30 @@ class Watchdog:
     def _watch(self) -> None:
         while True:
             time.sleep(_POLL_S)
+            self._leave_if_orphaned()
             now, wait = time.monotonic(), self._wait
             if wait is not None and now - wait[2] > self.timeout_s:
                 self.fail(self.describe())
             if wait is None and self.watched and now - self._progress > self.timeout_s:
                 self.fail(self.describe())
 
-    def _on_sigterm(self) -> None:
-        signal.sigwait({signal.SIGTERM})
+    def _on_stop_signal(self) -> None:
+        info = signal.sigwaitinfo(self._stop_signals())
+        if self._launcher is not None and info.si_signo == self._launcher.ORPHAN_SIGNAL:
+            self._launcher.abandon()  # the kernel's word that the launcher died (it may not have re-parented us yet)
+        self._leave_if_orphaned()
         self.fail(f"stopped by SIGTERM; {self.describe()}")
+
+
+    def _stop_signals(self) -> set[signal.Signals]:
+        """SIGTERM, and the signal the kernel sends when the launcher dies (when there is one)."""
+        return {signal.SIGTERM} | ({self._launcher.ORPHAN_SIGNAL} if self._launcher is not None else set())
+
+    def _leave_if_orphaned(self) -> None:
+        """End quietly, removing the job's directory, when the launcher has gone (killed, or stopped by a signal
+        it could not pass on): nobody is left to read a fault line."""
+        if self._launcher is not None and self._launcher.gone():
+            self._launcher.abandon()
 
 
 def _write_atomic(path: str, text: str) -> None:

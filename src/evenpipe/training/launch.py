@@ -18,17 +18,20 @@ floor; the rendezvous they share with the profiler is the runtime's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 from evenpipe.runtime.rendezvous import hosted_rendezvous
 from evenpipe.training.config import TrainConfig
 from evenpipe.training.fault import fault_path, step_path
+from evenpipe.training.jobdir import job_directory
 
 __all__ = ["launch_local", "FaultPolicy"]
 
@@ -46,40 +49,128 @@ class FaultPolicy:
 
 
 def launch_local(config: TrainConfig, *, nproc: int, policy: FaultPolicy = FaultPolicy()) -> int:
-    """Run ``nproc`` workers of ``config`` on this machine; 0 when all succeed, else 1 after the fault summary.
+    """Run ``nproc`` workers of ``config`` on this machine; 0 when all succeed, else 1 after the fault summary, or
+    128 + the signal's number when SIGTERM, SIGINT or SIGHUP stopped the launcher (one line on stderr).
 
-    The config crosses to the workers once, as a JSON file removed when the job ends."""
-    with tempfile.TemporaryDirectory(prefix="evenpipe-train-") as tmp:
-        path, status = os.path.join(tmp, "config.json"), os.path.join(tmp, "status")
-        os.mkdir(status)
-        with open(path, "w") as f:
-            f.write(config.to_json())
-        with hosted_rendezvous(nproc) as port:
-            procs = _start(path, status, nproc, port)
-            try:
-                codes, stopped = _supervise(procs, policy)
-            finally:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait()
-        if all(c == 0 for c in codes):
-            return 0
-        for line in _summary(codes, status, stopped=stopped):
-            print(f"evenpipe train: {line}", file=sys.stderr)
-        return 1
+    The config crosses to the workers once, as a JSON file in the job's temporary directory, which goes when the
+    job ends (see :mod:`evenpipe.training.jobdir`). The workers run in a process group of their own, so a Ctrl-C
+    at the terminal reaches the launcher alone; it ends the whole group and says so once."""
+    try:
+        with _stop_on_signals(), job_directory() as tmp:
+            return _run_job(config, nproc, policy, tmp)
+    except _Stopped as stop:
+        after = f" after {stop.steps_done} step(s)" if stop.steps_done is not None else ""
+        print(f"evenpipe train: stopped by {stop.signal.name}{after}; all {nproc} worker process(es) ended",
+              file=sys.stderr)
+        return 128 + int(stop.signal)
 
 
-def _start(config_path: str, status_dir: str, nproc: int, port: int) -> list[subprocess.Popen[bytes]]:
-    """Start the workers, joining the rendezvous store on ``port`` (see :func:`~evenpipe.runtime.rendezvous.hosted_rendezvous`)."""
-    procs = []
+def _run_job(config: TrainConfig, nproc: int, policy: FaultPolicy, tmp: str) -> int:
+    """Start, supervise and end the workers of one job in its directory ``tmp``; the fault summary printed."""
+    path, status = os.path.join(tmp, "config.json"), os.path.join(tmp, "status")
+    os.mkdir(status)
+    with open(path, "w") as f:
+        f.write(config.to_json())
+    procs: list[subprocess.Popen[bytes]] = []
+    with hosted_rendezvous(nproc) as port:
+        try:
+            _start(path, status, nproc, port, procs)
+            codes, stopped = _supervise(procs, policy)
+        except _Stopped as stop:
+            stop.steps_done = _steps_done(status, nproc)
+            raise
+        finally:
+            _end_group(procs, policy)
+    lines = _summary(codes, status, stopped=stopped)
+    for line in lines:
+        print(f"evenpipe train: {line}", file=sys.stderr)
+    return 1 if lines else 0
+
+
+class _Stopped(Exception):
+    """The launcher received a stopping signal."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__(sig.name)
+        self.signal = sig
+        self.steps_done: int | None = None
+        """Steps every worker had finished when the signal came (None: unknown, or before the first)."""
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """Turn SIGTERM, SIGINT and SIGHUP into :class:`_Stopped` while the block runs (the first one; later ones are
+    ignored so the clean-up is not interrupted). A signal this process ignores stays ignored (e.g. SIGINT in a
+    background job); off the main thread nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: Any) -> None:
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise _Stopped(signal.Signals(signum))
+    before = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
+    for s, handler in before.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _start(config_path: str, status_dir: str, nproc: int, port: int,
+           procs: list[subprocess.Popen[bytes]]) -> None:
+    """Start the workers into ``procs`` (appended one by one, so a stop half-way ends those started), joining the
+    rendezvous store on ``port`` (see :func:`~evenpipe.runtime.rendezvous.hosted_rendezvous`). They form one
+    process group, led by rank 0, and each is told to end when this process is gone."""
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         env.setdefault("OMP_NUM_THREADS", "1")
         procs.append(subprocess.Popen([sys.executable, "-m", "evenpipe.training.worker", config_path,
-                                       "--status-dir", status_dir], env=env))
-    return procs
+                                       "--status-dir", status_dir, "--launcher-pid", str(os.getpid())], env=env,
+                                      process_group=procs[0].pid if procs else 0))
+
+
+def _end_group(procs: list[subprocess.Popen[bytes]], policy: FaultPolicy) -> None:
+    """End every worker still running: SIGTERM to their group, SIGKILL ``policy.kill_after_s`` later; reap all.
+    A stopping signal that arrives meanwhile does not cut this short (the ending is finished, then it is raised)."""
+    try:
+        _signal_until_gone(procs, policy)
+    except _Stopped:
+        _signal_until_gone(procs, policy)  # stopping signals are ignored from now on
+        raise
+
+
+def _signal_until_gone(procs: list[subprocess.Popen[bytes]], policy: FaultPolicy) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if all(p.poll() is not None for p in procs):  # all reaped: the group's id may no longer be ours
+            return
+        _signal_group(procs[0].pid, sig)
+        deadline = time.monotonic() + policy.kill_after_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(policy.poll_s)
+    for p in procs:
+        p.wait()
+
+
+def _signal_group(group: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _steps_done(status_dir: str, nproc: int) -> int | None:
+    """The steps every rank has finished by its heartbeat, or None before the first."""
+    done = [_read(step_path(status_dir, rank)) for rank in range(nproc)]
+    return min(int(d) for d in done if d is not None) if all(d is not None for d in done) else None
 
 
 def _supervise(procs: list[subprocess.Popen[bytes]], policy: FaultPolicy) -> tuple[list[int], set[int]]:

@@ -1,8 +1,10 @@
-"""Entry point of one ``evenpipe train`` worker process: ``python -m evenpipe.training.worker CONFIG [--status-dir D]``.
+"""Entry point of one ``evenpipe train`` worker process:
+``python -m evenpipe.training.worker CONFIG [--status-dir D] [--launcher-pid PID]``.
 
 ``CONFIG`` is the JSON file :func:`evenpipe.training.launch.launch_local` wrote from the typed
 :class:`evenpipe.training.config.TrainConfig`; ``--status-dir`` is where this rank leaves its heartbeat and fault
-line for the launcher. Under a user's own ``torchrun ... -m evenpipe train ...`` each process parses the command
+line for the launcher; ``--launcher-pid`` ties the worker to its launcher (it ends, removing the job's directory,
+when the launcher is gone; see :class:`evenpipe.training.jobdir.LauncherLink`), before torch is imported. Under a user's own ``torchrun ... -m evenpipe train ...`` each process parses the command
 line instead and calls :func:`run_worker` directly (fault lines then go to stderr).
 
 A failing rank does not raise through to a traceback: its watchdog writes one line naming the rank, the step
@@ -17,9 +19,13 @@ import logging
 import os
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
-from evenpipe.training.config import TrainConfig
-from evenpipe.training.summary import TrainSummary
+from evenpipe.training.jobdir import LauncherLink
+
+if TYPE_CHECKING:
+    from evenpipe.training.config import TrainConfig
+    from evenpipe.training.summary import TrainSummary
 
 __all__ = ["run_worker", "configure_logging", "main"]
 
@@ -34,17 +40,19 @@ def configure_logging(rank: int) -> None:
     root.propagate = False
 
 
-def run_worker(config: TrainConfig, *, status_dir: str | None = None) -> TrainSummary:
+def run_worker(config: TrainConfig, *, status_dir: str | None = None,
+               launcher: LauncherLink | None = None) -> TrainSummary:
     """Train this rank's part of ``config`` under a fault watchdog; the job summary (the same on every rank).
 
-    Never returns on failure: the watchdog reports and ends the process."""
+    Never returns on failure: the watchdog reports and ends the process; nor when ``launcher`` has gone."""
     from evenpipe.runtime.comm import PeerFailure, observe_waits
     from evenpipe.training.fault import Watchdog, short_reason
     from evenpipe.training.loop import train
 
     rank = int(os.environ.get("RANK", "0"))
     configure_logging(rank)
-    watchdog = Watchdog(rank=rank, timeout_s=config.runtime.initial_timeout_s, status_dir=status_dir)
+    watchdog = Watchdog(rank=rank, timeout_s=config.runtime.initial_timeout_s, status_dir=status_dir,
+                        launcher=launcher)
     watchdog.start()
     observe_waits(watchdog)
     try:
@@ -65,10 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evenpipe.training.worker")
     parser.add_argument("config", help="TrainConfig JSON file")
     parser.add_argument("--status-dir", default=None, help="directory for heartbeats and fault lines")
+    parser.add_argument("--launcher-pid", type=int, default=None, help="end when this parent process is gone")
     args = parser.parse_args(argv)
+    launcher = None
+    if args.launcher_pid is not None:
+        launcher = LauncherLink(pid=args.launcher_pid, job_dir=os.path.dirname(os.path.abspath(args.config)))
+        launcher.bind()
+    from evenpipe.training.config import TrainConfig
     with open(args.config) as f:
         config = TrainConfig.from_json(f.read())
-    run_worker(config, status_dir=args.status_dir)
+    run_worker(config, status_dir=args.status_dir, launcher=launcher)
     return 0
 
 
