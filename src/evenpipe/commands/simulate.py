@@ -157,8 +157,9 @@ def _costs(args: argparse.Namespace, family: ScheduleFamily, chunks: int, stage_
 
 
 def link_plan_for(costs: SimCosts, stage_to_rank: tuple[int, ...], *, cap: float | None = None) -> LinkPlan:
-    """What the latency-aware generator plans with under ``costs``: the slowest rank's forward, input- and
-    weight-gradient times over its stages, and every rank pair's time for the largest message."""
+    """What the latency-aware generator plans with under ``costs``: the fastest rank's forward, input- and
+    weight-gradient times over its stages, every rank's slowdown against it, and every rank pair's time for the
+    largest message."""
     P = max(stage_to_rank) + 1
     per_rank = [[0.0, 0.0, 0.0] for _ in range(P)]
     for st, r in zip(costs.stages, stage_to_rank):
@@ -167,8 +168,10 @@ def link_plan_for(costs: SimCosts, stage_to_rank: tuple[int, ...], *, cap: float
     size = max((st.output_bytes for st in costs.stages), default=0.0)
     message = tuple(tuple(0.0 if a == b else costs.link(a, b).transfer_time(size) for b in range(P))
                     for a in range(P))
-    f, i, w = (max(row[k] for row in per_rank) for k in range(3))
-    return LinkPlan(forward=f, backward_input=i, backward_weight=w, message=message, cap=cap)
+    base = min(per_rank, key=sum)
+    slowdown = tuple(sum(row) / sum(base) for row in per_rank) if sum(base) > 0 else ()
+    return LinkPlan(forward=base[0], backward_input=base[1], backward_weight=base[2], message=message, cap=cap,
+                    slowdown=slowdown)
 
 
 def _profiled(args: argparse.Namespace, sched: Any) -> Any:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from evenpipe.cli import main
+from evenpipe.commands.simulate import link_plan_for
 from evenpipe.cost.cluster import LinkClass, cluster_sim_costs, load_cluster, parse_cluster
 from evenpipe.errors import ConfigError
 from evenpipe.sim import SimCosts
@@ -52,6 +53,9 @@ def test_sim_costs_scale_each_rank_and_set_every_pair() -> None:
     assert [s.forward for s in costs.stages] == [1, 2, 1]
     assert [s.backward_input + s.backward_weight for s in costs.stages] == [3, 6, 3]
     assert costs.link(0, 1).latency_s == 1e-5 and costs.link(1, 2).latency_s == 1e-4
+    plan = link_plan_for(costs, (0, 1, 2))  # what latency-aware plans with on this cluster
+    assert plan.slowdown == (1.0, 2.0, 1.0) and (plan.forward, plan.backward_input) == (1, 2)
+    assert plan.message_time(0, 1) == 1e-5 and plan.message_time(2, 1) == 1e-4
     with pytest.raises(ConfigError, match="the cluster has 3 ranks, the schedule 2"):
         cluster_sim_costs(SimCosts.uniform(num_stages=2), c, (0, 1))
 

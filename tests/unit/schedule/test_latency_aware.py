@@ -28,7 +28,9 @@ def _plan(rng: random.Random, P: int, cap: float | None) -> tuple[LinkPlan, SimC
     """A random plan (times, per-pair latencies) and the simulator's costs for one and two stages per rank."""
     f, i, w = (rng.choice((0.5, 1.0, 1.5)) for _ in range(3))
     lat = [[0.0 if a == b else rng.choice((0.0, 0.1, 0.5, 1.0, 2.0)) for b in range(P)] for a in range(P)]
-    plan = LinkPlan(forward=f, backward_input=i, backward_weight=w, message=tuple(map(tuple, lat)), cap=cap)
+    slowdown = tuple(rng.choice((1.0, 1.0, 1.5, 3.0)) for _ in range(P))
+    plan = LinkPlan(forward=f, backward_input=i, backward_weight=w, message=tuple(map(tuple, lat)), cap=cap,
+                    slowdown=slowdown)
     links = {(a, b): Link(latency_s=lat[a][b]) for a in range(P) for b in range(P) if a != b}
     costs = [SimCosts.from_stages(SimCosts.uniform(num_stages=P * v, num_chunks=v, forward=f, backward=i,
                                                    weight=w).stages, links=links) for v in (1, 2)]
@@ -72,6 +74,10 @@ def test_cap_below_one_unit_is_refused() -> None:
         build_schedule(FAMILY, num_ranks=4, num_microbatches=8, link_plan=LinkPlan.uniform(num_ranks=3, latency=1))
     with pytest.raises(ConfigError, match="latency-aware plan: forward"):
         LinkPlan(forward=float("nan"))
+    with pytest.raises(ConfigError, match="slowdowns must be finite numbers > 0"):
+        LinkPlan(slowdown=(1.0, 0.0))
+    with pytest.raises(ConfigError, match="slowdowns for 2 ranks"):
+        build_schedule(FAMILY, num_ranks=4, num_microbatches=8, link_plan=LinkPlan(slowdown=(1.0, 2.0)))
 
 
 def test_link_plan_on_another_family_warns() -> None:

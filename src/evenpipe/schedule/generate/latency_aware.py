@@ -85,8 +85,7 @@ def latency_aware(*, num_ranks: int, num_microbatches: int, plan: LinkPlan,
     has the wrong size."""
     P, M = num_ranks, num_microbatches
     layout = tuple(stage_to_rank) if stage_to_rank is not None else v_layout(P)
-    if plan.message and len(plan.message) != P:
-        raise ConfigError(f"latency-aware plan has message times for {len(plan.message)} ranks, schedule has {P}")
+    plan.check_size(P)
     chunks = max(sum(1 for x in layout if x == r) for r in range(P))
     cap_units = float(P) if plan.cap is None else plan.cap
     cap = math.floor(cap_units * chunks + 1e-9)
@@ -142,7 +141,7 @@ class _ListRun:
         self.limit = [max(chunks, cap - chunks * policy.slack * r) for r in range(P)]
         """Per rank: chunk-activations that may wait for their ``I`` before a new micro-batch starts."""
         self.waiting = [0] * P
-        self.dur = plan.durations(max(len(st) for st in self.stages))
+        self.dur = [plan.durations(max(len(st) for st in self.stages), r) for r in range(P)]
         self.f_arrive = [[_NEVER] * M for _ in range(self.S)]  # when F(s, m)'s input is on its rank
         self.i_arrive = [[_NEVER] * M for _ in range(self.S)]  # when I(s, m)'s output gradient is on its rank
         self.f_end = [[_NEVER] * M for _ in range(self.S)]
@@ -174,7 +173,7 @@ class _ListRun:
                     if step is None:
                         wake[r] = when
                         continue
-                    wake[r] = finish = t + self.dur[step[0]]
+                    wake[r] = finish = t + self.dur[r][step[0]]
                     end = max(end, finish)
                     self._start(r, step, finish)
                     remaining -= 1
@@ -203,7 +202,7 @@ class _ListRun:
         weight = (_W, *self.pending_w[r][0]) if self.pending_w[r] else None
         first, second = (weight, forward) if self.weight_first else (forward, weight)
         step = first or second
-        if step is not None and self.patient and wake < t + self.dur[step[0]]:
+        if step is not None and self.patient and wake < t + self.dur[r][step[0]]:
             return None, wake  # an input gradient lands before this would end: keep the rank for it
         return step, min(wake, when)
 

@@ -33,6 +33,9 @@ class LinkPlan:
     bandwidth); empty: free links."""
     cap: float | None = None
     """Activation units (a rank's whole layers for one micro-batch) a rank may hold; ``None``: P, 1F1B's peak."""
+    slowdown: tuple[float, ...] = ()
+    """Per rank, how many times longer its computes take than the times above (a slow or older GPU: 2.0);
+    empty: every rank takes them."""
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward_input", "backward_weight"):
@@ -43,6 +46,8 @@ class LinkPlan:
             if len(row) != len(self.message) or not all(v >= 0 and math.isfinite(v) for v in row):
                 raise ConfigError("latency-aware plan: message times must be a square table of finite numbers >= 0, "
                                   f"got {self.message}")
+        if not all(v > 0 and math.isfinite(v) for v in self.slowdown):
+            raise ConfigError(f"latency-aware plan: slowdowns must be finite numbers > 0, got {self.slowdown}")
         if self.cap is not None and not self.cap > 0:
             raise ConfigError(f"latency-aware plan: cap must be > 0 activation units, got {self.cap}")
 
@@ -60,13 +65,20 @@ class LinkPlan:
             return 0.0
         return self.message[src][dst]
 
-    def durations(self, num_chunks: int) -> dict[ActionKind, float]:
-        """Planning time of each compute kind on one chunk, none below a tiny positive floor (so that planned
-        times order messages strictly, see :func:`place_messages`)."""
+    def durations(self, num_chunks: int, rank: int = 0) -> dict[ActionKind, float]:
+        """Planning time of each compute kind on one chunk of ``rank``, none below a tiny positive floor (so that
+        planned times order messages strictly, see :func:`place_messages`)."""
         floor = 1e-6 * max(self.forward + self.backward_input + self.backward_weight, 1e-300)
         times = {_F: self.forward, _I: self.backward_input, _W: self.backward_weight,
                  ActionKind.RECOMPUTE: self.forward, ActionKind.BACKWARD: self.backward_input + self.backward_weight}
-        return {k: max(t / num_chunks, floor) for k, t in times.items()}
+        k = self.slowdown[rank] if self.slowdown else 1.0
+        return {kind: max(t * k / num_chunks, floor) for kind, t in times.items()}
+
+    def check_size(self, num_ranks: int) -> None:
+        """Raise ``ConfigError`` unless the per-rank tables (if given) have ``num_ranks`` entries."""
+        for name, table in (("message times", self.message), ("slowdowns", self.slowdown)):
+            if table and len(table) != num_ranks:
+                raise ConfigError(f"latency-aware plan has {name} for {len(table)} ranks, schedule has {num_ranks}")
 
 
 
@@ -74,7 +86,7 @@ def planned_times(compute: Schedule, plan: LinkPlan) -> tuple[list[list[float]],
     """Start and finish of every action of a compute-only schedule run in its program order with the plan's
     durations and message times (a longest-path pass; links carry messages concurrently here)."""
     P, S, layout = compute.num_ranks, compute.num_stages, compute.stage_to_rank
-    dur = plan.durations(compute.num_chunks)
+    dur = [plan.durations(compute.num_chunks, r) for r in range(P)]
     acts = compute.actions
     starts: list[list[float]] = [[0.0] * len(a) for a in acts]
     ends: list[list[float]] = [[0.0] * len(a) for a in acts]
@@ -91,7 +103,7 @@ def planned_times(compute: Schedule, plan: LinkPlan) -> tuple[list[list[float]],
                     break
                 i = pos[r]
                 starts[r][i] = start = max(free[r], ready)
-                ends[r][i] = free[r] = start + dur[a.kind]
+                ends[r][i] = free[r] = start + dur[r][a.kind]
                 if a.kind in PRODUCES:
                     out_end[(PRODUCES[a.kind][0], a.stage, a.microbatch)] = free[r]
                 pos[r] += 1
