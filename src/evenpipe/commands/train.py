@@ -58,7 +58,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--random-tokens", action="store_true", help="train on uniformly random tokens")
     src.add_argument("--tokens", default=None, metavar="PATH",
                      help="pre-tokenised flat token file (uint16 or uint32 ids), read by memory map")
-    p.add_argument("--token-dtype", default="uint16", help="element type of --tokens: uint16 or uint32")
+    src.add_argument("--documents", default=None, metavar="PATH",
+                     help="whole documents, attention kept inside each: NAME.bin with NAME.idx offsets, .jsonl or "
+                          ".parquet of {tokens} or {text} (see docs/commands/train.md)")
+    p.add_argument("--token-dtype", default="uint16", help="element type of --tokens / a --documents .bin: uint16 or "
+                   "uint32")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a local Hugging Face tokenizer.json for --documents given as text")
+    p.add_argument("--microbatching", default=None,
+                   help="--documents into micro-batches: pad (one per row), pack (first fit, default) or balance")
+    p.add_argument("--split-long-documents", action="store_true",
+                   help="cut a --documents document longer than --seq-len + 1 tokens instead of refusing it")
     p.add_argument("--eval-every", type=int, default=None,
                    help="report a held-out loss every N steps (the last 5%% of the data is held out)")
     p.add_argument("--eval-batches", type=int, default=4, help="global batches per evaluation")
@@ -130,9 +140,11 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         model=ModelOptions(preset=args.model or "gpt-tiny", hf_config=_abs(args.hf_config), seq_len=args.seq_len,
                            init_seed=args.seed, dtype=args.dtype),
         schedule=schedule,
-        data=DataOptions(source=_source(args), path=_abs(args.tokens or args.corpus), seed=args.seed,
+        data=DataOptions(source=_source(args), path=_abs(args.tokens or args.corpus or args.documents), seed=args.seed,
                          token_dtype=args.token_dtype, eval_every=args.eval_every, eval_batches=args.eval_batches,
-                         global_batch=args.global_batch or args.microbatch_size * args.microbatches * args.dp),
+                         global_batch=args.global_batch or args.microbatch_size * args.microbatches * args.dp,
+                         microbatching=args.microbatching, tokenizer=_abs(args.tokenizer),
+                         split_long_documents=bool(args.split_long_documents)),
         optimizer=OptimizerOptions(lr=args.lr, schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
                                    min_lr=args.min_lr, decay_steps=args.decay_steps, weight_decay=args.weight_decay,
                                    clip_grad_norm=args.clip_grad_norm),
@@ -187,6 +199,8 @@ def check_fits_machine(num_params: int, name: str, *, world: int) -> None:
 
 def _source(args: argparse.Namespace) -> DataSource:
     from evenpipe.training.config import DataSource
+    if args.documents:
+        return DataSource.DOCUMENTS
     if args.tokens:
         return DataSource.TOKENS
     return DataSource.RANDOM if args.random_tokens else DataSource.CORPUS

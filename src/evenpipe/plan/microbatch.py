@@ -36,7 +36,7 @@ from typing import Iterable, Sequence
 from evenpipe.errors import ConfigError, parse_choice
 
 __all__ = ["Policy", "parse_policy", "MicrobatchBudget", "MicrobatchCost", "Microbatch", "MicrobatchPlan",
-           "plan_microbatches", "pad", "pack", "balance", "pipeline_order", "lpt_bound"]
+           "plan_microbatches", "pad", "pack", "balance", "pipeline_order", "lpt_bound", "first_fit_prefix"]
 
 
 class Policy(enum.Enum):
@@ -328,15 +328,17 @@ def lpt_bound(num_microbatches: int) -> float:
 
 # --- replicas and order ----------------------------------------------------------------------------------------
 
-def _split_to_multiple(mbs: list[Microbatch], multiple: int, lengths: Sequence[int], cost: MicrobatchCost, *,
-                       padded: bool) -> list[Microbatch]:
-    """Split the micro-batch with the most documents (its last document out) until ``multiple`` divides the
-    count (a split never breaks a budget: the pieces are smaller); when every micro-batch holds one document,
-    add empty ones (a replica then runs a row of padding)."""
+def _even_out(mbs: list[Microbatch], target: int | None, multiple: int, lengths: Sequence[int],
+              cost: MicrobatchCost, *, padded: bool) -> list[Microbatch]:
+    """Split the micro-batch with the most documents (its last document out) until there are ``target``
+    micro-batches (or, without a target, until ``multiple`` divides the count); a split never breaks a budget
+    (the pieces are smaller). When every micro-batch holds one document, add empty ones (a row of padding)."""
+    if target is not None and len(mbs) > target:
+        raise ConfigError(f"{len(lengths)} documents need {len(mbs)} micro-batches; only {target} were allowed")
     mbs = list(mbs)
-    while len(mbs) % multiple:
-        i = max(range(len(mbs)), key=lambda j: (len(mbs[j].documents), mbs[j].time))
-        if len(mbs[i].documents) < 2:
+    while (len(mbs) < target) if target is not None else (len(mbs) % multiple):
+        i = max(range(len(mbs)), key=lambda j: (len(mbs[j].documents), mbs[j].time)) if mbs else -1
+        if i < 0 or len(mbs[i].documents) < 2:
             mbs.append(_build([], lengths, cost))
             continue
         rows = [list(r) for r in mbs[i].rows]
@@ -344,6 +346,24 @@ def _split_to_multiple(mbs: list[Microbatch], multiple: int, lengths: Sequence[i
         mbs[i] = _build(rows, lengths, cost, padded=padded)
         mbs.append(_build([[moved]], lengths, cost, padded=padded))
     return mbs
+
+
+def first_fit_prefix(lengths: Iterable[int], budget: MicrobatchBudget, count: int) -> int:
+    """How many leading documents first fit places into ``count`` micro-batches (it stops at the first that
+    would open one more); a document longer than a row ends the prefix too."""
+    cost = MicrobatchCost()
+    bins: list[_Bin] = []
+    taken = 0
+    for n in lengths:
+        home = next(((b, r) for b in bins for r in [b.row_for(n, budget, cost)] if r is not None), None)
+        if home is None:
+            if len(bins) == count or n > budget.row_len:
+                break
+            bins.append(_new_bin(budget, len(bins)))
+            home = (bins[-1], 0)
+        home[0].add(taken, n, home[1], cost)
+        taken += 1
+    return taken
 
 
 def pipeline_order(mbs: Sequence[Microbatch]) -> list[Microbatch]:
@@ -368,8 +388,9 @@ def _distribute(mbs: Sequence[Microbatch], num_replicas: int) -> list[list[Micro
 def plan_microbatches(lengths: Sequence[int], *, policy: "Policy | str", budget: MicrobatchBudget,
                       cost: MicrobatchCost = MicrobatchCost(), num_replicas: int = 1,
                       num_microbatches: int | None = None) -> MicrobatchPlan:
-    """Place every document exactly once under ``policy``; ``num_microbatches`` (per replica) fixes the count
-    for ``balance`` (``pad`` and ``pack`` make as many as they need, split up to a multiple of ``num_replicas``)."""
+    """Place every document exactly once under ``policy``. ``num_microbatches`` (per replica) fixes the count
+    (ConfigError if the documents need more); without it ``pad`` and ``pack`` make as many as they need and
+    ``balance`` as many as ``pack``, each split up to a multiple of ``num_replicas``."""
     policy = parse_policy(policy)
     if num_replicas < 1:
         raise ConfigError(f"data-parallel replicas must be >= 1, got {num_replicas}")
@@ -384,6 +405,7 @@ def plan_microbatches(lengths: Sequence[int], *, policy: "Policy | str", budget:
         count = num_microbatches * num_replicas if num_microbatches else \
             math.ceil(first_fit / num_replicas) * num_replicas
         mbs = balance(lengths, budget, cost, count=count)
-    mbs = _split_to_multiple(mbs, num_replicas, lengths, cost, padded=policy is Policy.PAD)
+    target = num_microbatches * num_replicas if num_microbatches else None
+    mbs = _even_out(mbs, target, num_replicas, lengths, cost, padded=policy is Policy.PAD)
     replicas = tuple(tuple(pipeline_order(rep)) for rep in _distribute(mbs, num_replicas))
     return MicrobatchPlan(policy=policy, replicas=replicas)

@@ -39,6 +39,8 @@ class TokenSource(enum.Enum):
     """Uniform random tokens in ``[0, vocab)`` (nothing to learn; for timing and memory)."""
     TOKENS = "tokens"
     """A pre-tokenised flat uint16/uint32 file, read by memory map, windows in a per-epoch permutation."""
+    DOCUMENTS = "documents"
+    """Whole documents with their boundaries, packed into rows (:mod:`evenpipe.runtime.document_batches`)."""
 
 
 def parse_token_source(value: "str | TokenSource") -> TokenSource:

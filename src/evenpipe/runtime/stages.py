@@ -118,6 +118,8 @@ class StageModule(nn.Module):
         self.first = first
         self.blocks = nn.ModuleList(blocks)
         self.last = last
+        self.packed = False
+        """Rows of several documents whose boundaries travel with the activations (see :meth:`packed_forward`)."""
         self.tied_params: tuple[nn.Parameter, ...] = ()
         """Parameters of ``first``/``last`` tied to a weight of the other end (see ``PipelineParts.tied``)."""
 
@@ -132,7 +134,10 @@ class StageModule(nn.Module):
         return self.stage == self.num_stages - 1
 
     def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
-        """``documents``: the micro-batch's document boundaries (packed rows), or None for plain causal rows."""
+        """``documents``: the micro-batch's document boundaries (packed rows), or None for plain causal rows.
+        With :attr:`packed` set, the boundaries travel inside ``x`` instead (see :meth:`packed_forward`)."""
+        if self.packed:
+            return self.packed_forward(x)
         if documents is None:
             if self.first is not None:
                 x = self.first(x)
@@ -146,6 +151,28 @@ class StageModule(nn.Module):
         if self.last is not None:
             x = self.last(x)
         return x
+
+    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A packed micro-batch, its document boundaries carried by the activations themselves, so that any
+        schedule, recomputation, BPipe move or shape exchange handles them like any other activation.
+
+        Stage 0 takes ``[b, 2, T]`` int64: tokens, then each token's document id (a run of equal ids is one
+        document). Between stages the hidden state carries one more channel, ``[b, T, h + 1]``: 1.0 where a
+        document starts, else 0.0 (exact in every dtype; no gradient flows through it). The last stage returns
+        logits ``[b, T, vocab]`` as usual."""
+        if self.first is not None:
+            x, doc_ids = x[:, 0], x[:, 1]
+        else:
+            x, starts = x[..., :-1], x[..., -1].detach()
+            doc_ids = torch.cumsum(starts != 0, dim=1)
+        documents = Documents(doc_ids)
+        if self.first is not None:
+            x = self.first(x, documents)
+        for block in self.blocks:
+            x = block(x, documents)
+        if self.last is not None:
+            return self.last(x)
+        return torch.cat([x, (documents.positions == 0).to(x.dtype).unsqueeze(-1)], dim=-1)
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}/{self.num_stages}, layers={self.layers.start}..{self.layers.stop - 1}"

@@ -195,9 +195,16 @@ class DataOptions:
     """Report a held-out loss every this many steps (and after the last); None: no evaluation, no held-out split."""
     eval_batches: int = 4
     """Global batches per evaluation."""
+    microbatching: str | None = None
+    """Documents only: how they are grouped into micro-batches, pad, pack or balance (None: pack)."""
+    tokenizer: str | None = None
+    """Documents given as text: a local Hugging Face tokenizer.json (or its directory)."""
+    split_long_documents: bool = False
+    """Documents only: cut a document longer than a row into pieces instead of refusing it."""
 
     def __post_init__(self) -> None:
         _coerce(self, "source", parse_choice(DataSource, self.source, "data source"))
+        self._check_documents()
         _at_least("global-batch", self.global_batch, 1)
         if self.path is not None and self.source is DataSource.RANDOM:
             raise ConfigError("a corpus path was given but the data source is 'random'; drop one of them")
@@ -206,6 +213,22 @@ class DataOptions:
         if self.eval_every is not None:
             _at_least("eval-every", self.eval_every, 1)
         _at_least("eval-batches", self.eval_batches, 1)
+
+    def _check_documents(self) -> None:
+        documents = self.source is DataSource.DOCUMENTS
+        if not documents:
+            given = [name for name, on in (("--microbatching", self.microbatching is not None),
+                                           ("--tokenizer", self.tokenizer is not None),
+                                           ("--split-long-documents", self.split_long_documents)) if on]
+            if given:
+                raise ConfigError(f"{given[0]} applies to documents only; add --documents PATH")
+            return
+        from evenpipe.plan.microbatch import parse_policy
+        _coerce(self, "microbatching", parse_policy(self.microbatching or "pack").value)
+        if self.path is None:
+            raise ConfigError("the data source 'documents' needs a file (--documents PATH)")
+        if self.eval_every is not None:
+            raise ConfigError("--eval-every is not supported with --documents yet (no held-out split of documents)")
 
     def eval_due(self, steps_done: int, total_steps: int) -> bool:
         """Whether to evaluate after ``steps_done`` steps."""
@@ -418,7 +441,17 @@ class TrainConfig:
         self.token_batches(cfg.vocab)  # the data source's own checks (file readable, vocabulary large enough)
 
     def token_batches(self, vocab: int) -> Any:
-        """The deterministic batch source (:class:`evenpipe.runtime.data.TokenBatches`) for a model of ``vocab``."""
+        """The deterministic batch source (:class:`evenpipe.runtime.data.TokenBatches`, or
+        :class:`evenpipe.runtime.document_batches.DocumentBatches` for documents) for a model of ``vocab``."""
+        if self.data.source is DataSource.DOCUMENTS:
+            from evenpipe.runtime.document_batches import DocumentBatches
+            m, dp = self.schedule.num_microbatches, self.runtime.dp
+            assert self.data.path is not None
+            return DocumentBatches(path=self.data.path, seq_len=self.seq_len, vocab=vocab, seed=self.data.seed,
+                                   policy=self.data.microbatching or "pack", num_replicas=dp, num_microbatches=m,
+                                   rows_per_microbatch=self.data.global_batch // (m * dp),
+                                   token_dtype=self.data.token_dtype, tokenizer=self.data.tokenizer,
+                                   split_long=self.data.split_long_documents)
         from evenpipe.runtime.data import TokenBatches
         return TokenBatches(source=self.data.source, seq_len=self.seq_len, vocab=vocab, seed=self.data.seed,
                             path=self.data.path, token_dtype=self.data.token_dtype,

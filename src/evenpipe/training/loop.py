@@ -26,7 +26,7 @@ from evenpipe.runtime.mesh import MeshDim
 from evenpipe.training.checkpoint import TrainState, load_checkpoint, newest_complete_checkpoint, save_checkpoint
 from evenpipe.training.checkpoint_manifest import step_directories
 from evenpipe.training.checkpoint_state import checkpoint_target
-from evenpipe.training.config import Backend, RuntimeOptions, Sharding, TrainConfig
+from evenpipe.training.config import Backend, DataSource, RuntimeOptions, Sharding, TrainConfig
 from evenpipe.training.fault import Watchdog, timeout_after_step
 from evenpipe.training.metrics import MetricsSink, StepMetrics, format_progress
 from evenpipe.training.optim import build_lr_scheduler, build_optimizer, clip_grad_global_norm
@@ -102,6 +102,7 @@ def _stash() -> Any:
 
 def _build(config: TrainConfig) -> _Job:
     from evenpipe.runtime.executor import PipelineExecutor
+    from evenpipe.runtime.stages import StageModule
 
     rt, sched = config.runtime, config.schedule
     init_from_env(rt.backend.value, timeout_s=rt.group_timeout_s)
@@ -117,6 +118,9 @@ def _build(config: TrainConfig) -> _Job:
         grad_sync = _parallelize(mine, groups, rt)
     stages, params = build_rank_stages(built.module, built.parts, schedule, groups.pp_rank,
                                        layout=list(sched.layout) if sched.layout else None, prepare=prepare)
+    for stage in stages.values():  # documents: boundaries travel with the activations
+        if isinstance(stage, StageModule):
+            stage.packed = config.data.source is DataSource.DOCUMENTS
     stash = _stash()
     ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=built.loss,
                           free_outputs=sched.free_outputs, stash=stash, device=device, grad_sync=grad_sync)

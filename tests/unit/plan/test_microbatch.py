@@ -15,6 +15,7 @@ from evenpipe.plan.microbatch import (
     MicrobatchCost,
     Policy,
     balance,
+    first_fit_prefix,
     lpt_bound,
     pipeline_order,
     plan_microbatches,
@@ -124,3 +125,28 @@ def test_bad_input_is_one_line(kwargs: dict, needle: str) -> None:
         plan_microbatches(args["lengths"], policy=args["policy"], num_microbatches=args["num_microbatches"],
                           budget=MicrobatchBudget(row_len=64, max_bytes=args["max_bytes"]))
     assert "\n" not in str(err.value)
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=lengths_st, budget=budget_st, policy=st.sampled_from(list(Policy)), replicas=st.integers(1, 3),
+       per_replica=st.integers(1, 6))
+def test_a_fixed_count_is_met_exactly_or_refused(lengths: list[int], budget: MicrobatchBudget, policy: Policy,
+                                                 replicas: int, per_replica: int) -> None:
+    cost = MicrobatchCost(per_token=1.0, per_square=0.1)
+    try:
+        plan = plan_microbatches(lengths, policy=policy, budget=budget, cost=cost, num_replicas=replicas,
+                                 num_microbatches=per_replica)
+    except ConfigError as err:
+        assert "only" in str(err) or "need at least" in str(err)
+        needed = len(plan_microbatches(lengths, policy=policy, budget=budget, cost=cost).microbatches)
+        assert needed > per_replica * replicas
+        return
+    assert [len(rep) for rep in plan.replicas] == [per_replica] * replicas
+    assert sorted(d for m in plan.microbatches for d in m.documents) == list(range(len(lengths)))
+
+
+def test_first_fit_prefix_stops_where_one_more_micro_batch_would_open() -> None:
+    budget = MicrobatchBudget(row_len=10, rows=2)
+    assert first_fit_prefix([6, 6, 4, 4, 9, 3], budget, 1) == 4  # rows 6+4 and 6+4; the 9 opens a second
+    assert first_fit_prefix([6, 6, 4, 4, 9, 3], budget, 2) == 6
+    assert first_fit_prefix([11, 1], budget, 3) == 0

@@ -1,0 +1,124 @@
+"""Training batches of whole documents: every step's rows hold documents (never a piece of one unless the user
+asked to split long ones), attention stays inside each (see :meth:`evenpipe.runtime.stages.StageModule.
+packed_forward`), and every micro-batch of a step has the same shape ``[b, seq_len]``.
+
+A document of ``L`` tokens gives ``L - 1`` positions (inputs ``d[:-1]``, targets ``d[1:]``). Documents are read in
+a random order per epoch (a pure function of ``(seed, epoch)``), and each step takes the next ones:
+
+- ``pad``: ``global_batch`` documents, one per row, each row padded to ``seq_len``;
+- ``pack`` / ``balance``: as many documents as first fit places into the step's ``dp x M`` micro-batches of ``b``
+  rows (the same documents for both), grouped by :func:`evenpipe.plan.microbatch.plan_microbatches`.
+
+Padding has token 0 and target ``-100`` (ignored by the loss). Each micro-batch's loss is the mean over its real
+tokens, and the step's loss the mean over micro-batches, as for fixed-length rows. Every rank computes the same
+plan; step ``k``'s documents depend on the steps before it, so the plan is built step by step from 0 (and cached).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from evenpipe.dataset import DocumentSet, load_documents
+from evenpipe.errors import ConfigError
+from evenpipe.plan.microbatch import (MicrobatchBudget, MicrobatchCost, Policy, first_fit_prefix, parse_policy,
+                                      plan_microbatches)
+from evenpipe.runtime.data import Batch
+
+__all__ = ["DocumentBatches", "IGNORE_INDEX", "pack_rows"]
+
+IGNORE_INDEX = -100
+"""Target of a padding position (``torch.nn.functional.cross_entropy``'s default ``ignore_index``)."""
+
+
+def pack_rows(rows: list[list[np.ndarray]], seq_len: int) -> Batch:
+    """Rows of documents (each an int64 token array) -> ``Batch(tokens=[B, 2, T], targets=[B, T])``: inputs and
+    document ids, and next-token targets; every document contributes ``d[:-1]`` / ``d[1:]``."""
+    tokens = torch.zeros(len(rows), 2, seq_len, dtype=torch.int64)
+    targets = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.int64)
+    for r, docs in enumerate(rows):
+        at = 0
+        for i, d in enumerate(docs):
+            n = len(d) - 1
+            assert at + n <= seq_len, "a row overflows its budget"
+            tokens[r, 0, at:at + n] = torch.from_numpy(d[:-1])
+            targets[r, at:at + n] = torch.from_numpy(d[1:])
+            tokens[r, 1, at:at + n] = i
+            at += n
+        tokens[r, 1, at:] = len(docs)  # padding: a run of its own
+    return Batch(tokens=tokens, targets=targets)
+
+
+class DocumentBatches:
+    """Deterministic packed batches of documents (see the module docstring)."""
+
+    def __init__(self, *, path: str, seq_len: int, vocab: int, seed: int, policy: "Policy | str",
+                 num_replicas: int, num_microbatches: int, rows_per_microbatch: int, token_dtype: str = "uint16",
+                 tokenizer: str | None = None, split_long: bool = False) -> None:
+        self.policy = parse_policy(policy)
+        docs = load_documents(path, token_dtype=token_dtype, tokenizer=tokenizer)
+        docs.check_vocab(vocab)
+        self.docs: DocumentSet = docs.fit_to(seq_len + 1, split=split_long)
+        if len(self.docs) == 0:
+            raise ConfigError(f"{path!r} holds no document of at least 2 tokens ({docs.num_skipped} skipped)")
+        self.seq_len, self.seed = seq_len, seed
+        self.replicas, self.per_replica, self.rows = num_replicas, num_microbatches, rows_per_microbatch
+        self.budget = MicrobatchBudget(row_len=seq_len, rows=rows_per_microbatch)
+        self.cost = MicrobatchCost(per_token=1.0, per_square=1.0 / seq_len)
+        self._positions = np.diff(self.docs.offsets) - 1  # positions each document gives
+        self._starts = [0]  # stream index of each planned step's first document
+        self._orders: dict[int, np.ndarray] = {}
+
+    @property
+    def num_skipped(self) -> int:
+        """Documents dropped at load for having fewer than 2 tokens."""
+        return self.docs.num_skipped
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """The documents' order in ``epoch``, a pure function of ``(seed, epoch)`` (the last two kept)."""
+        if epoch not in self._orders:
+            digest = hashlib.blake2b(f"documents:{self.seed}:{epoch}".encode(), digest_size=8).digest()
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = np.random.default_rng(int.from_bytes(digest, "little")).permutation(len(self.docs))
+        return self._orders[epoch]
+
+    def _stream(self, start: int) -> Iterator[int]:
+        """Document indices from stream position ``start`` on, epoch after epoch."""
+        n = len(self.docs)
+        for epoch in itertools.count(start // n):
+            order = self._order(epoch)
+            yield from order[(start % n if epoch == start // n else 0):].tolist()
+
+    def _take(self, start: int) -> int:
+        """How many documents the step starting at stream position ``start`` takes."""
+        if self.policy is Policy.PAD:
+            return self.replicas * self.per_replica * self.rows
+        lengths = (int(self._positions[d]) for d in self._stream(start))
+        return first_fit_prefix(lengths, self.budget, self.replicas * self.per_replica)
+
+    def step_documents(self, step: int) -> list[int]:
+        """Document indices of training step ``step`` (0-based), in stream order."""
+        while len(self._starts) <= step + 1:
+            self._starts.append(self._starts[-1] + self._take(self._starts[-1]))
+        begin, end = self._starts[step], self._starts[step + 1]
+        return list(itertools.islice(self._stream(begin), end - begin))
+
+    def batch(self, step: int, batch_size: int) -> Batch:
+        """The global batch of ``step``: ``batch_size`` rows (``dp x M x b``), replica by replica, each
+        replica's micro-batches in the planner's order."""
+        expected = self.replicas * self.per_replica * self.rows
+        if batch_size != expected:
+            raise ConfigError(f"packed documents fill dp x microbatches x microbatch-size = {expected} rows a step; "
+                              f"got a global batch of {batch_size}")
+        docs = self.step_documents(step)
+        plan = plan_microbatches([int(self._positions[d]) for d in docs], policy=self.policy, budget=self.budget,
+                                 cost=self.cost, num_replicas=self.replicas, num_microbatches=self.per_replica)
+        rows: list[list[np.ndarray]] = []
+        for mb in plan.microbatches:
+            filled = [[self.docs.document(docs[i]) for i in row] for row in mb.rows]
+            rows.extend(filled + [[] for _ in range(self.rows - len(filled))])
+        return pack_rows(rows, self.seq_len)
