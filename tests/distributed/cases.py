@@ -51,13 +51,16 @@ class Case:
     """AdamW instead of SGD (loss trajectories)."""
     bpipe: bool = False
     """Apply the BPipe transform to the family (``--bpipe``)."""
+    documents: bool = False
+    """Packed rows of several documents (attention kept inside each, padding ignored), boundaries carried by the
+    stages' activations (``StageModule.packed_forward``)."""
 
     def __str__(self) -> str:
         extra = "".join([f" V={self.chunks}" if self.chunks > 1 else "", " R" if self.recompute else "",
                          "" if self.free_outputs else " keep-outputs",
                          f" K={self.bpipe_budget}" if self.bpipe_budget else "",
                          f" steps={self.steps}" if self.steps != 2 else "", " adamw" if self.adam else "",
-                         " +bpipe" if self.bpipe else ""])
+                         " +bpipe" if self.bpipe else "", " documents" if self.documents else ""])
         return f"{self.family} {self.model} P={self.pp} M={self.microbatches} DP={self.dp}{extra}"
 
 
@@ -94,8 +97,14 @@ def case_model(name: str, num_stages: int, *, seed: int = 7) -> PipelineModel:
     return hf_model(path, seed=seed, attention="eager")
 
 
-def reference_loss(model: PipelineModel, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The un-pipelined loss as the model itself computes it (Hugging Face: its forward with labels)."""
+def reference_loss(model: PipelineModel, tokens: torch.Tensor, targets: torch.Tensor,
+                   num_chunks: int = 1) -> torch.Tensor:
+    """The un-pipelined loss as the model itself computes it (Hugging Face: its forward with labels); packed
+    documents (``tokens`` ``[n, 2, T]``): the mean over the ``num_chunks`` micro-batches of each one's mean."""
+    if tokens.dim() == 3:
+        from evenpipe.models.documents import Documents
+        return torch.stack([lm_loss(model.module(t[:, 0], Documents(t[:, 1])), y)
+                            for t, y in zip(tokens.chunk(num_chunks), targets.chunk(num_chunks))]).mean()
     if model.class_name == "TransformerLM":
         return lm_loss(model.module(tokens), targets)
     return model.module(input_ids=tokens, labels=tokens, shift_labels=targets).loss
@@ -120,9 +129,29 @@ def tied_weights_check(case: Case, groups, stages, schedule: Schedule) -> list[s
     return out
 
 
+def packed_batch(n: int, vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` rows of 1 to several random documents each, some rows ending in padding: ``[n, 2, SEQ]`` tokens and
+    document ids, ``[n, SEQ]`` targets (-100 on padding)."""
+    from evenpipe.runtime.document_batches import pack_rows
+    g = torch.Generator().manual_seed(2000 + step)
+    rows = []
+    for _ in range(n):
+        docs: list = []
+        used = 0
+        while used < SEQ and not (docs and float(torch.rand(1, generator=g)) < 0.2):
+            k = int(torch.randint(1, SEQ - used + 1, (1,), generator=g))  # positions; k + 1 tokens
+            docs.append(torch.randint(0, vocab, (k + 1,), generator=g).numpy())
+            used += k
+        rows.append(docs)
+    batch = pack_rows(rows, SEQ)
+    return batch.tokens, batch.targets
+
+
 def global_batch(case: Case, vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
     n = MICROBATCH * case.microbatches * case.dp
+    if case.documents:
+        return packed_batch(n, vocab, step)
+    g = torch.Generator().manual_seed(1000 + step)
     data = torch.randint(0, vocab, (n, SEQ + 1), generator=g)
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
@@ -148,6 +177,8 @@ def _run(case: Case, groups, stash_factory) -> list[str]:
     ref_params = dict(ref.named_parameters())
     mine = schedule.stages_of(groups.pp_rank)
     stages = build_stage_modules(built.parts, num_stages=schedule.num_stages, stages=mine)
+    for stage in stages.values():
+        stage.packed = case.documents
     stash = (stash_factory or ActivationStash)()
     ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=built.loss,
                           free_outputs=case.free_outputs, stash=stash)
@@ -161,7 +192,7 @@ def _run(case: Case, groups, stash_factory) -> list[str]:
         tokens, targets = global_batch(case, built.spec.vocab, step)
         result = ex.step(tokens, targets)
         ref_opt.zero_grad(set_to_none=True)
-        ref_loss = reference_loss(ref_built, tokens, targets)
+        ref_loss = reference_loss(ref_built, tokens, targets, case.microbatches * case.dp)
         ref_loss.backward()
         try:
             torch.testing.assert_close(torch.tensor(result.loss, dtype=torch.float64), ref_loss.detach().double(), **TIGHT)

@@ -67,7 +67,18 @@ def _trajectory_cases() -> list[Case]:
         Case(family=f, pp=4, microbatches=8, chunks=v, steps=5, adam=True) for f, v in fams]
 
 
-SCHEDULE_CASES = _schedule_cases()
+def _document_cases() -> list[Case]:
+    """Packed documents (issue 34): the boundaries ride in the activations through every kind of schedule."""
+    out = [Case(family=f, pp=pp, microbatches=m, dp=dp, chunks=v, model=model, documents=True)
+           for f, pp, m, dp, v, model in (("1f1b", 2, 5, 2, 1, "gpt-tiny"), ("1f1b", 4, 8, 1, 1, "llama-tiny"),
+                                          ("interleaved", 2, 4, 1, 2, "llama-tiny"), ("zb-h1", 2, 4, 2, 1, "gpt-tiny"),
+                                          ("zb-v", 2, 4, 1, 2, "llama-tiny"), ("bpipe", 4, 9, 1, 1, "gpt-tiny"))]
+    out.append(Case(family="1f1b", pp=2, microbatches=4, recompute=True, model="llama-tiny", documents=True))
+    out.append(Case(family="interleaved", pp=2, microbatches=4, chunks=2, bpipe=True, documents=True))
+    return out
+
+
+SCHEDULE_CASES = _schedule_cases() + _document_cases()
 BPIPE_CASES = _bpipe_cases()
 TRAJECTORY_CASES = _trajectory_cases()
 
