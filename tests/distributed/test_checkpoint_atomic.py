@@ -39,6 +39,9 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(tmp_path: pathlib.
     assert said == [f"resuming from {ckpt / 'step_00000002'} (step 2)"]
     assert summary["first_step"] == 2 and summary["losses"] == before[2:]
     assert (ckpt / "latest").read_text().strip() == "step_00000004" and not partial.exists()
+    waits = summary["checkpoints"]
+    assert waits["asynchronous"] and [s["step"] for s in waits["saves"]] == [4]
+    assert all(s["wait_s"] >= 0 for s in waits["saves"]) and waits["final_wait_s"] >= 0
 
     shard = sorted((ckpt / "step_00000004").glob("*.distcp"))[0]
     size = shard.stat().st_size

@@ -105,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir (any schedule, stages, "
                         "layout, dp, tp, sharding, dtype)")
+    p.add_argument("--checkpoint-sync", action="store_true",
+                   help="hold training for the whole save (default: write in the background; the JSON reports "
+                        "how long each save held a step)")
     p.add_argument("--overwrite-checkpoints", action="store_true",
                    help="start at step 0 although --checkpoint-dir holds checkpoints; they are deleted once this "
                         "run's first checkpoint is complete")
@@ -150,7 +153,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
                                    clip_grad_norm=args.clip_grad_norm),
         checkpoint=CheckpointOptions(directory=_abs(args.checkpoint_dir), every=args.checkpoint_every,
                                      resume=bool(args.resume), keep=args.keep_checkpoints,
-                                     overwrite=bool(args.overwrite_checkpoints)),
+                                     overwrite=bool(args.overwrite_checkpoints),
+                                     synchronous=bool(args.checkpoint_sync)),
         runtime=runtime,
         output=OutputOptions(json_out=_abs(args.json_out), trace=_abs(args.trace), metrics=_abs(args.metrics),
                              tensorboard=_abs(args.tensorboard), trace_json=_abs(args.trace_json),

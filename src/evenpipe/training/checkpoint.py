@@ -38,7 +38,8 @@ from evenpipe.training.checkpoint_manifest import (FileEntry, Manifest, checkpoi
                                                    step_directories, write_manifest)
 from evenpipe.training.checkpoint_state import CheckpointTarget, load_plan, missing_weights, save_entries
 
-__all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "newest_complete_checkpoint", "checkpoint_name"]
+__all__ = ["TrainState", "SaveJob", "state_to_save", "save_checkpoint", "load_checkpoint",
+           "newest_complete_checkpoint", "checkpoint_name"]
 
 log = logging.getLogger("evenpipe.train")
 
@@ -70,47 +71,83 @@ def _trainer_keys(state: TrainState) -> dict[str, torch.Tensor]:
             "trainer/samples": torch.tensor(state.samples, dtype=torch.int64)}
 
 
-def save_checkpoint(directory: str, *, target: CheckpointTarget, state: TrainState, keep: int, world: dict[str, Any] | None = None,
-                    replaced: Sequence[str] = ()) -> str:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveJob:
+    """One save's bookkeeping around DCP's write: the directories, then the manifest, rename and pruning."""
+
+    directory: str
+    """The checkpoint directory."""
+    step: int
+    """Steps done (names the checkpoint)."""
+    keep: int
+    """Checkpoints no newer than this one to keep."""
+    world: dict[str, Any]
+    """The saving job's layout, recorded in the manifest."""
+    replaced: tuple[str, ...] = ()
+    """An earlier run's checkpoints this job overwrites: deleted once this save is complete."""
+
+    @property
+    def final(self) -> str:
+        return os.path.join(self.directory, checkpoint_name(self.step))
+
+    @property
+    def tmp(self) -> str:
+        return os.path.join(self.directory, _TMP + checkpoint_name(self.step))
+
+    def begin(self) -> None:
+        """Rank 0 creates the directory and removes what killed saves left; then every rank may write."""
+        if dist.get_rank() == 0:
+            os.makedirs(self.directory, exist_ok=True)
+            for entry in os.listdir(self.directory):
+                if entry.startswith(_TMP):
+                    shutil.rmtree(os.path.join(self.directory, entry), ignore_errors=True)
+        dist.barrier()
+
+    def complete(self, group: Any = None) -> None:
+        """After every rank's DCP write: checksum the files between the ranks, then rank 0 writes the manifest
+        (last), renames the directory, points ``latest`` at it and prunes (collective over ``group``)."""
+        dist.barrier(group)
+        entries = _gather_entries(self.tmp, group)
+        if dist.get_rank() == 0:
+            write_manifest(self.tmp, Manifest(step=self.step, world=self.world, files=entries))
+            if os.path.exists(self.final):  # a damaged or overwritten checkpoint of the same step
+                shutil.rmtree(self.final)
+            os.replace(self.tmp, self.final)
+            name = checkpoint_name(self.step)
+            _point_latest(self.directory, name)
+            for old in prune_plan(step_directories(self.directory), saved=name, keep=self.keep,
+                                  replaced=self.replaced):
+                shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
+        dist.barrier(group)
+
+
+def state_to_save(target: CheckpointTarget, state: TrainState) -> dict[str, torch.Tensor]:
+    """Everything this rank writes (collective for tensor parallelism's reordered rows)."""
+    return {**save_entries(target), **_trainer_keys(state), **_rng_keys()}
+
+
+def save_checkpoint(directory: str, *, target: CheckpointTarget, state: TrainState, keep: int,
+                    world: dict[str, Any] | None = None, replaced: Sequence[str] = ()) -> str:
     """Save this rank's part of the job (collective over the world); the checkpoint's path.
 
-    Every rank writes its DCP files into ``.tmp-step_<N>``; the ranks then checksum the files between them and
-    rank 0 writes the manifest (last), renames the directory, points ``latest`` at it and prunes: of the
-    checkpoints no newer than this one it keeps the newest ``keep``, and it deletes ``replaced`` (an earlier
-    run's checkpoints that this job was told to overwrite). ``world`` describes the saving job's layout."""
-    name = checkpoint_name(state.step)
-    final, tmp = os.path.join(directory, name), os.path.join(directory, _TMP + name)
-    me = dist.get_rank()
-    if me == 0:
-        os.makedirs(directory, exist_ok=True)
-        for entry in os.listdir(directory):  # leftovers of saves that were killed
-            if entry.startswith(_TMP):
-                shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
-    dist.barrier()
-    sd = {**save_entries(target), **_trainer_keys(state), **_rng_keys()}
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
-    dist.barrier()
-    entries = _gather_entries(tmp)
-    if me == 0:
-        write_manifest(tmp, Manifest(step=state.step, world=dict(world or {"world": dist.get_world_size()}),
-                                     files=entries))
-        if os.path.exists(final):  # a damaged or overwritten checkpoint of the same step
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _point_latest(directory, name)
-        for old in prune_plan(step_directories(directory), saved=name, keep=keep, replaced=replaced):
-            shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
-    dist.barrier()
-    return final
+    Every rank writes its DCP files into ``.tmp-step_<N>``; then :meth:`SaveJob.complete`: of the checkpoints
+    no newer than this one rank 0 keeps the newest ``keep``, and it deletes ``replaced`` (an earlier run's
+    checkpoints this job was told to overwrite). ``world`` describes the saving job's layout."""
+    job = SaveJob(directory=directory, step=state.step, keep=keep,
+                  world=dict(world or {"world": dist.get_world_size()}), replaced=tuple(replaced))
+    job.begin()
+    dcp.save(state_to_save(target, state), storage_writer=dcp.FileSystemWriter(job.tmp))
+    job.complete()
+    return job.final
 
 
-def _gather_entries(path: str) -> tuple[FileEntry, ...]:
+def _gather_entries(path: str, group: Any = None) -> tuple[FileEntry, ...]:
     """Sizes and checksums of every file under ``path``, each rank reading its share; on rank 0 (else ())."""
     names = sorted(os.path.relpath(os.path.join(root, f), path) for root, _, files in os.walk(path) for f in files)
     me, world = dist.get_rank(), dist.get_world_size()
     mine = [file_entry(path, n) for n in names[me::world]]
     gathered: list[Any] = [None] * world if me == 0 else []
-    dist.gather_object(mine, gathered if me == 0 else None, dst=0)
+    dist.gather_object(mine, gathered if me == 0 else None, dst=0, group=group)
     return tuple(sorted((e for part in gathered for e in part), key=lambda e: e.name)) if me == 0 else ()
 
 

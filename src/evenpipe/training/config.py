@@ -312,6 +312,8 @@ class CheckpointOptions:
     overwrite: bool = False
     """Start at step 0 in a directory holding checkpoints; they are deleted once this job's first save is
     complete. Without it (or ``resume``) such a directory is refused."""
+    synchronous: bool = False
+    """Hold the step for the whole save; by default files are written in the background (``dcp.async_save``)."""
 
     def __post_init__(self) -> None:
         if self.every is not None:

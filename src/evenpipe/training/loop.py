@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 from evenpipe.runtime.comm import ParallelGroups, build_groups, init_from_env
 from evenpipe.runtime.mesh import MeshDim
-from evenpipe.training.checkpoint import TrainState, load_checkpoint, newest_complete_checkpoint, save_checkpoint
+from evenpipe.training.checkpoint import SaveJob, TrainState, load_checkpoint, newest_complete_checkpoint
 from evenpipe.training.checkpoint_manifest import step_directories
 from evenpipe.training.checkpoint_state import checkpoint_target
+from evenpipe.training.checkpoint_writer import CheckpointWriter
 from evenpipe.training.config import Backend, DataSource, RuntimeOptions, Sharding, TrainConfig
 from evenpipe.training.fault import Watchdog, timeout_after_step
 from evenpipe.training.metrics import MetricsSink, StepMetrics, format_progress
@@ -61,6 +62,8 @@ class _Job:
     replaced: tuple[str, ...] = ()
     """Checkpoints of an earlier run, found at the start, that ``--overwrite-checkpoints`` deletes once this job's
     first save is complete."""
+    writer: CheckpointWriter | None = None
+    """Saves the checkpoints (in the background unless --checkpoint-sync), when there is a directory."""
 
 
 @dataclass(slots=True)
@@ -193,6 +196,8 @@ def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSumm
     job = _build(config)
     watch.rank = dist.get_rank()
     state = _resume(job, watch)
+    if config.checkpoint.directory:
+        job.writer = CheckpointWriter(asynchronous=not config.checkpoint.synchronous)
     steps = config.runtime.steps
     job.scheduler = build_lr_scheduler(_innermost(job.optimizer), config.optimizer,
                                        total_steps=steps, start_step=state.step)
@@ -217,6 +222,9 @@ def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSumm
                     log.info(format_progress(metrics, steps))
             if config.checkpoint.due(step + 1, steps):
                 _save(job, watch, state)
+        if job.writer is not None:
+            watch.progress("finishing the last checkpoint", watched=False)
+            job.writer.close()
     finally:
         if sink is not None:
             sink.close()
@@ -286,18 +294,15 @@ def _resume(job: _Job, watch: Watchdog) -> TrainState:
 
 def _save(job: _Job, watch: Watchdog, state: TrainState) -> None:
     ck, rt = job.config.checkpoint, job.config.runtime
-    assert ck.directory is not None
+    assert ck.directory is not None and job.writer is not None
     watch.progress("saving a checkpoint", watched=False)
     world = {"world": dist.get_world_size(), "pp": job.config.schedule.num_ranks, "dp": rt.dp, "tp": rt.tp,
              "schedule": job.config.schedule.family.value, "sharding": rt.sharding.value,
              "dtype": job.config.model.dtype.value}
-    path = save_checkpoint(ck.directory, target=checkpoint_target(job.params, job.optimizer, job.stages.values()),
-                           state=state, keep=ck.keep,
-                           world=world, replaced=job.replaced)
+    save = SaveJob(directory=ck.directory, step=state.step, keep=ck.keep, world=world, replaced=job.replaced)
+    job.writer.save(save, checkpoint_target(job.params, job.optimizer, job.stages.values()), state)
     job.replaced = ()
     watch.progress()
-    if dist.get_rank() == 0:
-        log.info(f"saved {path}")
 
 
 def _report(job: _Job, p: _Progress) -> RankReport:
@@ -349,7 +354,9 @@ def _write_outputs(job: _Job, summary: TrainSummary, recorders: list[Any],
                    prediction: dict[str, Any] | None = None) -> None:
     out = job.config.output
     if out.json_out:
-        extra = {"prediction": prediction} if prediction is not None else {}
+        extra: dict[str, Any] = {"prediction": prediction} if prediction is not None else {}
+        if job.writer is not None:
+            extra["checkpoints"] = job.writer.report()
         with open(out.json_out, "w") as f:
             json.dump({**summary.to_dict(), "model": job.model, "config": job.config.to_dict(), **extra}, f,
                       indent=2)
