@@ -159,3 +159,31 @@ def test_pruning_keeps_what_was_saved_and_newer_complete_ones(tmp_path: pathlib.
     _save(tmp_path, 4, params, opt, keep=1, replaced=[S[8], S[6], S[2]])  # --overwrite-checkpoints
     assert step_directories(str(tmp_path)) == [S[4]]
     assert newest_complete_checkpoint(str(tmp_path)) == str(tmp_path / S[4])
+
+
+def _bf16_job(seed: int) -> tuple[RankParameters, object]:
+    from evenpipe.runtime.precision import MasterWeightOptimizer
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    params = RankParameters(named=dict(model.named_parameters()), owned=frozenset(n for n, _ in
+                                                                                  model.named_parameters()))
+    opt = MasterWeightOptimizer(torch.optim.AdamW, list(params.named.values()), lr=0.1)
+    model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    return params, opt
+
+
+def test_bf16_saves_its_fp32_masters_and_any_dtype_loads_them(tmp_path: pathlib.Path, world_of_one: object) -> None:
+    params, opt = _bf16_job(0)
+    masters = {n: m.detach().clone() for n, m in zip(params.named, opt.masters.params)}  # type: ignore[attr-defined]
+    moments = [opt.inner.state[m]["exp_avg"].clone() for m in opt.masters.params]  # type: ignore[attr-defined]
+    assert any(not torch.equal(m, p.float()) for m, p in zip(masters.values(), params.named.values()))
+    path = _save(tmp_path, 2, params, opt)
+    other, opt2 = _bf16_job(1)
+    load_checkpoint(path, target=checkpoint_target(other, opt2))
+    for (name, p), m, moment in zip(other.named.items(), opt2.masters.params, moments):  # type: ignore[attr-defined]
+        assert torch.equal(m, masters[name]) and torch.equal(p, masters[name].to(torch.bfloat16)), name
+        assert torch.equal(opt2.inner.state[m]["exp_avg"], moment), name  # type: ignore[attr-defined]
+    fp32, opt3 = _job(2)  # the same weights in a float32 job: the masters, exactly
+    load_checkpoint(path, target=checkpoint_target(fp32, opt3))
+    assert all(torch.equal(p, masters[n]) for n, p in fp32.named.items())
