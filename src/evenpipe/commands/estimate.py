@@ -14,7 +14,8 @@ import pathlib
 from evenpipe.cost import Attention, Estimate, Hardware, ParallelConfig, Recompute, ScheduleFamily
 from evenpipe.cost.estimate import TimeBreakdown, estimate_with
 from evenpipe.cost.parallel import describe_layout
-from evenpipe.commands.model_args import add_model_arguments, add_profile_arguments, parse_layout, source_from_args
+from evenpipe.commands.model_args import (add_gpus_per_node_argument, add_model_arguments, add_profile_arguments,
+                                         parse_layout, source_from_args)
 from evenpipe.errors import ConfigError
 
 __all__ = ["add_arguments", "run"]
@@ -28,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", metavar="PRESET",
                    help="GPU preset (a100-40gb, a100-80gb, h100-80gb, h200) or a profile FILE.json")
     p.add_argument("--gpus", type=int, metavar="N", help="total GPUs; must equal tp·pp·dp (dp defaults to N/(tp·pp))")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    add_gpus_per_node_argument(p)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1; divides --gpus-per-node)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     p.add_argument("--dp", type=int, help="data-parallel size (default --gpus/(tp·pp), or 1)")
     p.add_argument("--chunks", type=int, default=None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING
 
 from evenpipe.errors import ConfigError
@@ -14,7 +15,7 @@ if TYPE_CHECKING:  # the cost model is imported when a model is asked for (`simu
     from evenpipe.cost.source import CostSource
 
 __all__ = ["add_model_arguments", "model_from_args", "parse_layout", "any_model_given", "hardware_from_arg",
-           "add_profile_arguments", "source_from_args"]
+           "add_profile_arguments", "add_gpus_per_node_argument", "with_gpus_per_node", "source_from_args"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +87,21 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --profile: memory budget per device (the CPU has no preset capacity)")
 
 
+def add_gpus_per_node_argument(parser: "argparse.ArgumentParser | argparse._ArgumentGroup") -> None:
+    parser.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
+                        help="GPUs in one node (default: the --gpu preset's, 8); tensor parallelism must divide it")
+
+
+def with_gpus_per_node(hw: "Hardware", args: argparse.Namespace) -> "Hardware":
+    """``hw`` with ``--gpus-per-node`` when given (one-line error unless it is a positive integer)."""
+    n = getattr(args, "gpus_per_node", None)
+    if n is None:
+        return hw
+    if n < 1:
+        raise ConfigError(f"--gpus-per-node must be a positive integer, got {n}")
+    return dataclasses.replace(hw, gpus_per_node=n)
+
+
 def source_from_args(args: argparse.Namespace, command: str) -> CostSource:
     """Where the costs come from: ``--gpu PRESET`` (with the model arguments) or ``--profile PROFILE`` (the
     profiled model on the profiled machine, ``--memory-gib`` per device)."""
@@ -102,8 +118,11 @@ def source_from_args(args: argparse.Namespace, command: str) -> CostSource:
             profile.check_model(args.model)
         if args.memory_gib is not None and not args.memory_gib > 0:
             raise ConfigError(f"--memory-gib must be > 0, got {args.memory_gib}")
+        if getattr(args, "gpus_per_node", None) is not None:
+            warnings.warn("--gpus-per-node has no effect with --profile (a profile plans tp 1 on its device)",
+                          stacklevel=2)
         return ProfiledSource(ProfileModel(profile), memory_budget_gib=args.memory_gib)
     if args.gpu is None:
         raise ConfigError(f"give --gpu PRESET (or --profile PROFILE to {command} on the profiled machine)")
-    return AnalyticSource(model_from_args(args), hardware_from_arg(args.gpu))
+    return AnalyticSource(model_from_args(args), with_gpus_per_node(hardware_from_arg(args.gpu), args))
 

@@ -10,8 +10,10 @@ import os
 import time
 from typing import TypeVar
 
-from evenpipe.commands.model_args import add_model_arguments, add_profile_arguments, parse_layout, source_from_args
+from evenpipe.commands.model_args import (add_gpus_per_node_argument, add_model_arguments, add_profile_arguments,
+                                         parse_layout, source_from_args)
 from evenpipe.cost import Attention, Hardware, ModelSpec, Recompute
+from evenpipe.cost.profiled_source import ProfiledSource
 from evenpipe.cost.source import CostSource
 from evenpipe.cost.parallel import describe_layout, join_bpipe, split_bpipe
 from evenpipe.errors import ConfigError, choice_error
@@ -29,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--gpu", metavar="PRESET", help="GPU preset, e.g. a100-80gb, h100-80gb")
     parser.add_argument("--gpus", type=int, required=True, metavar="N", help="total number of GPUs")
+    add_gpus_per_node_argument(parser)
     parser.add_argument("--global-batch", type=int, required=True, metavar="B", help="sequences per step")
     parser.add_argument("--top", type=int, default=10, metavar="K", help="configurations to list (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -140,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_json(source, args, result, explanation, elapsed), indent=2))
     elif hw is None:
         print("\n".join(_measured_table(result)))
+        print("\n".join(_measured_notes(result, _profiled_sizes(source))))
         if result.candidates:
             print("\n".join(_launch_lines(_launch(result.candidates[0], model, args.gpus, args))))
         if explanation is not None:
@@ -165,6 +169,28 @@ def _measured_table(result: PlanResult) -> list[str]:
     return lines
 
 
+def _profiled_sizes(source: CostSource) -> tuple[int, ...] | None:
+    """The micro-batch sizes a profile measured (None for an analytic source)."""
+    return source.fits.profile.microbatch_sizes if isinstance(source, ProfiledSource) else None
+
+
+def microbatch_fit(b: int, profiled: tuple[int, ...]) -> str:
+    """``measured`` when ``b`` was profiled; ``interpolated`` between profiled sizes; else ``extrapolated``."""
+    if b in profiled:
+        return "measured"
+    return "interpolated" if profiled and profiled[0] < b < profiled[-1] else "extrapolated"
+
+
+def _measured_notes(result: PlanResult, profiled: tuple[int, ...] | None) -> list[str]:
+    """One line per micro-batch size the candidates use that the profile did not measure."""
+    if profiled is None:
+        return []
+    sizes = sorted({c.config.microbatch_size for c in result.candidates} - set(profiled))
+    measured = ", ".join(map(str, profiled))
+    return [f"note: b={b} was not profiled (measured: b={measured}); its layer costs are "
+            f"{microbatch_fit(b, profiled)} from the profile's fit" for b in sizes]
+
+
 def _describe_short(c: Candidate) -> str:
     cfg = c.config
     chunks = f" v={cfg.chunks}" if cfg.chunks > 1 else ""
@@ -176,17 +202,25 @@ def _json(source: CostSource, args: argparse.Namespace, result: PlanResult,
           explanation: BPipeExplanation | None, elapsed: float) -> dict[str, object]:
     s = result.stats
     per_node = source.hardware.gpus_per_node if source.hardware is not None else args.gpus
+    profiled = _profiled_sizes(source)
     out: dict[str, object] = {
         "model": source.model.name, "gpu": source.name, "gpus": args.gpus, "global_batch": args.global_batch,
-        "candidates": [{**c.to_dict(), "launch": _launch(c, source.model, per_node, args).to_dict()}
-                       for c in result.candidates],
+        "candidates": [{**c.to_dict(), "launch": _launch(c, source.model, per_node, args).to_dict(),
+                        **_fit_key(c, profiled)} for c in result.candidates],
         "search": {**s.to_dict(), "seconds": elapsed},
     }
+    if profiled is not None:
+        out["profiled_microbatch_sizes"] = list(profiled)
     if explanation is not None:
         e = explanation.to_dict()
         out["explain_bpipe"] = e
         out.update({k: e[k] for k in ("pays", "text", "without", "with_bpipe")})  # the answer, at the top
     return out
+
+
+def _fit_key(c: Candidate, profiled: tuple[int, ...] | None) -> dict[str, str]:
+    """``{"microbatch_costs": measured|interpolated|extrapolated}`` for a profiled plan, else nothing."""
+    return {} if profiled is None else {"microbatch_costs": microbatch_fit(c.config.microbatch_size, profiled)}
 
 
 def _launch(c: Candidate, model: ModelSpec, gpus_per_node: int, args: argparse.Namespace) -> LaunchCommand:
@@ -225,6 +259,18 @@ def _describe(c: Candidate) -> str:
             f"(m={cfg.num_microbatches}) recompute={cfg.recompute.value}")
 
 
+TABLE_LEGEND: list[str] = [
+    "columns: schedule (+bpipe: with BPipe's activation eviction; bpipe = 1F1B with it); v = stages (chunks) per rank;",
+    "  tp, pp, dp = tensor-, pipeline-, data-parallel sizes; mbs = sequences per micro-batch; m = micro-batches per",
+    "  replica per step; recompute = none, selective (attention core) or full (whole stage); MFU = model FLOPs over",
+    "  peak; peak GiB = the fullest rank; bubble = idle share of the pipeline; distopt = optimizer state sharded over",
+    "  dp; layers = transformer layers per stage in pipeline order (12,14x4,12 = 12, four stages of 14, then 12);",
+    "  limited by = the largest share of the slowest rank's step (compute, communication or bubble), or memory (it",
+    "  does not fit, or it is compute-bound within 90% of usable memory: a larger micro-batch would not fit)",
+]
+"""The legend printed under the plan table (docs/commands/plan.md explains the same columns)."""
+
+
 def _table(model: ModelSpec, hw: Hardware, args: argparse.Namespace, space: SearchSpace, result: PlanResult,
            elapsed: float) -> list[str]:
     head = ("#", "schedule", "v", "tp", "pp", "dp", "mbs", "m", "recompute", "step s", "MFU", "peak GiB",
@@ -246,6 +292,7 @@ def _table(model: ModelSpec, hw: Hardware, args: argparse.Namespace, space: Sear
                 False: ", no distributed optimizer"}[space.distributed_optimizer]]
     lines += ["  ".join(cell.rjust(w) if j not in (1, 8, 14, 15) else cell.ljust(w)
                         for j, (cell, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+    lines += TABLE_LEGEND
     lines.append(f"searched {s.num_enumerated} configurations in {elapsed:.2f} s: {s.num_invalid} invalid, "
                  f"{s.num_over_memory} over memory, {s.num_bounded} skipped by the step-time bound, "
                  f"{s.num_dominated} dominated (lighter recomputation fits), {s.num_estimated} simulated")

@@ -8,8 +8,8 @@ import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from evenpipe.commands.model_args import (add_model_arguments, any_model_given, hardware_from_arg, model_from_args,
-                                          parse_layout)
+from evenpipe.commands.model_args import (add_gpus_per_node_argument, add_model_arguments, any_model_given,
+                                          hardware_from_arg, model_from_args, parse_layout, with_gpus_per_node)
 from evenpipe.errors import ConfigError
 from evenpipe.report.tables import exposed_table, summary_table
 from evenpipe.schedule import LinkPlan, ScheduleFamily, build_schedule
@@ -83,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     costed = parser.add_argument_group("costs from the model (with --model, --hf-config or --arch; replace the "
                                        "durations and sizes above)")
     costed.add_argument("--gpu", metavar="PRESET", help="GPU preset (a100-80gb, h100-80gb, ...) or FILE.json")
-    costed.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    add_gpus_per_node_argument(costed)
+    costed.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1; divides --gpus-per-node)")
     parser.add_argument("--out", metavar="DIR", help="write timeline.png, memory.png, trace.json, schedule.txt")
 
 
@@ -194,7 +195,7 @@ def _model_costs(args: argparse.Namespace, family: ScheduleFamily, chunks: int) 
     from evenpipe.cost import ParallelConfig, Recompute, check_config, stage_sim_costs
     if args.gpu is None:
         raise ConfigError("--model / --hf-config / --arch need --gpu (a preset such as a100-80gb, or FILE.json)")
-    model, hw = model_from_args(args), hardware_from_arg(args.gpu)
+    model, hw = model_from_args(args), with_gpus_per_node(hardware_from_arg(args.gpu), args)
     b = args.microbatch_size or 1
     cfg = ParallelConfig(tp=args.tp, pp=args.stages, chunks=chunks, microbatch_size=b,
                          global_batch=args.microbatches * b, schedule=family,

@@ -2,7 +2,7 @@
 
 Placement of GPUs is tensor-parallel first, then pipeline, then data parallel: global GPU index
 ``g = t + tp·(r + pp·d)`` for tensor rank t, pipeline rank r, data-parallel rank d. So a tensor-parallel group
-shares a node whenever ``tp <= gpus_per_node``, and pipeline ranks r and r' share a node when
+shares a node since tp divides ``gpus_per_node``, and pipeline ranks r and r' share a node when
 ``(r·tp) // gpus_per_node == (r'·tp) // gpus_per_node``.
 """
 
@@ -230,7 +230,7 @@ def check_config(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, num_gpus: 
     Rules: tp divides the attention heads and the FFN size (KV heads are split when tp divides them and
     replicated when they divide tp); every stage holds at least one layer;
     chunks as the schedule family allows (its traits); M as the family allows; dp·b divides the global batch; the
-    GPU count equals tp·pp·dp; tp fits in a node; BPipe needs pp >= 2 and a family it applies to. Uneven stages: the layout (given, or
+    GPU count equals tp·pp·dp; tp divides the GPUs of a node (a tensor-parallel group never straddles two); BPipe needs pp >= 2 and a family it applies to. Uneven stages: the layout (given, or
     :func:`stage_layers`' default) must place every layer exactly once. The schedule generator adds its own rules (interleaved
     needs m % p == 0; a BPipe budget must be meetable) and raises ConfigError the same way.
     """
@@ -243,8 +243,11 @@ def check_config(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, num_gpus: 
                           f"one another")
     if model.ffn_hidden % cfg.tp:
         raise ConfigError(f"tp {cfg.tp} does not divide ffn_hidden {model.ffn_hidden}")
-    if cfg.tp > hw.gpus_per_node:
-        raise ConfigError(f"tp {cfg.tp} exceeds the {hw.gpus_per_node} GPUs of one {hw.name} node")
+    if hw.gpus_per_node % cfg.tp:
+        allowed = ", ".join(str(t) for t in range(1, hw.gpus_per_node + 1) if hw.gpus_per_node % t == 0)
+        raise ConfigError(f"tp {cfg.tp} does not divide the {hw.gpus_per_node} GPUs of one {hw.name} node "
+                          f"(--gpus-per-node {hw.gpus_per_node}): a tensor-parallel group must sit inside one node; "
+                          f"allowed: {allowed}")
     check_pipeline(model, cfg)
 
 

@@ -272,15 +272,17 @@ def enumerate_configs(model: ModelSpec, hw: Hardware | None, *, num_gpus: int, g
                       space: SearchSpace) -> Iterator[ParallelConfig]:
     """Every structurally plausible configuration of ``num_gpus`` GPUs (``check_config`` may still reject some).
 
-    tp divides the GPU count, the attention heads and is at most one node; pp is at most the layer count;
+    tp divides the GPU count, the attention heads and the GPUs of one node (a tensor-parallel group never
+    straddles two nodes); pp is at most the layer count;
     dp divides the global batch; every micro-batch size dividing the per-replica batch is tried up to the cap;
     per stage count, the layouts of :func:`_layout_options`; with dp > 1 the distributed optimizer on and off.
     With pp = 1 all schedules coincide, so only 1F1B is produced; BPipe (schedule ``bpipe``, or a family of
     ``space.bpipe_schedules`` with the transform) needs pp >= 3 to have a partner to evict to.
     """
     max_tp = space.max_tp if space.max_tp is not None else hw.gpus_per_node if hw is not None else 1
+    per_node = hw.gpus_per_node if hw is not None else 1
     for tp in _divisors(num_gpus):
-        if tp > max_tp or model.num_heads % tp:
+        if tp > max_tp or model.num_heads % tp or per_node % tp:
             continue
         for pp in _divisors(num_gpus // tp):
             dp = num_gpus // (tp * pp)
@@ -556,8 +558,8 @@ class Searcher:
             return ConfigError(
                 f"no (tp, pp, dp) factorisation of --gpus {num_gpus} suits {self.model.name} "
                 f"({self.model.num_heads} heads, {self.model.num_layers} layers) and --global-batch {global_batch}"
-                f"; dp must divide the global batch and tp the heads (tp <= "
-                f"{self.hw.gpus_per_node if self.hw is not None else 1})")
+                f"; dp must divide the global batch and tp the heads and the "
+                f"{self.hw.gpus_per_node if self.hw is not None else 1} GPUs of a node)")
         if counts.over_memory == 0:
             return ConfigError(f"--gpus {num_gpus} has no valid tp·pp·dp split for {self.model.name} and "
                                f"--global-batch {global_batch}; for example: {counts.last_error}")

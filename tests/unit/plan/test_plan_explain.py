@@ -3,9 +3,11 @@ and for a LLaMA model with flash attention; the numbers behind each answer are c
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from evenpipe.cost import Attention, Recompute, hardware_preset, model_preset
+from evenpipe.cost import Attention, Hardware, Recompute, hardware_preset, model_preset
 from evenpipe.plan import (
     TIME_COMPONENTS,
     BPipeExplanation,
@@ -18,10 +20,13 @@ from evenpipe.plan import (
 )
 
 A100 = hardware_preset("a100-80gb")
+A100_6 = dataclasses.replace(A100, gpus_per_node=6)
+"""A100s in 6-GPU nodes (as Summit's 6-GPU nodes): with even stages the only splits of 48 GPUs over gpt-145.6b's 96
+heads and 80 layers are tp 3 (pp 16) and tp 6 (pp 8), and a tensor-parallel group must divide a node."""
 
 
-def _explain(name: str, gpus: int, batch: int, attention: Attention) -> BPipeExplanation:
-    searcher = Searcher(model_preset(name), A100)
+def _explain(name: str, gpus: int, batch: int, attention: Attention, hw: Hardware = A100) -> BPipeExplanation:
+    searcher = Searcher(model_preset(name), hw)
     # the memory-tight scenario: optimizer state replicated (the distributed optimizer would make room), even stages
     space = SearchSpace(attention=attention, sequence_parallel=False, distributed_optimizer=False,
                         uneven_stages=False)
@@ -31,7 +36,7 @@ def _explain(name: str, gpus: int, batch: int, attention: Attention) -> BPipeExp
 @pytest.fixture(scope="module")
 def gpt() -> BPipeExplanation:
     # GPT-3-width 145.6B (Megatron 2021) on 48 GPUs: model states take ~55 of 78 usable GiB per GPU
-    return _explain("gpt-145.6b", 48, 128, Attention.EAGER)
+    return _explain("gpt-145.6b", 48, 128, Attention.EAGER, A100_6)
 
 
 @pytest.fixture(scope="module")
