@@ -64,3 +64,30 @@ def _resume(ckpt: pathlib.Path, out: pathlib.Path) -> tuple[dict, list[str]]:
     assert run.returncode == 0, run.stderr[-3000:]
     said = [line for line in (run.stdout + run.stderr).splitlines() if "checkpoint" in line or "resuming" in line]
     return json.loads(out.read_text()), [line for line in said if not line.startswith("saved ")]
+
+
+def _train(ckpt: pathlib.Path, out: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "evenpipe", "train", *ARGS, "--checkpoint-dir", str(ckpt),
+                           "--json-out", str(out), *extra], env=train_env(), capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_a_fresh_run_never_loses_another_runs_checkpoints(tmp_path: pathlib.Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    first = _train(ckpt, tmp_path / "first.json", "--checkpoint-every", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    steps = sorted(p.name for p in ckpt.glob("step_*"))
+    assert steps == ["step_00000002", "step_00000004"]
+    refused = _train(ckpt, tmp_path / "refused.json", "--steps", "2")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "--overwrite-checkpoints" in refused.stderr and "--resume" in refused.stderr
+    assert sorted(p.name for p in ckpt.glob("step_*")) == steps and not (tmp_path / "refused.json").exists()
+    longer = _train(ckpt, tmp_path / "longer.json", "--resume", "--steps", "6", "--keep-checkpoints", "3")
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.glob("step_*")) == [*steps, "step_00000006"]
+    fresh = _train(ckpt, tmp_path / "fresh.json", "--overwrite-checkpoints", "--steps", "2")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002"]
+    summary = json.loads((tmp_path / "fresh.json").read_text())
+    assert summary["first_step"] == 0
+    assert summary["losses"] == json.loads((tmp_path / "first.json").read_text())["losses"][:2]
