@@ -20,11 +20,17 @@ from __future__ import annotations
 import json
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.schedule.validate import message_key
 from evenpipe.sim.trace import ActionRecord, MemoryTimeline, Trace, TransferRecord
+
+if TYPE_CHECKING:
+    import torch
+
+    from evenpipe.runtime.comm import PendingBatch
+    from evenpipe.runtime.step_context import Stash
 
 __all__ = ["RankRecorder", "SendRecord", "RecvRecord", "measured_trace", "write_chrome_trace", "save_trace",
            "load_trace"]
@@ -88,11 +94,10 @@ class RankRecorder:
     recvs: list[RecvRecord] = field(default_factory=list)
     """Messages received."""
 
-    def received(self, action: Action, buffer: Any, posted: float, batch: Any) -> None:
-        """Note the receive into ``buffer`` of ``action``, posted in ``batch`` (a
-        :class:`~evenpipe.runtime.comm.PendingBatch`), stamped when that receive is first seen complete: the
-        parts of one action (BPipe's header and buffer) add up in one record, stamped by the part that
-        completes last."""
+    def received(self, action: Action, buffer: torch.Tensor, posted: float, batch: PendingBatch) -> None:
+        """Note the receive into ``buffer`` of ``action``, posted in ``batch``, stamped when that receive is first
+        seen complete: the parts of one action (BPipe's header and buffer) add up in one record, stamped by the
+        part that completes last."""
         num_bytes = buffer.numel() * buffer.element_size()
         if self.recvs and self.recvs[-1].action is action and self.recvs[-1].posted == posted:
             rec = self.recvs[-1]
@@ -102,7 +107,7 @@ class RankRecorder:
             self.recvs.append(rec)
         batch.observe(rec.stamp, buffer)
 
-    def action(self, index: int, action: Action, start: float, end: float, stash: Any) -> None:
+    def action(self, index: int, action: Action, start: float, end: float, stash: Stash) -> None:
         self.actions.append((index, action, start, end))
         self.memory.append((end, int(stash.own_bytes) + int(stash.hosted_bytes)))
 
