@@ -54,7 +54,7 @@ def remove_stale_job_dirs(parent: str | None = None) -> list[str]:
     """Remove the job directories under ``parent`` (default: the temporary directory) whose launcher is dead;
     the paths removed. A directory without an owner file is left alone (it may be being created)."""
     parent = parent or tempfile.gettempdir()
-    removed = []
+    removed: list[str] = []
     try:
         entries = os.listdir(parent)
     except OSError:
