@@ -45,6 +45,8 @@ TP_PP_CASES = ([TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model
                 for m in MODELS]
                + [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v)) for f, v in NEWER_FAMILIES]
                + [TpCase(case=Case(family="interleaved", pp=2, microbatches=4, chunks=2, bpipe=True))]
+               + [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model=m, documents=True))
+                  for f, v, m in (("1f1b", 1, "gpt-tiny"), ("zb-h1", 1, "llama-tiny"))]
                + [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model=m))
                   for f, v in HF_FAMILIES for m in HF_MODELS])
 TP_PP_DP_CASES = [TpCase(case=Case(family=f, pp=2, microbatches=2, dp=2, chunks=v, model=m))

@@ -76,8 +76,8 @@ class TpPipeline:
     def vocab(self) -> int:
         return self.model.spec.vocab
 
-    def ref_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return reference_loss(self.ref, tokens, targets)
+    def ref_loss(self, tokens: torch.Tensor, targets: torch.Tensor, num_chunks: int = 1) -> torch.Tensor:
+        return reference_loss(self.ref, tokens, targets, num_chunks)
 
     def ref_params(self) -> dict:
         """The reference's parameters by name (a tied weight under both names)."""
@@ -108,6 +108,8 @@ def tp_pipeline(case: Case, groups, *, fully_shard: bool = False) -> TpPipeline:
         if fully_shard:
             grad_sync.append(fully_shard_stages(mine.values(), groups.mesh["dp"]))
     stages, params = build_rank_stages(model.module, model.parts, schedule, groups.pp_rank, prepare=prepare)
+    for stage in stages.values():
+        stage.packed = case.documents
     return TpPipeline(schedule=schedule, model=model, ref=ref, stages=stages, params=params,
                       grad_sync=(grad_sync or [None])[0])
 
@@ -149,7 +151,7 @@ def _run(tc: TpCase, groups) -> list[str]:
         tokens, targets = global_batch(case, pipe.vocab, step)
         result = ex.step(tokens, targets)
         ref_opt.zero_grad(set_to_none=True)
-        ref_loss = pipe.ref_loss(tokens, targets)
+        ref_loss = pipe.ref_loss(tokens, targets, case.microbatches * case.dp)
         ref_loss.backward()
         check(f"step {step} loss", torch.tensor(result.loss, dtype=torch.float64), ref_loss.detach().double())
         for name, p in params.items():
