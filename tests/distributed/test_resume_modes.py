@@ -64,6 +64,7 @@ CHANGED = {
     "tp1-dp2-fsdp-gpipe": ["--stages", "2", "--dp", "2", "--sharding", "full", "--schedule", "gpipe"],
     "pp4-bpipe": ["--stages", "4", "--schedule", "bpipe"],
     "pp1-tp2-dp2-optimizer": ["--stages", "1", "--tp", "2", "--dp", "2", "--sharding", "optimizer"],
+    "pp1-tp2-dp2-fsdp": ["--stages", "1", "--tp", "2", "--dp", "2", "--sharding", "full"],
 }
 
 
