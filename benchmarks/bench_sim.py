@@ -5,7 +5,8 @@ Per row, calls alternate between the two so both see the same machine; best of N
 ``events`` is :func:`evenpipe.sim.engine.simulate_events`; ``first`` is :func:`evenpipe.sim.simulate` on a
 schedule it has not seen (the shape is compiled, then evaluated); ``again`` is a later call on the same
 schedule object with other costs (the compiled shape is reused, as in planner and cost sweeps). Every result is
-checked equal to the reference's. Building the schedule is timed separately.
+checked equal to the reference's; the last column names the evaluator that answered ``first``
+(:mod:`evenpipe.sim.dispatch`). Building the schedule is timed separately.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; best of {args.repeat}; CPU seconds "
           f"(wall in brackets)")
     print(f"{'schedule':<12} {'P':>3} {'M':>5} {'V':>2} {'link':<6} {'actions':>8} {'build':>6} "
-          f"{'events':>14} {'first':>14} {'again':>14} {'x first':>7} {'x again':>7} {'us/act again':>12}")
+          f"{'events':>14} {'first':>14} {'again':>14} {'x first':>7} {'x again':>7} {'us/act again':>12} evaluator")
     for family, p, m, v, link in CASES[:1] if args.quick else CASES:
         build_wall, _, _ = _timed(lambda: build_schedule(family, num_ranks=p, num_microbatches=m, num_chunks=v))
         costs = SimCosts.uniform(num_stages=p * v, num_chunks=v, output_bytes=1e6, link=link)
@@ -68,7 +69,8 @@ def main() -> None:
         cell = {k: f"{c:.3f} ({w:.3f})" for k, (w, c) in best.items()}
         print(f"{family:<12} {p:>3} {m:>5} {v:>2} {kind:<6} {actions:>8} {build_wall:>6.2f} {cell['events']:>14} "
               f"{cell['first']:>14} {cell['again']:>14} {best['events'][1] / best['first'][1]:>7.2f} "
-              f"{best['events'][1] / best['again'][1]:>7.2f} {best['again'][1] / actions * 1e6:>12.2f}")
+              f"{best['events'][1] / best['again'][1]:>7.2f} {best['again'][1] / actions * 1e6:>12.2f} "
+              f"{getattr(results['first'], 'evaluator', '?')}")
 
 
 if __name__ == "__main__":

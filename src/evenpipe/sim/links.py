@@ -487,33 +487,30 @@ def _move_handlers(st: _LinkState, finish: Callable[[int, float, float], None]
     return reach_move, start_moves, advance
 
 
-def _move_gates(st: _LinkState) -> tuple[Callable[[int, int, int, float], float],
-                                         Callable[[int, int, int, float, float, float], None]]:
-    """For a compute of a rank with BPipe moves in flight: ``wait(r, c, u, start)``, the start after the return
-    of its evicted activations (the first backward-side compute after a ``LOAD``) and, for an ``F``/``R``, the
-    landing of the rank's evictions since the last ``F``/``R`` (or :data:`PARKED`); ``expose(r, c, u, now, start,
-    base)``, charging those waits to the moves by the engine's rules."""
+def _move_gate(st: _LinkState) -> Callable[[int, int, int, float, float], float]:
+    """``wait_moves(r, c, u, now, start)``, for a compute of a rank with BPipe moves in flight: its start after the
+    return of its evicted activations (the first backward-side compute after a ``LOAD``) and, for an ``F``/``R``,
+    the landing of the rank's evictions since the last ``F``/``R``, with those waits charged to the moves by the
+    engine's rules (``start`` is the start its other inputs allow); or :data:`PARKED`, having changed nothing."""
     mend, waiters, rdata, exposed, NK, back, evicting = st.mend, st.waiters, st.rdata, st.exposed, st.NK, st.back, \
         st.evicting
     mend_at = mend.__getitem__
 
-    def wait(r: int, c: int, u: int, start: float) -> float:
-        back_r = back[r]
-        if back_r and c != F and u in back_r:  # the first compute after a LOAD waits for the return
-            k_back = back_r[u]
+    def wait_moves(r: int, c: int, u: int, now: float, start: float) -> float:
+        back_r, gate = back[r], evicting[r]
+        base_t = start
+        k_back = back_r[u] if back_r and c != F and u in back_r else -1
+        if k_back >= 0:  # the first compute after a LOAD waits for the return
             e = mend[k_back]
             if e < 0.0:
                 park(waiters, k_back, r)
                 return PARKED
             if e > start:
                 start = e
-        if (c == F or c == R) and evicting[r]:  # this F/R allocates only after the rank's evictions have landed
-            start = wait_or_park(mend_at, evicting[r], start, waiters, r)
-        return start
-
-    def expose(r: int, c: int, u: int, now: float, start: float, base_t: float) -> None:
-        back_r, gate = back[r], evicting[r]
-        k_back = back_r[u] if back_r and c != F and u in back_r else -1
+        if (c == F or c == R) and gate:  # this F/R allocates only after the rank's evictions have landed
+            start = wait_or_park(mend_at, gate, start, waiters, r)
+            if start == PARKED:
+                return PARKED
         if k_back >= 0:
             e, d = mend[k_back], rdata[k_back - NK]
             late = e - (now if now > d else d)
@@ -530,14 +527,15 @@ def _move_gates(st: _LinkState) -> tuple[Callable[[int, int, int, float], float]
             gate.clear()
         if k_back >= 0:
             del back_r[u]
-    return wait, expose
+        return start
+    return wait_moves
 
 
 def _stepper(st: _LinkState) -> Callable[[int], None]:
     """``step(r)``: run rank ``r`` from its cursor until a compute must wait or the list ends."""
     finish = _finisher(st)
     reach_move, start_moves, advance = _move_handlers(st, finish)
-    moves_wait, moves_expose = _move_gates(st)
+    moves_gate = _move_gate(st)
     kinds, stages, mbs, starts, ends, mem, held, evicting, back, pcs, t_free = st.kinds, st.stages, st.mbs, \
         st.starts, st.ends, st.mem, st.held, st.evicting, st.back, st.pcs, st.t_free
     M, S, sreach, spos, rreach, rpos, link_f, link_b, instant, ready, queue, head, startable = st.M, st.S, \
@@ -600,11 +598,9 @@ def _stepper(st: _LinkState) -> Callable[[int], None]:
                             start = e
                 gated = ev_r and (c == FWD or c == RE) or back_r and c != FWD and u in back_r
                 if gated:
-                    base_t = start
-                    start = moves_wait(r, c, u, start)
+                    start = moves_gate(r, c, u, now, start)
                     if start == PARKED:
                         break
-                    moves_expose(r, c, u, now, start, base_t)
                 now = start + table[c * S + s]
                 compute_memory(c, u, start, now, ckpt[s] if u in recomputed else act[s], act[s] - ckpt[s], wgb[s],
                                held_r, mem_r)
