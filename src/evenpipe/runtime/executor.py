@@ -90,6 +90,8 @@ class StepResult:
     """Peak of own plus hosted bytes."""
     evicted_bytes: int
     """Bytes this rank sent away with EVICT this step."""
+    peak_comm_bytes: int = 0
+    """Peak bytes of pipeline messages in flight (receive buffers not yet taken, sends not yet waited)."""
     records: RankRecorder | None = field(default=None, repr=False)
     """This rank's measured action records (:class:`evenpipe.runtime.trace.RankRecorder`), when tracing."""
 
@@ -220,7 +222,7 @@ class PipelineExecutor:
         return StepResult(loss=loss, step_time_s=dt, peak_own_bytes=int(self.stash.peak_own_bytes),
                           peak_hosted_bytes=int(self.stash.peak_hosted_bytes),
                           peak_activation_bytes=int(self.stash.peak_total_bytes), evicted_bytes=ctx.evicted_bytes,
-                          records=ctx.recorder)
+                          peak_comm_bytes=ctx.mail.peak_buffer_bytes, records=ctx.recorder)
 
     def _context(self, live: LiveTensors, shapes: Mapping[int, tuple[tuple[int, ...], torch.dtype]]) -> StepContext:
         """A fresh step context, with every registered add-on's state for this step."""

@@ -3,7 +3,8 @@
 Sends are waited lazily: a batch posted before a compute is waited after the next compute
 (:meth:`Mailbox.retire_sends`), and every send is waited at the end of the step. A receive is taken (waited)
 just before the compute that consumes it. With tracing, every posted message gets a record (see
-:mod:`evenpipe.runtime.trace`).
+:mod:`evenpipe.runtime.trace`). The mailbox also counts its communication buffers: the bytes of pipeline
+receives posted and not yet taken plus pipeline sends posted and not yet waited, and their peak over the step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from evenpipe.runtime.trace import RankRecorder, SendRecord
 from evenpipe.schedule.ir import Action, ActionKind
 
 __all__ = ["Mailbox"]
+
+_PIPELINE = frozenset((ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B))
+"""The pipeline messages, whose buffers the mailbox counts (BPipe's moves are activations: the stash counts them)."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class Mailbox:
@@ -36,6 +44,11 @@ class Mailbox:
         self.output_sends: dict[StashKey, PendingBatch] = {}
         """The ``SEND_F`` batch of each key (an EVICT or OFFLOAD waits on it before freeing the output)."""
         self._send_records: dict[int, list[SendRecord]] = {}
+        self.buffer_bytes = 0
+        """Bytes of pipeline messages in flight now (receives not taken, sends not waited)."""
+        self.peak_buffer_bytes = 0
+        """The largest ``buffer_bytes`` of the step."""
+        self._send_bytes: dict[int, int] = {}
 
     def post(self, items: list[tuple[Transfer, Callable[[PendingBatch], None] | None, Action]], t0: float, *,
              track_sends: bool = True) -> PendingBatch:
@@ -57,7 +70,16 @@ class Mailbox:
                 rec.received(a, t.tensor, t0, batch)
         if track_sends and any(t.send for t, _, _ in items):
             self.sends.append(batch)
+        self._count(batch, [(t, a) for t, _, a in items if a.kind in _PIPELINE])
         return batch
+
+    def _count(self, batch: PendingBatch, items: list[tuple[Transfer, Action]]) -> None:
+        """Add the pipeline messages just posted in ``batch`` to the communication buffers."""
+        sent = sum(_nbytes(t.tensor) for t, _ in items if t.send)
+        if sent:
+            self._send_bytes[id(batch)] = self._send_bytes.get(id(batch), 0) + sent
+        self.buffer_bytes += sum(_nbytes(t.tensor) for t, _ in items)
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
 
     def expect(self, kind: ActionKind, stage: int, mb: int, batch: PendingBatch, buf: torch.Tensor) -> None:
         """A receive into ``buf`` was posted in ``batch``; a compute takes it with :meth:`take`."""
@@ -70,6 +92,7 @@ class Mailbox:
             return None
         batch, buf = item
         batch.wait_for(buf)
+        self.buffer_bytes -= _nbytes(buf)
         return buf
 
     def poll_receives(self) -> None:
@@ -92,7 +115,8 @@ class Mailbox:
         self.sends = []
 
     def sent(self, batch: PendingBatch) -> None:
-        """``batch``'s sends were waited: stamp their records."""
+        """``batch``'s sends were waited: stamp their records and release their buffers."""
+        self.buffer_bytes -= self._send_bytes.pop(id(batch), 0)
         if self.recorder is not None:
             now = time.perf_counter()
             for rec in self._send_records.pop(id(batch), []):

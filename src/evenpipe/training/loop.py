@@ -32,6 +32,7 @@ from evenpipe.training.fault import Watchdog, timeout_after_step
 from evenpipe.training.metrics import MetricsSink, StepMetrics, format_progress
 from evenpipe.training.optim import build_lr_scheduler, build_optimizer, clip_grad_global_norm
 from evenpipe.training.params import RankParameters, build_rank_stages
+from evenpipe.training.memory import CategoryPeaks, allocator_peak_bytes, state_bytes
 from evenpipe.training.summary import RankReport, TrainSummary, memory_table, summarise
 
 __all__ = ["train"]
@@ -79,6 +80,7 @@ class _Progress:
     total: int = 0
     evicted: int = 0
     records: Any = None
+    categories: CategoryPeaks = field(default_factory=CategoryPeaks)
 
     def add(self, result: Any, dt: float, norm: float) -> None:
         self.losses.append(result.loss)
@@ -89,6 +91,9 @@ class _Progress:
         self.total = max(self.total, result.peak_activation_bytes)
         self.evicted = result.evicted_bytes
         self.records = result.records
+        self.categories.add({"own_activations": result.peak_own_bytes,
+                             "hosted_activations": result.peak_hosted_bytes,
+                             "communication_buffers": result.peak_comm_bytes})
 
 
 def _device(backend: Backend) -> torch.device:
@@ -246,6 +251,7 @@ def _watched_step(job: _Job, watch: Watchdog, step: int, progress: _Progress) ->
     result, lr, norm = _train_step(job, step)
     dt = time.perf_counter() - t0
     progress.add(result, dt, norm)
+    progress.categories.add(state_bytes(job.params.named.values(), job.optimizer))
     watch.finished_step(step + 1)
     if config.runtime.timeout_s is None:
         watch.timeout_s = timeout_after_step(max(progress.times))
@@ -306,7 +312,9 @@ def _save(job: _Job, watch: Watchdog, state: TrainState) -> None:
 
 
 def _report(job: _Job, p: _Progress) -> RankReport:
-    return RankReport(pp_rank=job.groups.pp_rank, dp_rank=job.groups.dp_rank, peak_own_bytes=p.own,
+    return RankReport(pp_rank=job.groups.pp_rank, dp_rank=job.groups.dp_rank, tp_rank=job.groups.tp_rank,
+                      peak_bytes_by_category=dict(p.categories.peaks),
+                      allocator_peak_bytes=allocator_peak_bytes(job.device), peak_own_bytes=p.own,
                       peak_hosted_bytes=p.hosted, peak_activation_bytes=p.total, evicted_bytes_per_step=p.evicted,
                       peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                       step_times_s=tuple(p.times))

@@ -7,6 +7,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from evenpipe.cost.categories import MEMORY_CATEGORIES, STATE_CATEGORIES
+
 __all__ = ["RankReport", "TrainSummary", "summarise", "memory_table"]
 
 
@@ -18,6 +20,12 @@ class RankReport:
     """Pipeline rank."""
     dp_rank: int
     """Replica."""
+    tp_rank: int = 0
+    """Tensor-parallel coordinate."""
+    peak_bytes_by_category: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Peak bytes of each memory category (:data:`evenpipe.cost.categories.MEMORY_CATEGORIES`)."""
+    allocator_peak_bytes: int | None = None
+    """The CUDA caching allocator's peak allocated bytes (None off a GPU)."""
     peak_own_bytes: int
     """Peak own activation bytes over all steps."""
     peak_hosted_bytes: int
@@ -59,6 +67,12 @@ class TrainSummary:
     """EVICT bytes per step per pipeline rank."""
     peak_rss_bytes: tuple[int, ...]
     """Peak resident set size per pipeline rank."""
+    peak_bytes_by_category: tuple[dict[str, int], ...] = ()
+    """Per pipeline rank, the peak bytes of each memory category: what sharding divides over replicas
+    (model states) as the mean over replicas (their total over dp), the rest as the max; the max over
+    tensor-parallel coordinates."""
+    allocator_peak_bytes: tuple[int | None, ...] = ()
+    """Per pipeline rank, the CUDA allocator's peak allocated bytes (max over replicas; None off a GPU)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
@@ -80,7 +94,28 @@ def summarise(reports: Sequence[RankReport], losses: Sequence[float], grad_norms
                         peak_activation_bytes=per_rank("peak_activation_bytes"),
                         peak_own_bytes=per_rank("peak_own_bytes"), peak_hosted_bytes=per_rank("peak_hosted_bytes"),
                         evicted_bytes_per_step=per_rank("evicted_bytes_per_step"),
-                        peak_rss_bytes=per_rank("peak_rss_bytes"))
+                        peak_rss_bytes=per_rank("peak_rss_bytes"),
+                        peak_bytes_by_category=tuple(_categories([r for r in reports if r.pp_rank == k])
+                                                     for k in range(num_ranks)),
+                        allocator_peak_bytes=tuple(_allocator([r for r in reports if r.pp_rank == k])
+                                                   for k in range(num_ranks)))
+
+
+def _categories(reports: Sequence[RankReport]) -> dict[str, int]:
+    """One pipeline rank's categories over its replicas and tensor-parallel coordinates (see TrainSummary)."""
+    out: dict[str, int] = {}
+    for name in MEMORY_CATEGORIES:
+        per_tp = {}
+        for t in sorted({r.tp_rank for r in reports}):
+            values = [r.peak_bytes_by_category.get(name, 0) for r in reports if r.tp_rank == t]
+            per_tp[t] = round(sum(values) / len(values)) if name in STATE_CATEGORIES else max(values)
+        out[name] = max(per_tp.values())
+    return out
+
+
+def _allocator(reports: Sequence[RankReport]) -> int | None:
+    peaks = [r.allocator_peak_bytes for r in reports if r.allocator_peak_bytes is not None]
+    return max(peaks) if peaks else None
 
 
 def _mib(n: float) -> str:

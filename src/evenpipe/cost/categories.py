@@ -1,0 +1,17 @@
+"""The memory categories a rank's peak is reported in, measured (``train --json-out``) and predicted
+(``estimate --json``), both under the key :data:`PEAK_BYTES_KEY`: a list with one ``{category: bytes}`` mapping
+per pipeline rank."""
+
+from __future__ import annotations
+
+__all__ = ["MEMORY_CATEGORIES", "STATE_CATEGORIES", "PEAK_BYTES_KEY"]
+
+PEAK_BYTES_KEY = "peak_bytes_by_category"
+"""The JSON key of the per-rank mappings."""
+
+STATE_CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_state")
+"""Model states: exact counts of the tensors a rank holds (local shards)."""
+
+MEMORY_CATEGORIES = STATE_CATEGORIES + ("own_activations", "hosted_activations", "communication_buffers")
+"""Every category: model states, the rank's own saved activations, a BPipe partner's hosted activations, and the
+pipeline messages in flight (receive buffers not yet consumed, sends not yet completed)."""
