@@ -19,12 +19,13 @@ from evenpipe.cost.parallel import describe_layout, join_bpipe, split_bpipe
 from evenpipe.errors import ConfigError, choice_error
 from evenpipe.plan.launch import LaunchCommand, launch_command
 from evenpipe.plan.explain import BPipeExplanation, ComponentDelta, Eater, Lever, Verdict, explain_bpipe
+from evenpipe.plan.levers import MemoryAnswer, explain_memory
 from evenpipe.plan.search import PLANNED_BPIPE_SCHEDULES, PLANNED_SCHEDULES, Candidate, PlanResult, Searcher, SearchSpace
 from evenpipe.schedule import ScheduleFamily
 
 __all__ = ["add_arguments", "run"]
 
-_EXPLAIN_TOPICS = ("bpipe",)
+_EXPLAIN_TOPICS = ("bpipe", "memory")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, required=True, metavar="B", help="sequences per step")
     parser.add_argument("--top", type=int, default=10, metavar="K", help="configurations to list (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--explain", metavar="TOPIC", help="explain a choice; 'bpipe': does BPipe pay here?")
+    parser.add_argument("--explain", metavar="TOPIC", help="explain a choice; 'bpipe': does BPipe pay here? 'memory': which memory lever "
+                        "(BPipe, host offload, recomputation, V schedules) pays?")
     parser.add_argument("--attention", default=Attention.FLASH.value, metavar="KERNEL",
                         help="attention kernel: eager or flash (default flash)")
     parser.add_argument("--schedules", metavar="LIST", help="comma-separated schedule families to search, "
@@ -129,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     space = _space_from_args(args)
     if hw is None:
         space = _profile_space(args, space)
+        if args.explain == "memory":
+            raise ConfigError("--explain memory needs --gpu: a profile measures no host link to price offload over")
         if args.explain == "bpipe" and args.memory_gib is None:
             raise ConfigError("--explain bpipe --profile needs --memory-gib (BPipe pays only by what memory buys)")
     if args.explain == "bpipe" and not any(split_bpipe(f)[1] for f in space.schedules):
@@ -138,9 +142,11 @@ def run(args: argparse.Namespace) -> int:
     result = searcher.search(num_gpus=args.gpus, global_batch=args.global_batch, space=space, top_k=args.top)
     explanation = explain_bpipe(searcher, num_gpus=args.gpus, global_batch=args.global_batch, space=space) \
         if args.explain == "bpipe" else None
+    memory = explain_memory(searcher, num_gpus=args.gpus, global_batch=args.global_batch, space=space) \
+        if args.explain == "memory" else None
     elapsed = time.perf_counter() - t0
     if args.json:
-        print(json.dumps(_json(source, args, result, explanation, elapsed), indent=2))
+        print(json.dumps(_json(source, args, result, explanation, elapsed, memory), indent=2))
     elif hw is None:
         print("\n".join(_measured_table(result)))
         print("\n".join(_measured_notes(result, _profiled_sizes(source))))
@@ -156,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
         if explanation is not None:
             print()
             print("\n".join(_explanation_lines(model, hw, args, space, explanation)))
+        if memory is not None:
+            print()
+            print(memory.text)
     return 0
 
 
@@ -199,7 +208,8 @@ def _describe_short(c: Candidate) -> str:
 
 # -- presentation ---------------------------------------------------------------------------------------------------
 def _json(source: CostSource, args: argparse.Namespace, result: PlanResult,
-          explanation: BPipeExplanation | None, elapsed: float) -> dict[str, object]:
+          explanation: BPipeExplanation | None, elapsed: float,
+          memory: MemoryAnswer | None = None) -> dict[str, object]:
     s = result.stats
     per_node = source.hardware.gpus_per_node if source.hardware is not None else args.gpus
     profiled = _profiled_sizes(source)
@@ -211,6 +221,9 @@ def _json(source: CostSource, args: argparse.Namespace, result: PlanResult,
     }
     if profiled is not None:
         out["profiled_microbatch_sizes"] = list(profiled)
+    if memory is not None:
+        out["explain_memory"] = memory.to_dict()
+        out["lever"] = memory.lever.value  # the answer, at the top
     if explanation is not None:
         e = explanation.to_dict()
         out["explain_bpipe"] = e

@@ -55,7 +55,7 @@ class TimeBreakdown:
     pp_comm: float
     """Pipeline activation/gradient messages the rank waited on."""
     bpipe_transfer: float
-    """BPipe evict/load transfers the rank waited on."""
+    """BPipe evict/load transfers and host offload/reload copies the rank waited on."""
     bubble: float
     """Idle time of the rank inside the pipeline (warm-up, cool-down, dependency waits)."""
     dp_comm: float
@@ -140,7 +140,7 @@ class Estimate:
                        "recompute": c.recompute.value, "sequence_parallel": c.sequence_parallel,
                        "attention": c.attention.value, "schedule": c.schedule.value,
                        "distributed_optimizer": c.distributed_optimizer, "bpipe_budget": c.bpipe_budget,
-                       "bpipe": c.uses_bpipe, "layout": list(self.layout)},
+                       "bpipe": c.uses_bpipe, "offload_ranks": c.offload_ranks, "layout": list(self.layout)},
             "step_time_s": self.step_time_s, "mfu": _number(self.mfu), "hfu": _number(self.hfu),
             "tflops_per_gpu": self.tflops_per_gpu, "tokens_per_s": self.tokens_per_s,
             "bubble_fraction": self.bubble_fraction,
@@ -236,7 +236,7 @@ def _exposed_waits(trace: Trace) -> tuple[tuple[float, float], ...]:
     """Per rank, (pipeline message wait, BPipe transfer wait) its computes spent on incoming messages."""
     pp = [0.0] * trace.schedule.num_ranks
     bp = [0.0] * trace.schedule.num_ranks
-    moves = (ActionKind.EVICT, ActionKind.RETURN)
+    moves = (ActionKind.EVICT, ActionKind.RETURN, ActionKind.OFFLOAD, ActionKind.RELOAD)
     for t in trace.waited_transfers:  # in order of arrival, as in trace.transfers
         if t.kind in moves:
             bp[t.dst] += t.exposed_s

@@ -45,14 +45,20 @@ class Hardware:
     """Latency of one inter-node message (seconds)."""
     memory_reserve_gib: float = 2.0
     """Memory not available to the model: CUDA context, NCCL buffers, allocator fragmentation."""
+    host_gbps: float = 32.0
+    """GPU-host (PCIe) bandwidth per GPU, one direction, GB/s: what host offload moves activations over. The
+    datasheets give both directions together: PCIe Gen4 x16 64 GB/s (A100), Gen5 128 GB/s (H100, H200)."""
+    host_latency_s: float = 10e-6
+    """Latency of one host copy (seconds)."""
 
     def __post_init__(self) -> None:
-        for field_name in ("memory_gib", "peak_tflops", "hbm_bandwidth_gbps", "nvlink_gbps", "internode_gbps"):
+        for field_name in ("memory_gib", "peak_tflops", "hbm_bandwidth_gbps", "nvlink_gbps", "internode_gbps",
+                           "host_gbps"):
             if not getattr(self, field_name) > 0:
                 raise ConfigError(f"hardware {field_name} must be > 0, got {getattr(self, field_name)}")
         if self.gpus_per_node < 1:
             raise ConfigError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
-        if self.nvlink_latency_s < 0 or self.internode_latency_s < 0 or self.memory_reserve_gib < 0:
+        if min(self.nvlink_latency_s, self.internode_latency_s, self.host_latency_s, self.memory_reserve_gib) < 0:
             raise ConfigError("hardware latencies and memory_reserve_gib must be >= 0")
 
     @property
@@ -66,9 +72,9 @@ HARDWARE_PRESETS: dict[str, Hardware] = {h.name: h for h in (
     Hardware(name="a100-80gb", memory_gib=80.0, peak_tflops=312.0, hbm_bandwidth_gbps=2039.0,
              nvlink_gbps=300.0, internode_gbps=25.0),
     Hardware(name="h100-80gb", memory_gib=80.0, peak_tflops=989.0, hbm_bandwidth_gbps=3350.0,
-             nvlink_gbps=450.0, internode_gbps=50.0),
+             nvlink_gbps=450.0, internode_gbps=50.0, host_gbps=64.0),
     Hardware(name="h200", memory_gib=140.0, peak_tflops=989.0, hbm_bandwidth_gbps=4800.0,
-             nvlink_gbps=450.0, internode_gbps=50.0),
+             nvlink_gbps=450.0, internode_gbps=50.0, host_gbps=64.0),
 )}
 """Named hardware presets; see :func:`hardware_preset`."""
 

@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass
 
 from evenpipe.errors import ConfigError
-from evenpipe.schedule import ActionKind, Schedule, bpipe_transform, build_schedule, compute_order
+from evenpipe.schedule import ActionKind, Schedule, add_offload, bpipe_transform, build_schedule, compute_order
 from evenpipe.schedule.memo import ObjectMemo, RecentMemo
 from evenpipe.schedule.semantics import SEMANTICS, MemoryEffect, kind_table
 
@@ -90,10 +90,10 @@ def build_cost_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | Non
 
 
 def cost_schedule_key(cfg: ParallelConfig, plan_durations: PlanDurations | None = None
-                      ) -> tuple[ScheduleFamily, int, int, int, int | None, bool, bool, PlanDurations | None]:
+                      ) -> tuple[ScheduleFamily, int, int, int, int | None, bool, bool, PlanDurations | None, int]:
     """What :func:`build_cost_schedule` of ``cfg`` depends on: configurations with one key run one schedule."""
     return (cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks, cfg.bpipe_budget, cfg.recompute is Recompute.FULL,
-            cfg.bpipe, plan_durations)
+            cfg.bpipe, plan_durations, cfg.offload_ranks)
 
 
 _SCHEDULE_ACTIONS = 1_500_000
@@ -104,10 +104,10 @@ _schedules: RecentMemo[Schedule] = RecentMemo(1, weight=lambda s: sum(map(len, s
 
 
 def _cached_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int | None,
-                     recompute: bool, bpipe: bool, plan_durations: PlanDurations | None) -> Schedule:
-    return _schedules.get((family, p, m, v, budget, recompute, bpipe, plan_durations), lambda: build_schedule(
+                     recompute: bool, bpipe: bool, plan_durations: PlanDurations | None, offload: int) -> Schedule:
+    return _schedules.get((family, p, m, v, budget, recompute, bpipe, plan_durations, offload), lambda: build_schedule(
         family, num_ranks=p, num_microbatches=m, num_chunks=v, bpipe_budget=budget, recompute=recompute,
-        bpipe=bpipe, plan_durations=plan_durations))
+        bpipe=bpipe, plan_durations=plan_durations, offload_ranks=frozenset(range(offload))))
 
 
 def counting_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None = None) -> Schedule:
@@ -121,13 +121,15 @@ def counting_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None 
     if cfg.schedule.traits.memory_saturates and m > keep:
         m = keep
     return _cached_counting_schedule(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.bpipe_budget, cfg.uses_bpipe,
-                                     plan_durations)
+                                     plan_durations, cfg.offload_ranks)
 
 
 @functools.lru_cache(maxsize=128)
 def _cached_counting_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int | None, bpipe: bool,
-                              plan_durations: PlanDurations | None) -> Schedule:
+                              plan_durations: PlanDurations | None, offload: int = 0) -> Schedule:
     compute = compute_order(family, num_ranks=p, num_microbatches=m, num_chunks=v, plan_durations=plan_durations)
+    if offload:
+        compute = add_offload(compute, ranks=set(range(offload)), prefetch=True)
     return bpipe_transform(compute, budget=budget) if bpipe else compute
 
 

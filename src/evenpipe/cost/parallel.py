@@ -83,6 +83,9 @@ class ParallelConfig:
     (``ceil((p+1)/2)`` for 1F1B)."""
     bpipe: bool = False
     """Apply BPipe's evict/load transform to ``schedule`` (``--bpipe``; schedule ``bpipe`` is 1F1B with it)."""
+    offload_ranks: int = 0
+    """Host offload: the first this many pipeline ranks copy every micro-batch's saved activations to host memory
+    after its forward and back before its backward (0: none; the first ranks hold the most in flight)."""
     layout: tuple[int, ...] | None = None
     """Transformer layers of each stage in pipeline order (one entry per virtual chunk), e.g. Llama 3 405B's
     (7, 8, ..., 8, 7); ``None`` is :func:`stage_layers`' default (even, or lighter end stages)."""
@@ -98,6 +101,8 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.offload_ranks, int) or not 0 <= self.offload_ranks <= self.pp:
+            raise ConfigError(f"offload_ranks must be between 0 and pp = {self.pp}, got {self.offload_ranks!r}")
         if self.bpipe_budget is not None and self.bpipe_budget < 1:
             raise ConfigError(f"bpipe_budget must be >= 1, got {self.bpipe_budget}")
 
@@ -131,6 +136,7 @@ class ParallelConfig:
                 f"m={self.num_microbatches} {self.schedule_name} recompute={self.recompute.value} "
                 f"attention={self.attention.value}" + (" sp" if self.sequence_parallel else "")
                 + (" distopt" if self.distributed_optimizer else "")
+                + (f" offload={self.offload_ranks}" if self.offload_ranks else "")
                 + (f" layout={describe_layout(self.layout)}" if self.layout is not None else ""))
 
 
@@ -268,6 +274,8 @@ def check_pipeline(model: ModelSpec, cfg: ParallelConfig) -> None:
     if cfg.global_batch % (cfg.dp * cfg.microbatch_size):
         raise ConfigError(f"global batch {cfg.global_batch} is not divisible by dp·microbatch_size = "
                           f"{cfg.dp}·{cfg.microbatch_size} = {cfg.dp * cfg.microbatch_size}")
+    if cfg.offload_ranks and cfg.uses_bpipe:
+        raise ConfigError("host offload and bpipe do not combine: both move the same saved activations; pick one")
     if cfg.uses_bpipe and cfg.pp < 2:
         raise ConfigError(f"bpipe needs pp >= 2, got pp {cfg.pp}")
     if cfg.bpipe and Transform.BPIPE not in traits.transforms:

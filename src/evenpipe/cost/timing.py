@@ -203,7 +203,7 @@ def stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
     sharding or the schedule's order share one)."""
     eff = efficiency or Efficiency()
     key = (model, hw, eff, cfg.pp, cfg.chunks, cfg.layout, cfg.microbatch_size, cfg.tp, cfg.sequence_parallel,
-           cfg.attention, cfg.recompute, cfg.uses_bpipe)
+           cfg.attention, cfg.recompute, cfg.uses_bpipe, cfg.offload_ranks)
     return _sim_costs.get(key, lambda: _stage_sim_costs(model, hw, cfg, eff))
 
 
@@ -247,6 +247,8 @@ def _stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: E
             if link is None:
                 link = by_node[near] = pipeline_link(a, b, cfg, hw, eff)
             links[(a, b)] = links[(b, a)] = link
+    host = Link(latency_s=hw.host_latency_s, bandwidth_bytes_per_s=hw.host_gbps * 1e9)
+    links.update({(r, r): host for r in range(cfg.offload_ranks)})  # OFFLOAD/RELOAD: the rank's PCIe link
     default = pipeline_link(0, p - 1, cfg, hw, eff) if p > 1 else Link()
     return SimCosts.from_stages(stages, default_link=default, links=links)
 

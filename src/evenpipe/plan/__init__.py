@@ -1,8 +1,9 @@
-"""The planner (pure Python): search parallel configurations and schedules, and explain whether BPipe pays.
+"""The planner (pure Python): search parallel configurations and schedules, and explain whether BPipe
+(or which memory lever) pays.
 
 :func:`plan_configs` (or a :class:`Searcher`, which caches across searches; ``Searcher.over(source)`` for any
 cost source, analytic or profiled) returns a :class:`PlanResult` of :class:`Candidate` records;
-:func:`explain_bpipe` returns a :class:`BPipeExplanation`. Presentation lives in
+:func:`explain_bpipe` returns a :class:`BPipeExplanation`; :func:`explain_memory` a :class:`MemoryAnswer`. Presentation lives in
 ``evenpipe.commands.plan``.
 """
 
@@ -18,6 +19,7 @@ from evenpipe.plan.explain import (
     answer_text,
     explain_bpipe,
 )
+from evenpipe.plan.levers import LeverResult, MemoryAnswer, MemoryLever, explain_memory
 from evenpipe.plan.search import (
     PLANNED_BPIPE_SCHEDULES,
     PLANNED_SCHEDULES,
@@ -34,5 +36,5 @@ __all__ = [
     "PLANNED_SCHEDULES", "PLANNED_BPIPE_SCHEDULES", "Candidate", "PlanResult", "Searcher", "SearchSpace", "SearchStats", "enumerate_configs",
     "plan_configs", "PipelineBounds", "pipeline_bounds", "stage_layout", "step_time_lower_bound", "step_bound",
     "work_bound", "TIME_COMPONENTS", "BPipeExplanation", "ComponentDelta", "Eater", "Lever", "Verdict",
-    "explain_bpipe", "answer_text",
+    "explain_bpipe", "answer_text", "MemoryLever", "LeverResult", "MemoryAnswer", "explain_memory",
 ]

@@ -80,6 +80,9 @@ def launch_command(cfg: ParallelConfig, *, model: ModelSpec, model_args: tuple[s
         train.append("--bpipe")
     if cfg.bpipe_budget is not None:
         train += ["--bpipe-budget", str(cfg.bpipe_budget)]
+    if cfg.offload_ranks:
+        notes.append(f"this train has no --offload yet: pipeline ranks 0-{cfg.offload_ranks - 1} would copy their "
+                     "saved activations to host memory")
     if cfg.sequence_parallel and cfg.tp > 1:
         notes.append("the runtime has no sequence parallelism: norms stay replicated over tensor parallelism")
     return LaunchCommand(num_nodes=nodes, procs_per_node=per_node, torchrun=torchrun, train=tuple(train),

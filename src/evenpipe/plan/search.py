@@ -10,7 +10,8 @@ The search is branch and bound over a finite space:
    simulation; a cheaper work bound first, which often suffices to skip it) and visit them in increasing bound
    order; a configuration whose bound cannot beat the ``k``-th best
    estimate so far is skipped, so the kept top ``k`` are exactly the top ``k`` of the whole space;
-4. for the others, skip it if **dominated** (a fitting twin with lighter recomputation), check **memory** with
+4. for the others, skip it if **dominated** (a fitting twin with lighter recomputation, or offloading on fewer
+   ranks), check **memory** with
    :func:`evenpipe.cost.memory.stage_memory` (closed form), and **estimate** it with
    :func:`evenpipe.cost.estimate.estimate_with`
    (which builds and simulates the schedule). Estimates, memory peaks and bounds are cached on the configuration
@@ -104,6 +105,9 @@ class SearchSpace:
     False keeps to even splits (the planner before uneven stages were modelled)."""
     bpipe_budget: int | None = None
     """BPipe's per-rank activation budget; ``None`` uses the schedule default ceil((p+1)/2)."""
+    offload_fractions: tuple[float, ...] = (0.0,)
+    """Host offload: each entry f offloads on the first ``ceil(f·pp)`` pipeline ranks (0: none); a few fractions
+    stand for the per-rank choice, since the first ranks hold the most activations in flight."""
     data_parallel: bool = True
     """Split the GPUs into replicas (dp = GPUs / (tp·pp)); False keeps one replica over all of them (a profile
     measures no data-parallel reduction)."""
@@ -123,6 +127,8 @@ class SearchSpace:
             raise ConfigError(f"max micro-batch size must be >= 1, got {self.max_microbatch_size}")
         if self.max_chunks < 2 and ScheduleFamily.INTERLEAVED in self.schedules + self.bpipe_families:
             raise ConfigError(f"max chunks must be >= 2 for the interleaved schedule, got {self.max_chunks}")
+        if not self.offload_fractions or any(not 0.0 <= f <= 1.0 for f in self.offload_fractions):
+            raise ConfigError(f"offload fractions must lie in [0, 1], got {list(self.offload_fractions)}")
         if self.max_tp is not None and self.max_tp < 1:
             raise ConfigError(f"max tp must be >= 1, got {self.max_tp}")
 
@@ -168,7 +174,7 @@ class Candidate:
         return {
             "tp": c.tp, "pp": c.pp, "dp": c.dp, "chunks": c.chunks, "microbatch_size": c.microbatch_size,
             "num_microbatches": c.num_microbatches, "recompute": c.recompute.value, "schedule": c.schedule.value,
-            "bpipe": c.uses_bpipe,
+            "bpipe": c.uses_bpipe, "offload_ranks": c.offload_ranks,
             "sequence_parallel": c.sequence_parallel, "attention": c.attention.value,
             "distributed_optimizer": c.distributed_optimizer, "layout": list(self.estimate.layout),
             "step_time_s": self.step_time_s, "mfu": self.mfu, "peak_memory_gib": self.peak_memory_gib,
@@ -262,6 +268,11 @@ def _distopt_options(dp: int, space: SearchSpace) -> tuple[bool, ...]:
     return (False, True) if dp > 1 else (False,)
 
 
+def _offload_options(pp: int, space: SearchSpace) -> tuple[int, ...]:
+    """Offloading ranks tried: the first ``ceil(f·pp)`` for each fraction f of the space, deduplicated."""
+    return tuple(sorted({math.ceil(f * pp - 1e-9) for f in space.offload_fractions}))
+
+
 def _schedule_options(space: SearchSpace) -> Iterator[tuple[ScheduleFamily, bool]]:
     """``(family, with BPipe's transform)`` pairs of the space."""
     yield from ((f, False) for f in space.schedules)
@@ -304,13 +315,15 @@ def enumerate_configs(model: ModelSpec, hw: Hardware | None, *, num_gpus: int, g
                         for layout in _layout_options(model, pp * chunks, space):
                             for distopt in _distopt_options(dp, space):
                                 for recompute in space.recomputes:
-                                    yield ParallelConfig(
-                                        tp=tp, pp=pp, dp=dp, chunks=chunks, microbatch_size=mbs,
-                                        global_batch=global_batch, recompute=recompute,
-                                        sequence_parallel=space.sequence_parallel and tp > 1,
-                                        attention=space.attention, schedule=family, distributed_optimizer=distopt,
-                                        bpipe_budget=space.bpipe_budget if evicts else None,
-                                        bpipe=bpipe, layout=layout)
+                                    for offload in (0,) if evicts else _offload_options(pp, space):
+                                        yield ParallelConfig(
+                                            tp=tp, pp=pp, dp=dp, chunks=chunks, microbatch_size=mbs,
+                                            global_batch=global_batch, recompute=recompute,
+                                            sequence_parallel=space.sequence_parallel and tp > 1,
+                                            attention=space.attention, schedule=family,
+                                            distributed_optimizer=distopt,
+                                            bpipe_budget=space.bpipe_budget if evicts else None,
+                                            bpipe=bpipe, layout=layout, offload_ranks=offload)
 
 
 _LIGHTER_RECOMPUTE: dict[Recompute, tuple[Recompute, ...]] = {
@@ -461,10 +474,15 @@ class Searcher:
 
     def _dominated(self, cfg: ParallelConfig, fitting: set[ParallelConfig]) -> bool:
         """Whether a fitting twin with lighter recomputation is at least as fast: it computes no more, and (for
-        BPipe, whose transfers carry the saved activations) moves no more bytes."""
+        BPipe and host offload, whose transfers carry the saved activations) moves no more bytes; or a fitting twin
+        that offloads on fewer ranks (the same computes, fewer host copies)."""
+        for k in range(cfg.offload_ranks):  # offload only adds host copies: a fitting twin offloading less wins
+            if _replace_config(cfg, offload_ranks=k) in fitting:
+                return True
         for r in _LIGHTER_RECOMPUTE[cfg.recompute]:
             twin = _replace_config(cfg, recompute=r)
-            if twin in fitting and (not cfg.uses_bpipe or self._moves_no_more(twin, cfg)):
+            moves = cfg.uses_bpipe or cfg.offload_ranks > 0
+            if twin in fitting and (not moves or self._moves_no_more(twin, cfg)):
                 return True
         return False
 
@@ -524,7 +542,7 @@ class Searcher:
                 counts.dominated += 1
                 continue
             key = (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.bpipe, cfg.chunks, cfg.recompute, cfg.layout,
-                   cfg.distributed_optimizer)
+                   cfg.distributed_optimizer, cfg.offload_ranks)
             try:
                 fits = cfg.microbatch_size < overflow_at.get(key, cfg.microbatch_size + 1) and self.fits(cfg)
             except EvenpipeError as e:  # the schedule generator may reject the shape (e.g. interleaved m % p)

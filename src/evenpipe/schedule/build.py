@@ -29,7 +29,7 @@ __all__ = ["build_schedule", "add_offload", "add_recompute", "compute_order", "p
 def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None,
                    bpipe_budget: int | None = None, recompute: bool = False,
                    plan_durations: tuple[int, int, int] | None = None, bpipe: bool = False,
-                   link_plan: LinkPlan | None = None) -> Schedule:
+                   link_plan: LinkPlan | None = None, offload_ranks: frozenset[int] = frozenset()) -> Schedule:
     """A complete schedule (compute, SEND/RECV, and for bpipe EVICT/ACCEPT/RETURN/LOAD), already validated.
 
     ``num_chunks`` is V, the stages per rank, for ``interleaved`` and ``looped-bfs`` (default 2); the other
@@ -43,7 +43,8 @@ def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbat
     transform to any family that allows it (``bpipe`` itself is 1F1B with it); ``bpipe_budget`` is then in
     activation units of one stage (a chunk when interleaved), default the lowest balanced peak the pairing
     allows. ``link_plan`` is what ``latency-aware`` orders for (times, each link's message time, the per-rank
-    activation cap; default: ``plan_durations`` over free links, cap P). Bad values raise ``ConfigError``.
+    activation cap; default: ``plan_durations`` over free links, cap P). ``offload_ranks``: ranks that copy
+    their saved activations to host memory (:func:`add_offload`). Bad values raise ``ConfigError``.
     """
     fam = ScheduleFamily.parse(family)
     num_chunks = fam.traits.chunks.chunks(num_chunks) if num_chunks is None else num_chunks
@@ -53,7 +54,7 @@ def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbat
     with _gc_paused():
         return _build(fam, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks,
                       bpipe_budget=bpipe_budget, recompute=recompute, plan_durations=plan_durations,
-                      bpipe=bpipe or fam is ScheduleFamily.BPIPE, link_plan=link_plan)
+                      bpipe=bpipe or fam is ScheduleFamily.BPIPE, link_plan=link_plan, offload_ranks=offload_ranks)
 
 
 def plan_durations_for(forward: float, backward_input: float, backward_weight: float) -> tuple[int, int, int]:
@@ -78,7 +79,7 @@ def _gc_paused() -> Iterator[None]:
 
 def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_chunks: int,
            bpipe_budget: int | None, recompute: bool, plan_durations: tuple[int, int, int] | None,
-           bpipe: bool, link_plan: LinkPlan | None = None) -> Schedule:
+           bpipe: bool, link_plan: LinkPlan | None = None, offload_ranks: frozenset[int] = frozenset()) -> Schedule:
     if bpipe and Transform.BPIPE not in fam.traits.transforms:
         allowed = ", ".join(f.value for f in ScheduleFamily if Transform.BPIPE in f.traits.transforms)
         raise ConfigError(f"--bpipe does not apply to schedule {fam.value!r}; allowed: {allowed}")
@@ -88,6 +89,8 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
         warnings.warn(f"bpipe_budget={bpipe_budget} has no effect on schedule {fam.value!r}", stacklevel=3)
     if recompute:
         compute = add_recompute(compute)
+    if offload_ranks:
+        compute = add_offload(compute, ranks=set(offload_ranks), prefetch=True)
     meta: dict[str, object] = {**compute.meta, "family": fam.value, "chunks": num_chunks, "recompute": recompute}
     if bpipe:
         full = bpipe_transform(compute, budget=bpipe_budget)
@@ -200,9 +203,11 @@ def add_recompute(schedule: Schedule) -> Schedule:
     return schedule.with_columns(Columns(*(tuple(col) for col in zip(*out))))
 
 
-def add_offload(schedule: Schedule, *, ranks: "set[int] | None" = None) -> Schedule:
+def add_offload(schedule: Schedule, *, ranks: "set[int] | None" = None, prefetch: bool = False) -> Schedule:
     """Offload every micro-batch's saved activations to host memory right after its ``F`` and reload them right
     before its first use (``R``, ``B`` or ``I``), on ``ranks`` (default: all), unless that use comes next.
+    ``prefetch`` issues each reload one forward earlier when a forward of another micro-batch precedes the use
+    (1F1B's steady state: the copy back overlaps that forward, at the price of one more unit held during it).
 
     Works on a compute-only schedule (the markers are kept by :func:`derive_communication`)."""
     uses = (ActionKind.RECOMPUTE, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
@@ -213,12 +218,19 @@ def add_offload(schedule: Schedule, *, ranks: "set[int] | None" = None) -> Sched
             continue
         row: list[Action] = []
         away: set[tuple[int, int]] = set()
+        last_forward = -1  # where in ``row`` the latest forward stands
         for i, a in enumerate(acts):
             if a.kind in uses and a.key in away:
-                row.append(Action(ActionKind.RELOAD, a.stage, a.microbatch))
+                at = last_forward if prefetch and last_forward >= 0 and row[last_forward].key != a.key else len(row)
+                row.insert(at, Action(ActionKind.RELOAD, a.stage, a.microbatch))
                 away.discard(a.key)
+                last_forward = -1
             row.append(a)
             nxt = acts[i + 1] if i + 1 < len(acts) else None
+            if a.kind is ActionKind.FORWARD:
+                last_forward = len(row) - 1
+            elif a.kind in uses or a.kind is ActionKind.BACKWARD_WEIGHT:
+                last_forward = -1
             if a.kind is ActionKind.FORWARD and not (nxt is not None and nxt.key == a.key and nxt.kind in uses):
                 row.append(Action(ActionKind.OFFLOAD, a.stage, a.microbatch))
                 away.add(a.key)
