@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback
         print(f"evenpipe {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout left (``| head``): nothing more to say, and no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except EvenpipeError as e:
         first = str(e).splitlines()[0]
         print(f"evenpipe {args.command}: error: {first}", file=sys.stderr)

@@ -30,6 +30,8 @@ def read_trace(path: str) -> Trace:
 
 
 def run(args: argparse.Namespace) -> int:
+    from evenpipe.commands.output_paths import check_picture_file
+    check_picture_file(args.out, "--out")
     predicted, measured = read_trace(args.predicted), read_trace(args.measured)
     cmp = compare_traces(predicted, measured)
     from evenpipe.report.compare import comparison_text, save_comparison  # matplotlib

@@ -75,6 +75,8 @@ def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from evenpipe.commands.output_paths import check_output_dir
+    check_output_dir(args.out, "--out")
     source = source_from_args(args, "estimate")
     model, hw = source.model, source.hardware
     cfg = _config_from_args(args)
@@ -153,7 +155,7 @@ def format_estimate(est: Estimate) -> str:
     assert hw is not None, "format_measured reports estimates without a GPU preset"
     bd = est.breakdown
     lines = [
-        f"{model.name} ({model.num_params / 1e9:.1f}B params) on {cfg.num_gpus} x {hw.name}",
+        f"{model.name} ({_count(model.num_params)} params) on {cfg.num_gpus} x {hw.name}",
         f"  {cfg.describe()}",
         f"  layers per stage: {describe_layout(est.layout)}",
         "",
@@ -174,3 +176,8 @@ def format_estimate(est: Estimate) -> str:
          f"{hw.usable_memory_gib:g} GiB)"),
     ]
     return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    """A parameter count in billions, or millions below one billion (a 14M model is not '0.0B')."""
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"

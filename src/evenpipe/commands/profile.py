@@ -157,7 +157,9 @@ def _check_writable(out: pathlib.Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from evenpipe.commands.output_paths import check_picture_file
     from evenpipe.cost.profile import load_profile
+    check_picture_file(args.plot, "--plot", create_folders=True)
     if args.analyze:
         profile = load_profile(args.analyze)
         out = pathlib.Path(args.analyze)

@@ -95,10 +95,10 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
     for name in ("forward_time", "backward_time", "weight_time", "link_latency", "activation_bytes",
                  "output_bytes", "checkpoint_bytes"):
         value = getattr(args, name)
-        if value is not None and not value >= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
     if not args.link_bandwidth > 0:
-        raise ConfigError(f"--link-bandwidth must be > 0, got {args.link_bandwidth}")
+        raise ConfigError(f"--link-bandwidth must be > 0 (inf for free links), got {args.link_bandwidth}")
     profiled = bool(getattr(args, "profile", None))
     cluster = _cluster(args, profiled)
     cap = getattr(args, "activation_cap", None)
@@ -231,6 +231,13 @@ def _prediction_lines(pred: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from evenpipe.commands.limits import check_schedule_fits
+    from evenpipe.commands.output_paths import check_output_dir
+    check_output_dir(args.out, "--out")
+    family = ScheduleFamily.parse(args.schedule)
+    if args.stages >= 1 and args.microbatches >= 1 and (args.chunks is None or args.chunks >= 1):
+        check_schedule_fits(num_ranks=args.stages, num_microbatches=args.microbatches,
+                            num_chunks=family.traits.chunks.chunks(args.chunks))
     pred = None
     if args.profile:
         family = ScheduleFamily.parse(args.schedule)

@@ -118,6 +118,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """The typed job config from the parsed options, plus the checks that depend on this machine (ConfigError)."""
+    check_output_paths(args)
     import torch
 
     from evenpipe.training.config import (Backend, CheckpointOptions, DataOptions, ModelOptions,
@@ -175,26 +176,26 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     return config
 
 
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Every path the job will write, checked before any process starts (one line each; see
+    :mod:`evenpipe.commands.output_paths`)."""
+    from evenpipe.commands.output_paths import check_output_dir, check_output_file
+    for flag in ("json_out", "metrics", "trace", "trace_json"):
+        check_output_file(getattr(args, flag), "--" + flag.replace("_", "-"))
+    check_output_dir(args.tensorboard, "--tensorboard")
+    check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
+
+
 _TRAIN_BYTES_PER_PARAM = 16
 """float32 weights, gradients and two AdamW moments."""
-
-
-def _available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_fits_machine(num_params: int, name: str, *, world: int) -> None:
     """Refuse (one line) a model whose training state cannot fit this machine: every local process builds the
     whole model in float32 (4 bytes a parameter), and the stages' gradients and AdamW moments add 12 more."""
     need = num_params * (4 * world + _TRAIN_BYTES_PER_PARAM - 4)
-    have = _available_memory_bytes()
+    from evenpipe.commands.limits import available_memory_bytes
+    have = available_memory_bytes()
     if need > have:
         raise ConfigError(f"model {name} has {num_params / 1e9:.2f}B parameters: training it in {world} local "
                           f"process(es) needs about {need / 2**30:.1f} GiB but this machine has "
@@ -238,10 +239,11 @@ def header(config: TrainConfig) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    config = build_config(args)  # checks the output paths first, before torch is imported
     from evenpipe.runtime.rendezvous import under_torchrun
     from evenpipe.training.launch import launch_local
-
-    config = build_config(args)
+    from evenpipe.training.preflight import preflight
+    preflight(config)  # before any process starts
     if os.environ.get("RANK", "0") == "0":  # once: the launcher here, or rank 0 under torchrun
         print(header(config), flush=True)
     if under_torchrun():

@@ -100,7 +100,7 @@ class TokenBatches:
         if self.source is TokenSource.CORPUS:
             if vocab < BYTE_VOCAB:
                 raise ConfigError(f"byte-level text needs a vocabulary of at least {BYTE_VOCAB}, the model has "
-                                  f"{vocab}; use --data random or a larger vocabulary")
+                                  f"{vocab}; use --random-tokens, --tokens, or a larger vocabulary")
             self.corpus = read_corpus(path)
             n = self.corpus.numel()
             self.train_bytes = n - math.ceil(n * HELD_OUT_FRACTION) if held_out else n

@@ -61,7 +61,12 @@ def plan_durations_for(forward: float, backward_input: float, backward_weight: f
     """Integer durations of F, I and W in the ratio of the given times (F counts 2, none less than 1)."""
     if not forward > 0:
         return (1, 1, 1)
-    return tuple(max(1, round(2 * t / forward)) for t in (forward, backward_input, backward_weight))  # type: ignore[return-value]
+    return tuple(max(1, round(min(_MAX_PLAN_UNITS, 2 * t / forward)))  # type: ignore[return-value]
+                 for t in (forward, backward_input, backward_weight))
+
+
+_MAX_PLAN_UNITS = 10**6
+"""Longest integer duration :func:`plan_durations_for` gives (a backward 10^300 times a forward plans as 10^6)."""
 
 
 @contextlib.contextmanager

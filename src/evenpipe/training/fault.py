@@ -106,8 +106,9 @@ class Watchdog:
         self._wait = (what, peer, time.monotonic())
 
     def end_wait(self) -> None:
-        if self._wait is not None:
-            self._last_wait = f"{self._wait[0]} (rank {self._wait[1]})"
+        if self._wait is not None:  # a collective has no one peer (-1)
+            what, peer, _ = self._wait
+            self._last_wait = f"{what} (rank {peer})" if peer >= 0 else what
         self._wait = None
         self._progress = time.monotonic()
 

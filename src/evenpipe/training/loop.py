@@ -25,6 +25,7 @@ from evenpipe.runtime.comm import ParallelGroups, build_groups, init_from_env
 from evenpipe.runtime.mesh import MeshDim
 from evenpipe.training.checkpoint import SaveJob, TrainState, load_checkpoint, newest_complete_checkpoint
 from evenpipe.training.checkpoint_manifest import step_directories
+from evenpipe.training.run_record import RUN_KEY, run_fingerprint
 from evenpipe.training.checkpoint_state import checkpoint_target
 from evenpipe.training.checkpoint_writer import CheckpointWriter
 from evenpipe.training.config import Backend, DataSource, RuntimeOptions, Sharding, TrainConfig
@@ -304,7 +305,7 @@ def _save(job: _Job, watch: Watchdog, state: TrainState) -> None:
     watch.progress("saving a checkpoint", watched=False)
     world = {"world": dist.get_world_size(), "pp": job.config.schedule.num_ranks, "dp": rt.dp, "tp": rt.tp,
              "schedule": job.config.schedule.family.value, "sharding": rt.sharding.value,
-             "dtype": job.config.model.dtype.value}
+             "dtype": job.config.model.dtype.value, RUN_KEY: run_fingerprint(job.config)}
     save = SaveJob(directory=ck.directory, step=state.step, keep=ck.keep, world=world, replaced=job.replaced)
     job.writer.save(save, checkpoint_target(job.params, job.optimizer, job.stages.values()), state)
     job.replaced = ()
