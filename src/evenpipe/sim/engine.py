@@ -51,7 +51,7 @@ from typing import Hashable
 from evenpipe.errors import ConfigError, ScheduleValidationError
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.sim.costs import SimCosts
-from evenpipe.sim.kernel import PARKED, gc_paused, park, wait_or_park
+from evenpipe.sim.kernel import PARKED, gc_paused, wait_or_park
 from evenpipe.sim.result import by_end, make_trace
 from evenpipe.sim.rules import (ALLOCS, EVENT, FREES, HOST, HOST_SIDE, KACCEPT, KB, KEVICT, KF, KI, KINDS, KLOAD,
                                 KOFFLOAD, KR, KRECV_B, KRECV_F, KRELOAD, KRETURN, KSEND_F, PEER, RECV, RECV_SHIFT,
@@ -526,9 +526,13 @@ class _Engine:
                 start = now
                 for key, delay, _ in self.deps[r][i]:  # inputs, each after its delay (implicit messages)
                     t = avail.get(key)
-                    if t is None:
+                    if t is None:  # park (kernel.park, inlined: the reference's hottest loop)
                         self.pc[r] = i
-                        park(self.waiters, key, r)
+                        waiting = self.waiters.get(key)
+                        if waiting is None:
+                            self.waiters[key] = [r]
+                        else:
+                            waiting.append(r)
                         return
                     if t + delay > start:
                         start = t + delay

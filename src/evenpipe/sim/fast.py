@@ -31,8 +31,8 @@ from itertools import repeat
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.schedule.memo import ObjectMemo
 from evenpipe.sim.costs import SimCosts
-from evenpipe.sim.kernel import (PARKED, CannotVouch, attempt, compute_memory, served_first, stage_tables, sums_exact,
-                                 wait_or_park)
+from evenpipe.sim.kernel import (PARKED, CannotVouch, RunState, attempt, compute_memory, served_first, stage_tables,
+                                 sums_exact, wait_or_park)
 from evenpipe.sim.result import make_trace
 from evenpipe.sim.rules import (ALLOCS, EVENT, FREES, HOST, HOST_SIDE, KACCEPT, KB, KEVICT, KF, KI, KINDS, KLOAD,
                                 KOFFLOAD, KR, KRECV_B, KRECV_F, KRELOAD, KRETURN, KSEND_F, PEER, RECV, RECV_SHIFT,
@@ -522,8 +522,7 @@ class _Run:
         return make_trace(self.schedule, self.costs, st.starts, st.ends, records, st.mem, evaluator=NAME)
 
 
-@dataclass(slots=True, kw_only=True)
-class _RunState:
+class _RunState(RunState):
     """One evaluation's tables (per transfer ``x_*``, per link ``link_*``, per rank) and mutable state."""
 
     sh: Shape

@@ -22,7 +22,7 @@ from evenpipe.sim.rules import B, F, I, KR, W
 from evenpipe.sim.trace import Trace
 
 __all__ = ["CannotVouch", "PARKED", "park", "wait_or_park", "compute_memory", "served_first", "sums_exact",
-           "stage_tables", "recomputed_slots", "cross_rank_inputs", "kinds_used", "gc_paused", "attempt"]
+           "stage_tables", "recomputed_slots", "cross_rank_inputs", "kinds_used", "gc_paused", "attempt", "RunState"]
 
 _EXACT_LIMIT = 2 ** 53
 PARKED = -1.0
@@ -30,6 +30,18 @@ PARKED = -1.0
 
 _Key = TypeVar("_Key", bound=Hashable)
 _Sig = TypeVar("_Sig", bound=Hashable)
+
+
+class RunState:
+    """An evaluator's per-run tables and lists, declared as annotated attributes of a subclass and set by keyword,
+    every one (a plain class: defining a dataclass of some fifty fields costs a millisecond at import)."""
+
+    def __init__(self, **fields: object) -> None:
+        missing = set(type(self).__annotations__) - set(fields)
+        unknown = set(fields) - set(type(self).__annotations__)
+        assert not missing and not unknown, f"{type(self).__name__}: missing {missing}, unknown {unknown}"
+        for name, value in fields.items():
+            setattr(self, name, value)
 
 
 class CannotVouch(Exception):

@@ -26,15 +26,14 @@ event engine's, float for float.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from itertools import repeat
 from typing import Callable
 
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.schedule.validate import passed_validation
 from evenpipe.sim.costs import SimCosts
-from evenpipe.sim.kernel import (PARKED, CannotVouch, attempt, compute_memory, cross_rank_inputs, kinds_used, park,
-                                 recomputed_slots, served_first, stage_tables, sums_exact, wait_or_park)
+from evenpipe.sim.kernel import (PARKED, CannotVouch, RunState, attempt, compute_memory, cross_rank_inputs, kinds_used,
+                                 park, recomputed_slots, served_first, stage_tables, sums_exact, wait_or_park)
 from evenpipe.sim.result import by_end, timeline, unit_bytes
 from evenpipe.sim.rules import (BRINGS_BACK, FIRST_MOVE, FIRST_TRANSFER, KACCEPT, KEVICT, KRECV_F, KRETURN, KSEND_B,
                                 KSEND_F, PEER_ONLY, B, F, I, R)
@@ -233,8 +232,7 @@ _LOW = (1 << 32) - 1
 """Mask of the index in a position ``rank << 32 | index``."""
 
 
-@dataclass(slots=True, kw_only=True)
-class _LinkState:
+class _LinkState(RunState):
     """One run's tables and lists. Message slots ``k``: ``2u`` the input of ``F(u)``, ``2u + 1`` the output
     gradient of ``B``/``I(u)``, then ``NK + 2u`` the eviction of ``u`` and ``NK + 2u + 1`` its return."""
 
