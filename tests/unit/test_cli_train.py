@@ -49,6 +49,11 @@ BAD = {
                                    "cannot split Hugging Face model_type 'gpt2'"),
     "FSDP with the zero-bubble split": (["--sharding", "full", "--schedule", "zb-h1", "--dp", "2"],
                                         "cannot run --schedule zb-h1"),
+    "emulated slow rank outside the pipeline": (["--stages", "2", "--emulate-slow-rank", "3:2"],
+                                                "rank 3; the pipeline has ranks 0..1"),
+    "emulated slowdown below 1": (["--emulate-slow-rank", "1:0.5"], "RANK:FACTOR[@STEP] with FACTOR >= 1"),
+    "emulated link to itself": (["--emulate-link-delay", "1-1:5"], "A-B:MS for two different"),
+    "slow-rank threshold not above 1": (["--slow-rank-threshold", "0.9"], "--slow-rank-threshold must be > 1"),
 }
 
 

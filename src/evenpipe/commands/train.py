@@ -111,6 +111,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite-checkpoints", action="store_true",
                    help="start at step 0 although --checkpoint-dir holds checkpoints; they are deleted once this "
                         "run's first checkpoint is complete")
+    p.add_argument("--slow-rank-threshold", type=float, default=1.3,
+                   help="name a pipeline rank whose compute, against the prediction (--predict) or its own first "
+                        "steps, is this many times its peers' (default 1.3)")
+    p.add_argument("--slow-rank-steps", type=int, default=3,
+                   help="consecutive slow steps before a rank is named and replan.json written (default 3)")
+    p.add_argument("--emulate-slow-rank", default=None, metavar="RANK:FACTOR[@STEP]",
+                   help="for tests and benchmarks: pipeline rank RANK's computes take FACTOR times as long from "
+                        "0-based step STEP (it sleeps after each)")
+    p.add_argument("--emulate-link-delay", action="append", default=[], metavar="A-B:MS",
+                   help="for tests and benchmarks: every message between pipeline ranks A and B waits MS "
+                        "milliseconds before it is posted (repeatable)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a rank may wait for a peer before the job fails (default: 300 s for the first "
                         "step, then 10x the slowest step, at least 10 s)")
@@ -139,7 +150,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         from evenpipe.training.metrics import require_tensorboard
         require_tensorboard()
     runtime = RuntimeOptions(steps=args.steps, dp=args.dp, tp=args.tp, sharding=args.sharding, backend=backend,
-                             timeout_s=args.timeout)
+                             timeout_s=args.timeout, slow_rank_threshold=args.slow_rank_threshold,
+                             slow_rank_steps=args.slow_rank_steps, emulate_slow_rank=args.emulate_slow_rank,
+                             emulate_link_delays=tuple(args.emulate_link_delay))
     config = TrainConfig(
         model=ModelOptions(preset=args.model or "gpt-tiny", hf_config=_abs(args.hf_config), seq_len=args.seq_len,
                            init_seed=args.seed, dtype=args.dtype),

@@ -17,7 +17,7 @@ from evenpipe.cost.profile_fit import ProfileModel, StepPrediction, predict_step
 from evenpipe.schedule.ir import Schedule
 
 __all__ = ["check_profile_for_training", "PredictedRun", "predicted_run", "prediction_table",
-           "report_prediction"]
+           "report_prediction", "predicted_compute_s"]
 
 
 def check_profile_for_training(path: str, *, model_name: str, model_config: Any, dtype: str = "float32",
@@ -109,3 +109,13 @@ def report_prediction(profile_path: str, *, model_name: str, model_config: Any, 
                          peak_bytes=[max(r.peak_activation_bytes for r in mine if r.pp_rank == k)
                                      for k in range(schedule.num_ranks)],
                          rank_of_report=[r.pp_rank for r in mine])
+
+
+def predicted_compute_s(profile_path: str, *, model_name: str, model_config: Any, schedule: Schedule,
+                        microbatch_size: int, layout: Sequence[int], dtype: str = "float32") -> tuple[float, ...]:
+    """Per rank, the seconds its compute actions take in the simulated step (the slow-rank detector's
+    reference, :mod:`evenpipe.plan.slow_rank`)."""
+    profile = check_profile_for_training(profile_path, model_name=model_name, model_config=model_config,
+                                         dtype=dtype)
+    pred = predict_step(ProfileModel(profile), schedule, microbatch_size=microbatch_size, layout=tuple(layout))
+    return tuple(pred.trace.busy_time(r) for r in range(schedule.num_ranks))

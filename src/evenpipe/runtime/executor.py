@@ -53,6 +53,7 @@ import evenpipe.runtime.step_compute  # noqa: F401  (registers the compute and h
 import evenpipe.runtime.step_messages  # noqa: F401  (registers the pipeline-message handlers)
 from evenpipe.errors import ConfigError
 from evenpipe.runtime.comm import ParallelGroups, PeerFailure, Transfer, collective, post_batch, through_flat
+from evenpipe.runtime.emulation import RankEmulation
 from evenpipe.runtime.mailbox import Mailbox
 from evenpipe.runtime.stash import StashMeta
 from evenpipe.runtime.step_context import (HANDSHAKE_TAG, Handler, LiveTensors, LossFn, Phase, Posting, Stash,
@@ -94,6 +95,9 @@ class StepResult:
     """Peak bytes of pipeline messages in flight (receive buffers not yet taken, sends not yet waited)."""
     records: RankRecorder | None = field(default=None, repr=False)
     """This rank's measured action records (:class:`evenpipe.runtime.trace.RankRecorder`), when tracing."""
+    compute_s: float = 0.0
+    """Seconds this rank's compute actions took this step, waits for received inputs excluded (host clock: on
+    CUDA it counts launches, and the waits kernels make the host do, not device time)."""
 
 
 class _NullStash:
@@ -168,6 +172,8 @@ class PipelineExecutor:
                               f"{dist.get_backend(groups.pp_group)} (NCCL runs a group's transfers in order on "
                               "one stream, where a receive posted early could wait)")
         self.early_receives = early_receives
+        self.emulation: RankEmulation | None = None
+        """What this rank emulates in the next step (a slow rank or link; set by the training loop per step)."""
         """Post each pipeline receive one transfer run early (see :meth:`_Program.execute`; gloo only)."""
         self.program = _Program.of(self.actions)
         """This rank's actions with their handlers."""
@@ -222,7 +228,8 @@ class PipelineExecutor:
         return StepResult(loss=loss, step_time_s=dt, peak_own_bytes=int(self.stash.peak_own_bytes),
                           peak_hosted_bytes=int(self.stash.peak_hosted_bytes),
                           peak_activation_bytes=int(self.stash.peak_total_bytes), evicted_bytes=ctx.evicted_bytes,
-                          peak_comm_bytes=ctx.mail.peak_buffer_bytes, records=ctx.recorder)
+                          peak_comm_bytes=ctx.mail.peak_buffer_bytes, records=ctx.recorder,
+                          compute_s=max(0.0, ctx.compute_s - ctx.mail.waited_s))
 
     def _context(self, live: LiveTensors, shapes: Mapping[int, tuple[tuple[int, ...], torch.dtype]]) -> StepContext:
         """A fresh step context, with every registered add-on's state for this step."""
@@ -230,7 +237,8 @@ class PipelineExecutor:
         ctx = StepContext(schedule=self.schedule, groups=self.groups, stages=self.stages, params=self._params,
                           loss_fn=self.loss_fn, stash=self.stash, device=self.device, free_outputs=self.free_outputs,
                           recompute_stages=self.recompute_stages, shapes=shapes, live=live,
-                          mail=Mailbox(timeout_s=self.groups.timeout_s, recorder=recorder), recorder=recorder)
+                          mail=Mailbox(timeout_s=self.groups.timeout_s, recorder=recorder), recorder=recorder,
+                          emulation=self.emulation)
         for owner, make in addons().items():
             ctx.addons[owner] = make(ctx, self._kept.setdefault(owner, {}))
         return ctx
@@ -387,8 +395,11 @@ class _Program:
                 ctx.before_compute(a)  # BPipe: earlier evictions land first, so their buffers are freed
             t0 = time.perf_counter()
             h.run(a, ctx)
+            t1 = time.perf_counter()
+            if h.phase is Phase.COMPUTE:
+                ctx.compute_s += t1 - t0
             if ctx.recorder is not None:
-                ctx.recorder.action(i, a, t0, time.perf_counter(), ctx.stash)
+                ctx.recorder.action(i, a, t0, t1, ctx.stash)
                 ctx.mail.poll_receives()
             ctx.mail.retire_sends()
             i += 1

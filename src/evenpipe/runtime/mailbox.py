@@ -49,6 +49,8 @@ class Mailbox:
         self.peak_buffer_bytes = 0
         """The largest ``buffer_bytes`` of the step."""
         self._send_bytes: dict[int, int] = {}
+        self.waited_s = 0.0
+        """Seconds computes spent waiting in :meth:`take` for their received inputs."""
 
     def post(self, items: list[tuple[Transfer, Callable[[PendingBatch], None] | None, Action]], t0: float, *,
              track_sends: bool = True) -> PendingBatch:
@@ -91,7 +93,9 @@ class Mailbox:
         if item is None:
             return None
         batch, buf = item
+        t0 = time.perf_counter()
         batch.wait_for(buf)
+        self.waited_s += time.perf_counter() - t0
         self.buffer_bytes -= _nbytes(buf)
         return buf
 

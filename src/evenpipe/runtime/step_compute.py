@@ -8,6 +8,9 @@ keeps what the backward needs in ``ctx.live``, and declares every kept tensor to
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import torch
 
 from evenpipe.runtime.split_backward import backward_input, backward_weight, run_backward
@@ -183,8 +186,26 @@ class _restored_rng:
             torch.cuda.set_rng_state(self.saved[1], self.device)
 
 
+def _emulated(run: Callable[[Action, StepContext], None]) -> Callable[[Action, StepContext], None]:
+    """``run``, then, on an emulated slow rank, a sleep of ``factor - 1`` times the action's own seconds (its wait
+    for a received input excluded): see :mod:`evenpipe.runtime.emulation` for why a sleep. Without emulation the
+    only cost is one test of ``ctx.emulation``."""
+    def go(a: Action, ctx: StepContext) -> None:
+        emu = ctx.emulation
+        if emu is None or emu.compute_factor == 1.0:
+            run(a, ctx)
+            return
+        waited, t0 = ctx.mail.waited_s, time.perf_counter()
+        run(a, ctx)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        own = time.perf_counter() - t0 - (ctx.mail.waited_s - waited)
+        time.sleep(max(0.0, own) * (emu.compute_factor - 1.0))
+    return go
+
+
 for _kind, _run in ((_K.FORWARD, _forward), (_K.RECOMPUTE, _recompute), (_K.BACKWARD, _backward),
                     (_K.BACKWARD_INPUT, _backward), (_K.BACKWARD_WEIGHT, _weight)):
-    register_handler(_kind, Handler(owner="executor", phase=Phase.COMPUTE, run=_run))
+    register_handler(_kind, Handler(owner="executor", phase=Phase.COMPUTE, run=_emulated(_run)))
 register_handler(_K.OFFLOAD, Handler(owner="executor", phase=Phase.HOST_MOVE, run=_offload))
 register_handler(_K.RELOAD, Handler(owner="executor", phase=Phase.HOST_MOVE, run=_reload))

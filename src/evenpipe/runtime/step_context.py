@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from evenpipe.runtime.comm import ParallelGroups, PendingBatch, Transfer
+from evenpipe.runtime.emulation import RankEmulation
 from evenpipe.runtime.mailbox import Mailbox
 from evenpipe.runtime.split_backward import WeightState
 from evenpipe.runtime.stash import ActivationStash, StashKey, StashMeta
@@ -216,6 +217,11 @@ class StepContext:
     """Sum of the micro-batch losses (each already divided by the number of micro-batches)."""
     evicted_bytes: int = 0
     """Bytes sent away with EVICT."""
+    emulation: RankEmulation | None = None
+    """An emulated slow rank or link this step (tests and benchmarks, :mod:`evenpipe.runtime.emulation`)."""
+    compute_s: float = 0.0
+    """Seconds this step's compute actions took, their waits for received inputs included (the executor
+    subtracts :attr:`Mailbox.waited_s`)."""
 
     @property
     def last_stage(self) -> int:

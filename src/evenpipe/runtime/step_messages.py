@@ -8,6 +8,8 @@ a receive's buffer waits in the mailbox for the compute that consumes it.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from evenpipe.runtime.comm import PendingBatch, Transfer
@@ -21,6 +23,8 @@ _K = ActionKind
 
 def _message(a: Action, ctx: StepContext, tensor: torch.Tensor, *, send: bool) -> Transfer:
     assert a.peer is not None
+    if send and ctx.emulation is not None:  # an emulated slow link: the sender waits before posting
+        time.sleep(ctx.emulation.send_delay_s.get(a.peer, 0.0))
     return Transfer(send=send, tensor=tensor, peer=ctx.groups.global_rank(a.peer), group=ctx.groups.pp_group,
                     tag=ctx.tag(a), what=f"{a.kind.name} stage {a.stage} mb {a.microbatch}")
 

@@ -348,6 +348,16 @@ class RuntimeOptions:
     timeout_s: float | None = None
     """Seconds a rank may wait for a peer before the job fails; None: ``DEFAULT_TIMEOUT_S`` for the first step,
     then a multiple of the measured step time (:func:`evenpipe.training.fault.timeout_after_step`)."""
+    slow_rank_threshold: float = 1.3
+    """A rank whose compute, against its reference, is this many times its peers' is slow in that step
+    (:mod:`evenpipe.plan.slow_rank`)."""
+    slow_rank_steps: int = 3
+    """Consecutive slow steps before a slow rank is named and a layout re-planned."""
+    emulate_slow_rank: str | None = None
+    """For tests and benchmarks: ``RANK:FACTOR[@STEP]`` slows a pipeline rank's computes
+    (:mod:`evenpipe.runtime.emulation`)."""
+    emulate_link_delays: tuple[str, ...] = ()
+    """For tests and benchmarks: ``A-B:MS`` delays each message between two pipeline ranks."""
 
     def __post_init__(self) -> None:
         _coerce(self, "backend", parse_choice(Backend, self.backend, "backend"))
@@ -357,6 +367,16 @@ class RuntimeOptions:
         _at_least("tp", self.tp, 1)
         if self.timeout_s is not None:
             _finite_positive("timeout", self.timeout_s)
+        _coerce(self, "emulate_link_delays", tuple(self.emulate_link_delays))
+        self.emulation()  # the specs' own checks
+        from evenpipe.plan.slow_rank import DetectorConfig
+        DetectorConfig(threshold=self.slow_rank_threshold, patience=self.slow_rank_steps)
+
+    def emulation(self) -> Any:
+        """The emulated slow rank and links (:class:`evenpipe.runtime.emulation.Emulation`)."""
+        from evenpipe.runtime.emulation import Emulation, parse_link_delay, parse_slow_rank
+        links = tuple(parse_link_delay(t) for t in self.emulate_link_delays)
+        return Emulation(slow=parse_slow_rank(self.emulate_slow_rank), links=tuple(x for x in links if x))
 
     @property
     def initial_timeout_s(self) -> float:
@@ -436,6 +456,7 @@ class TrainConfig:
         from evenpipe.runtime.stages import partition_layers
         partition_layers(cfg.num_layers, sched.num_stages, layout=sched.layout)
         _check_tp(cfg, self.runtime.tp, self.model.hf_config)
+        self.runtime.emulation().check(sched.num_ranks)
         if self.runtime.sharding is Sharding.FULL and sched.family.traits.split_backward:
             raise ConfigError(f"--sharding full cannot run --schedule {sched.family.value}: its weight-gradient "
                               "passes run outside FSDP's backward hooks; use --sharding optimizer or a schedule "

@@ -34,6 +34,7 @@ from evenpipe.training.metrics import MetricsSink, StepMetrics, format_progress
 from evenpipe.training.optim import build_lr_scheduler, build_optimizer, clip_grad_global_norm
 from evenpipe.training.params import RankParameters, build_rank_stages
 from evenpipe.training.memory import CategoryPeaks, allocator_peak_bytes, state_bytes
+from evenpipe.training.slow_ranks import SlowRankWatch
 from evenpipe.training.summary import RankReport, TrainSummary, memory_table, summarise
 
 __all__ = ["train"]
@@ -66,6 +67,8 @@ class _Job:
     first save is complete."""
     writer: CheckpointWriter | None = None
     """Saves the checkpoints (in the background unless --checkpoint-sync), when there is a directory."""
+    slow: SlowRankWatch | None = None
+    """Emulated slowdowns, per-rank compute gathered on rank 0, a slow rank named (issue 35)."""
 
 
 @dataclass(slots=True)
@@ -200,6 +203,7 @@ def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSumm
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     watch = watchdog or Watchdog(rank=0, timeout_s=config.runtime.initial_timeout_s, status_dir=None)
     job = _build(config)
+    job.slow = SlowRankWatch(config=config, schedule=job.schedule, pp_rank=job.groups.pp_rank, device=job.device)
     watch.rank = dist.get_rank()
     state = _resume(job, watch)
     if config.checkpoint.directory:
@@ -248,9 +252,13 @@ def _watched_step(job: _Job, watch: Watchdog, step: int, progress: _Progress) ->
     watch.progress("running the pipeline", watched=True)
     out = config.output
     job.executor.trace = bool(out.trace or out.trace_json or out.predict) and step == config.runtime.steps - 1
+    if job.slow is not None:
+        job.slow.before_step(job.executor, step)
     t0 = time.perf_counter()
     result, lr, norm = _train_step(job, step)
     dt = time.perf_counter() - t0
+    if job.slow is not None:
+        job.slow.after_step(result.compute_s)
     progress.add(result, dt, norm)
     progress.categories.add(state_bytes(job.params.named.values(), job.optimizer))
     watch.finished_step(step + 1)
@@ -366,6 +374,8 @@ def _write_outputs(job: _Job, summary: TrainSummary, recorders: list[Any],
         extra: dict[str, Any] = {"prediction": prediction} if prediction is not None else {}
         if job.writer is not None:
             extra["checkpoints"] = job.writer.report()
+        if job.slow is not None and (slow := job.slow.report()) is not None:
+            extra["slow_ranks"] = slow
         with open(out.json_out, "w") as f:
             json.dump({**summary.to_dict(), "model": job.model, "config": job.config.to_dict(), **extra}, f,
                       indent=2)

@@ -1,0 +1,115 @@
+"""The slow-rank detector and the re-planned layout (issue 35 point 5), with synthetic compute times."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from evenpipe.errors import ConfigError
+from evenpipe.plan.slow_rank import DetectorConfig, SlowRankDetector, rank_blocks, replan_layout
+
+BASE = [0.10, 0.12, 0.11, 0.13]  # each rank's own compute seconds per step (uneven on purpose)
+
+
+def _noisy(rng: random.Random, scale: float = 0.15) -> list[float]:
+    return [b * rng.uniform(1 - scale, 1 + scale) for b in BASE]
+
+
+def _run(det: SlowRankDetector, steps: list[list[float]]) -> list[tuple[int, object]]:
+    return [(i + 1, a) for i, c in enumerate(steps) if (a := det.observe(c)) is not None]
+
+
+@pytest.mark.parametrize("factor", [1.5, 2.0])
+@pytest.mark.parametrize("patience", [3, 4])
+def test_names_the_slow_rank_after_patience_steps(factor: float, patience: int) -> None:
+    rng = random.Random(1)
+    det = SlowRankDetector(num_ranks=4, config=DetectorConfig(patience=patience, warmup=5))
+    start = 10  # 0-based step the slowdown starts
+    steps = [_noisy(rng, 0.05) for _ in range(start)]
+    steps += [[c * (factor if r == 2 else 1.0) for r, c in enumerate(_noisy(rng, 0.05))] for _ in range(20)]
+    alarms = _run(det, steps)
+    assert len(alarms) == 1
+    step, alarm = alarms[0]
+    assert alarm.rank == 2 and step == start + patience and alarm.steps == patience
+    assert alarm.factor == pytest.approx(factor, rel=0.12)
+    assert "rank 2 is" in alarm.message() and f"for {patience} steps" in alarm.message()
+
+
+def test_no_alarm_on_noise_of_15_percent() -> None:
+    rng = random.Random(7)
+    det = SlowRankDetector(num_ranks=4)
+    assert _run(det, [_noisy(rng) for _ in range(1000)]) == []
+
+
+def test_host_wide_slowdown_is_not_a_slow_rank() -> None:
+    det = SlowRankDetector(num_ranks=4)
+    steps = [list(BASE) for _ in range(8)] + [[b * 2.0 for b in BASE] for _ in range(10)]
+    assert _run(det, steps) == []
+
+
+def test_long_microbatch_is_not_a_slow_rank() -> None:
+    """A step with twice the work takes twice the compute on every rank: not slow, given its work."""
+    det = SlowRankDetector(num_ranks=4)
+    for _ in range(8):
+        assert det.observe(BASE, work=1.0) is None
+    for _ in range(10):
+        assert det.observe([2 * BASE[0], 2 * BASE[1], 2 * BASE[2], 2 * BASE[3]], work=2.0) is None
+
+
+def test_against_a_prediction_a_rank_slow_from_the_start_is_named() -> None:
+    det = SlowRankDetector(num_ranks=4, predicted_s=BASE)
+    steps = [[c * (1.6 if r == 0 else 1.0) for r, c in enumerate(BASE)] for _ in range(5)]
+    (step, alarm), = _run(det, steps)
+    assert alarm.rank == 0 and step == 3 and alarm.against == "predicted"
+    assert alarm.factor == pytest.approx(1.6)
+
+
+def test_a_spike_shorter_than_patience_is_ignored() -> None:
+    det = SlowRankDetector(num_ranks=4)
+    steps = [list(BASE) for _ in range(8)]
+    steps += [[c * (2.0 if r == 1 else 1.0) for r, c in enumerate(BASE)] for _ in range(2)]
+    steps += [list(BASE) for _ in range(5)]
+    assert _run(det, steps) == []
+
+
+def test_bad_thresholds_are_refused() -> None:
+    with pytest.raises(ConfigError, match="--slow-rank-threshold"):
+        DetectorConfig(threshold=1.0)
+    with pytest.raises(ConfigError, match="--slow-rank-steps"):
+        DetectorConfig(patience=0)
+
+
+def _best_max(total: int, per_block: list[float]) -> float:
+    """Brute force: the smallest largest-rank compute over every split of ``total`` blocks, each rank >= 1."""
+    best = float("inf")
+
+    def go(r: int, left: int, worst: float) -> None:
+        nonlocal best
+        if r == len(per_block) - 1:
+            best = min(best, max(worst, left * per_block[r])) if left >= 1 else best
+            return
+        for n in range(1, left - (len(per_block) - r - 1) + 1):
+            go(r + 1, left - n, max(worst, n * per_block[r]))
+    go(0, total, 0.0)
+    return best
+
+
+@pytest.mark.parametrize("factor", [1.25, 1.5, 2.0, 3.0])
+def test_replan_gives_the_slow_rank_fewer_blocks_in_proportion(factor: float) -> None:
+    layout = (6, 6, 6, 6)
+    measured = [1.0, 1.0, factor, 1.0]  # each rank's compute over its 6 blocks; rank 2 is slow
+    new = replan_layout(layout, [0, 1, 2, 3], measured)
+    per_block = [m / 6 for m in measured]
+    assert sum(new) == 24 and new[2] < min(new[r] for r in (0, 1, 3))
+    assert max(n * p for n, p in zip(new, per_block)) == pytest.approx(_best_max(24, per_block))
+    # in proportion: the slow rank's share is within one block of 24 / (3 x factor + 1) x ... its speed
+    assert abs(new[2] - 24 / (3 * factor + 1)) <= 1.0
+
+
+def test_replan_balanced_ranks_keep_their_layout_and_chunks_split_evenly() -> None:
+    assert replan_layout((4, 4, 4, 4), [0, 1, 2, 3], [2.0, 2.0, 2.0, 2.0]) == (4, 4, 4, 4)
+    # two chunks per rank (interleaved: stage s on rank s % 2); rank 1 twice as slow gets a third of the blocks
+    new = replan_layout((3, 3, 3, 3), [0, 1, 0, 1], [1.0, 2.0])
+    assert rank_blocks(new, [0, 1, 0, 1], 2) == [8, 4] and new == (4, 2, 4, 2)
+    assert min(replan_layout((2, 2), [0, 1], [1.0, 100.0])) == 1  # every stage keeps a block
