@@ -1,18 +1,22 @@
 """Noticing a slow rank while training, and the layer layout that re-balances around it (pure, no torch).
 
 Each step the training loop hands :meth:`SlowRankDetector.observe` every pipeline rank's measured compute seconds
-and the step's *work* (tokens, so that a long micro-batch is not taken for a slow rank). Each rank's measurement is
-divided by its *reference*: the simulator's predicted compute seconds of the step for that rank (``train --predict
-PROFILE``; see :func:`evenpipe.plan.predict.predicted_compute_s`), or, without a profile, the rank's own median
-seconds per unit of work over the ``warmup`` steps after the first (the first also learns shapes). That ratio is
-then divided by the median ratio of the *other* ranks: a load that slows the whole host (this 2-core host jitters
-10-15% step to step) moves every rank alike and cancels, and what remains is how much slower the rank is than its
-peers. A rank whose factor is at least ``threshold`` for ``patience`` consecutive steps is named once
-(:class:`SlowRankAlarm`). Thresholds: 1.3x for 3 steps by default -- a factor of two ranks' independent ±15% noise
-reaches 1.3 only at both extremes, and three such steps in a row were never seen here (``benchmarks/
-bench_uneven.py`` counts false alarms).
+and the step's *work* (tokens). Each rank's seconds are divided by what its work should cost: with ``train
+--predict PROFILE`` the simulator's predicted compute seconds of the step for that rank (see
+:func:`evenpipe.plan.predict.predicted_compute_s`; a step of other work scales it), else the work itself -- so a long
+micro-batch is not taken for a slow rank. That value is divided by the rank's own median over the ``warmup`` steps
+after the first (the first also learns shapes): this calibration takes out each rank's steady error of the model
+(on this 2-core host the last rank's measured compute was 1.4-1.5x its prediction relative to the others, from its
+head and the host, not from a slow device), and :attr:`SlowRankDetector.calibration` keeps it for the report. The
+ratio is then divided by the median ratio of the *other* ranks: a load that slows the whole host (this host jitters
+10-15% step to step, far more under other jobs) moves every rank alike and cancels, and what remains is how much
+slower the rank is than its peers. A rank whose factor is at least ``threshold`` for ``patience`` consecutive steps
+is named once (:class:`SlowRankAlarm`). Thresholds: 1.3x for 3 steps by default -- a factor of two ranks'
+independent ±15% noise reaches 1.3 only at both extremes, and three such steps in a row are rarer still
+(``benchmarks/bench_uneven.py`` counts false alarms).
 
-Without a profile, a rank that is slow from the first step is its own reference and is not noticed; with one it is.
+A rank that is slow from the first step is its own reference and is not named; with a profile its calibration
+shows it (the report's ``calibration``).
 
 :func:`replan_layout` gives each rank a number of blocks so that every rank's predicted compute is equal: a rank's
 seconds per block is its measured compute over the blocks it holds now (so its measured slowdown, and the fixed
@@ -85,7 +89,7 @@ class SlowRankDetector:
     num_ranks: int
     config: DetectorConfig = field(default_factory=DetectorConfig)
     predicted_s: Sequence[float] | None = None
-    """Per rank, the predicted compute seconds of one step of ``predicted_work`` (None: warm-up reference)."""
+    """Per rank, the predicted compute seconds of one step of ``predicted_work`` (None: the work alone)."""
     predicted_work: float = 1.0
     alarms: list[SlowRankAlarm] = field(default_factory=list)
     _warm: list[list[float]] = field(default_factory=list)
@@ -94,27 +98,34 @@ class SlowRankDetector:
     _steps: int = 0
 
     def __post_init__(self) -> None:
-        if self.predicted_s is not None:
-            if len(self.predicted_s) != self.num_ranks or not all(p > 0 for p in self.predicted_s):
-                raise ValueError(f"predicted compute seconds must be {self.num_ranks} values > 0, "
-                                 f"got {list(self.predicted_s)}")
-            self._reference = [p / self.predicted_work for p in self.predicted_s]
+        if self.predicted_s is not None and (len(self.predicted_s) != self.num_ranks
+                                             or not all(p > 0 for p in self.predicted_s)):
+            raise ConfigError(f"predicted compute seconds must be {self.num_ranks} values > 0, "
+                              f"got {list(self.predicted_s)}")
         self._streak = [[] for _ in range(self.num_ranks)]
+
+    @property
+    def calibration(self) -> list[float] | None:
+        """Per rank, its warm-up median of measured over predicted compute (seconds per token without a
+        prediction); None until the warm-up is over."""
+        return self._reference
 
     def observe(self, compute_s: Sequence[float], work: float = 1.0) -> SlowRankAlarm | None:
         """Take one step's per-rank compute seconds; the alarm when this step names a rank (once per rank)."""
         self._steps += 1
-        per_work = [c / work for c in compute_s]
+        base = ([p / self.predicted_work for p in self.predicted_s] if self.predicted_s is not None
+                else [1.0] * self.num_ranks)
+        values = [c / (work * b) for c, b in zip(compute_s, base)]
         if self._reference is None:
             if self._steps > 1:  # the first step learns shapes: not a reference
-                self._warm.append(per_work)
+                self._warm.append(values)
             if len(self._warm) == self.config.warmup:
                 self._reference = [max(statistics.median(w[r] for w in self._warm), 1e-12)
                                    for r in range(self.num_ranks)]
             return None
         if self.num_ranks < 2:
             return None
-        ratios = [m / ref for m, ref in zip(per_work, self._reference)]
+        ratios = [v / ref for v, ref in zip(values, self._reference)]
         named = None
         for r in range(self.num_ranks):
             peers = statistics.median(ratios[:r] + ratios[r + 1:])

@@ -57,12 +57,20 @@ def test_long_microbatch_is_not_a_slow_rank() -> None:
         assert det.observe([2 * BASE[0], 2 * BASE[1], 2 * BASE[2], 2 * BASE[3]], work=2.0) is None
 
 
-def test_against_a_prediction_a_rank_slow_from_the_start_is_named() -> None:
-    det = SlowRankDetector(num_ranks=4, predicted_s=BASE)
-    steps = [[c * (1.6 if r == 0 else 1.0) for r, c in enumerate(BASE)] for _ in range(5)]
-    (step, alarm), = _run(det, steps)
-    assert alarm.rank == 0 and step == 3 and alarm.against == "predicted"
-    assert alarm.factor == pytest.approx(1.6)
+def test_against_a_prediction_a_longer_step_is_not_slow_and_a_steady_model_error_is_calibrated() -> None:
+    """The prediction scales with the step's work; a rank the model under-predicts from the start (rank 0 here,
+    1.6x) is calibrated, not named, and its calibration shows the error; a later slowdown is named."""
+    det = SlowRankDetector(num_ranks=4, predicted_s=BASE, predicted_work=1.0)
+    steady = [c * (1.6 if r == 0 else 1.0) for r, c in enumerate(BASE)]
+    for _ in range(6):
+        assert det.observe(steady) is None
+    assert det.calibration is not None and det.calibration[0] == pytest.approx(1.6 * det.calibration[1])
+    for _ in range(5):
+        assert det.observe([3 * c for c in steady], work=3.0) is None  # three times the work, three times the time
+    slowed = [c * (1.5 if r == 3 else 1.0) for r, c in enumerate(steady)]
+    (step, alarm), = _run(det, [slowed] * 4)
+    assert alarm.rank == 3 and step == 3 and alarm.against == "predicted"
+    assert alarm.factor == pytest.approx(1.5)
 
 
 def test_a_spike_shorter_than_patience_is_ignored() -> None:
