@@ -76,6 +76,7 @@ CASES: dict[str, list[str]] = {
     "estimate unknown hf model type": ["estimate", "--hf-config", "{tmp}/bert.json", "--gpu", "a100-80gb",
                                        "--global-batch", "8"],
     "estimate unknown gpu": ["estimate", "--model", "gpt-tiny", "--gpu", "nosuch", "--global-batch", "8"],
+    "estimate too large to simulate": [*EST[:5], "--global-batch", "100000000", "--pp", "4"],
     "estimate unknown model": ["estimate", "--model", "nosuch", "--gpu", "a100-80gb", "--global-batch", "8"],
     # plan
     "plan unknown gpu": ["plan", "--model", "gpt-tiny", "--gpu", "nosuch", "--gpus", "2", "--global-batch", "8"],

@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     source = source_from_args(args, "estimate")
     model, hw = source.model, source.hardware
     cfg = _config_from_args(args)
+    from evenpipe.commands.limits import check_schedule_fits
+    check_schedule_fits(num_ranks=cfg.pp, num_chunks=cfg.chunks, num_microbatches=cfg.num_microbatches)
     source.check(cfg, num_gpus=args.gpus)
     est = estimate_with(source, cfg)
     picture = None

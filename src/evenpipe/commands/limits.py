@@ -38,6 +38,7 @@ def check_schedule_fits(*, num_ranks: int, num_chunks: int, num_microbatches: in
     actions = ACTIONS_PER_STAGE_MICROBATCH * num_ranks * num_chunks * num_microbatches
     need, have = actions * BYTES_PER_ACTION, available_memory_bytes()
     if need > have:
-        raise ConfigError(f"--stages {num_ranks} x --chunks {num_chunks} x --microbatches {num_microbatches} is "
-                          f"about {actions:.2g} actions, needing about {need / 2**30:,.0f} GiB to simulate, but "
-                          f"this machine has {have / 2**30:.1f} GiB available; use fewer stages or micro-batches")
+        raise ConfigError(f"a schedule of {num_ranks} ranks x {num_chunks} chunk(s) x {num_microbatches} "
+                          f"micro-batches is about {actions:.2g} actions, needing about {need / 2**30:,.0f} GiB to "
+                          f"simulate, but this machine has {have / 2**30:.1f} GiB available; use fewer pipeline "
+                          "ranks or micro-batches")
