@@ -16,6 +16,9 @@ searches share) over a restricted :class:`SearchSpace`. The lever space is prune
   same activations);
 - recomputation is uniform over the stages (selective or full); a lever's search keeps its branch and bound,
   so configurations whose step-time bound cannot beat the lever's best so far are never simulated;
+- each lever's search starts from the no-lever plan as its incumbent, and "all" from the fastest single lever's
+  (every lever space holds the no-lever space, and the union holds them all), so the bound skips from the start
+  whatever cannot beat it;
 - "all" is one more search over the union, and the 1F1B-versus-BPipe comparison of the BPipe re-evaluation is
   :func:`~evenpipe.plan.explain.explain_bpipe` over a space of those two schedules.
 
@@ -155,10 +158,10 @@ def _ranks(lever: MemoryLever, c: Candidate | None) -> tuple[int, ...]:
 
 
 def _search(searcher: Searcher, space: SearchSpace, lever: MemoryLever, num_gpus: int,
-            global_batch: int) -> LeverResult:
+            global_batch: int, incumbent: Candidate | None = None) -> LeverResult:
     try:
         best: Candidate | None = searcher.search(num_gpus=num_gpus, global_batch=global_batch, top_k=1,
-                                                 space=lever_space(space, lever)).best
+                                                 space=lever_space(space, lever), incumbent=incumbent).best
     except ConfigError:
         best = None
     return LeverResult(lever=lever, best=best, ranks=_ranks(lever, best))
@@ -197,7 +200,10 @@ def explain_memory(searcher: Searcher, *, num_gpus: int, global_batch: int, spac
     if margin < 0:
         raise ConfigError(f"margin must be >= 0, got {margin}")
     space = space or SearchSpace()
-    results = tuple(_search(searcher, space, lv, num_gpus, global_batch) for lv in MemoryLever)
+    none = _search(searcher, space, MemoryLever.NONE, num_gpus, global_batch)
+    singles = [_search(searcher, space, lv, num_gpus, global_batch, none.best) for lv in _SINGLE]
+    fastest = min((r.best for r in singles if r.best is not None), key=lambda c: c.step_time_s, default=None)
+    results = (none, *singles, _search(searcher, space, MemoryLever.ALL, num_gpus, global_batch, fastest))
     by = {r.lever: r for r in results}
     base = by[MemoryLever.NONE].best
     fitting = [by[lv] for lv in _SINGLE if by[lv].best is not None and by[lv].used]

@@ -414,11 +414,14 @@ class Searcher:
 
     def search(self, *, num_gpus: int, global_batch: int, space: SearchSpace | None = None, top_k: int = 10,
                best_per_schedule: bool = False,
-               where: Callable[[ParallelConfig], bool] | None = None) -> PlanResult:
+               where: Callable[[ParallelConfig], bool] | None = None,
+               incumbent: Candidate | None = None) -> PlanResult:
         """The ``top_k`` fastest fitting configurations, and with ``best_per_schedule`` the fastest of each
         schedule family too (which costs more simulations: each family's neighbourhood must be explored).
 
-        ``where`` restricts the space further. Raises :class:`ConfigError` when nothing fits.
+        ``where`` restricts the space further. ``incumbent``: a fitting configuration known to lie in the space
+        (e.g. the best of a smaller space), which lets the bound skip from the start what cannot beat it (with
+        ``top_k`` 1 and no per-schedule bests). Raises :class:`ConfigError` when nothing fits.
         """
         space = space or SearchSpace()
         if num_gpus < 1:
@@ -429,7 +432,8 @@ class Searcher:
             raise ConfigError(f"--top must be >= 1, got {top_k}")
         counts = _Counts()
         pending = self._prune(num_gpus, global_batch, space, where, counts)
-        top, best_by_family = self._branch_and_bound(pending, top_k, best_per_schedule, counts) if pending \
+        seed = [incumbent] if incumbent is not None and top_k == 1 and not best_per_schedule else []
+        top, best_by_family = self._branch_and_bound(pending, top_k, best_per_schedule, counts, seed) if pending \
             else ([], {})
         if not top:
             raise self._nothing_fits(num_gpus, global_batch, counts, space)
@@ -504,7 +508,8 @@ class Searcher:
             return True  # cannot probe this shape; let each configuration decide
         return all(state <= self._room(r) for r, state in enumerate(states))
 
-    def _branch_and_bound(self, pending: list[_Pending], top_k: int, per_family: bool, counts: _Counts
+    def _branch_and_bound(self, pending: list[_Pending], top_k: int, per_family: bool, counts: _Counts,
+                          seed: list[Candidate]
                           ) -> tuple[list[Candidate], dict[ScheduleFamily, Candidate]]:
         """Visit configurations in increasing bound order; check memory, then estimate, only those that could
         still enter the top ``k`` (or beat their family's best).
@@ -520,7 +525,7 @@ class Searcher:
         falls faster than 1/b).
         """
         heapq.heapify(pending)
-        top: list[Candidate] = []  # sorted fastest first, at most top_k
+        top: list[Candidate] = list(seed)  # sorted fastest first, at most top_k
         best: dict[ScheduleFamily, Candidate] = {}
         fitting: set[ParallelConfig] = set()
         overflow_at: dict[tuple[object, ...], int] = {}  # choices except b -> smallest b that overflowed

@@ -137,3 +137,13 @@ def test_offload_frees_the_first_ranks_and_costs_host_transfers() -> None:
     assert b.breakdown.bpipe_transfer > 0 == a.breakdown.bpipe_transfer
     assert b.step_time_s > a.step_time_s
 
+
+
+def test_an_incumbent_only_skips_what_cannot_beat_it() -> None:
+    model, hw = model_preset("gpt-1.7b"), hardware_preset("a100-80gb")
+    top = Searcher(model, hw).search(num_gpus=16, global_batch=64, top_k=5)
+    fresh = Searcher(model, hw)
+    seeded = fresh.search(num_gpus=16, global_batch=64, top_k=1, incumbent=top.candidates[-1])
+    assert seeded.best.config == top.best.config
+    assert seeded.stats.num_estimated <= Searcher(model, hw).search(num_gpus=16, global_batch=64,
+                                                                     top_k=1).stats.num_estimated
