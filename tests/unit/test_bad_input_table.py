@@ -58,6 +58,7 @@ CASES: dict[str, list[str]] = {
     "train missing token file": [*TRAIN, "--tokens", "{tmp}/missing.bin"],
     "train unsupported hf model type": [*TRAIN[:1], "--hf-config", "{tmp}/neox.json", *TRAIN[3:]],
     "train unknown hf model type": [*TRAIN[:1], "--hf-config", "{tmp}/bert.json", *TRAIN[3:]],
+    "train bytes for a vocabulary of 128": [*TRAIN[:1], "--hf-config", "{tmp}/llama128.json", *TRAIN[3:]],
     "train resume with another global batch": [*TRAIN, "--random-tokens", "--checkpoint-dir", "{tmp}/ckpt",
                                                "--resume", "--global-batch", "8"],
     "train resume with another seed": [*TRAIN, "--random-tokens", "--checkpoint-dir", "{tmp}/ckpt", "--resume",
@@ -114,6 +115,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
               "max_position_embeddings": 64, "intermediate_size": 128}
     (tmp / "neox.json").write_text(json.dumps({"model_type": "gpt_neox", **common}))
     (tmp / "bert.json").write_text(json.dumps({"model_type": "bert", **common}))
+    (tmp / "llama128.json").write_text(json.dumps({"model_type": "llama", **common, "vocab_size": 128}))
     ckpt = tmp / "ckpt"  # as a run of TRAIN --random-tokens --global-batch 4 leaves it (the manifest only)
     from evenpipe.training.checkpoint_manifest import Manifest, write_manifest
     from evenpipe.training.config import CheckpointOptions, DataOptions, ScheduleOptions, TrainConfig
@@ -166,6 +168,7 @@ def _argv(case: str, paths: dict[str, str]) -> list[str]:
 
 def _check(code: int, err: str, out_dir: str) -> None:
     lines = err.splitlines()
+    assert "--data " not in err, err  # names only options that exist
     assert code == 2, err
     assert "Traceback" not in err and len(lines) == 1, err
     assert lines[0].startswith("evenpipe"), lines[0]

@@ -20,3 +20,13 @@ def test_a_failure_while_posting_names_the_transfer_posted() -> None:
                         posting="SEND_F stage 1 mb 3 to rank 2")
     assert dog.describe_failure(error) == "posting SEND_F stage 1 mb 3 to rank 2 failed (the peer closed the connection)"
     assert dog.describe_failure(PeerFailure("Broken pipe")) == "the peer closed the connection"
+
+
+def test_a_collective_is_not_named_after_rank_minus_one() -> None:
+    watch = Watchdog(rank=1, timeout_s=10.0, status_dir=None)
+    watch.begin_wait("the gradient-norm all-reduce", -1)
+    watch.end_wait()
+    assert watch.describe().endswith("after the gradient-norm all-reduce (in a collective)"), watch.describe()
+    watch.begin_wait("RECV_F stage 1 mb 0", 0)
+    watch.end_wait()
+    assert "after RECV_F stage 1 mb 0 (rank 0)" in watch.describe()
