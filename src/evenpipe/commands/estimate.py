@@ -13,9 +13,12 @@ import pathlib
 
 from evenpipe.cost import Attention, Estimate, Hardware, ParallelConfig, Recompute, ScheduleFamily
 from evenpipe.cost.estimate import TimeBreakdown, estimate_with
+from evenpipe.cost.categories import PEAK_BYTES_KEY
+from evenpipe.cost.category_memory import peak_bytes_by_category, with_conventions
 from evenpipe.cost.parallel import describe_layout
 from evenpipe.commands.model_args import (add_gpus_per_node_argument, add_model_arguments, add_profile_arguments,
-                                         parse_layout, source_from_args)
+                                         add_runtime_arguments, conventions_from_args, parse_layout,
+                                         source_from_args)
 from evenpipe.errors import ConfigError
 
 __all__ = ["add_arguments", "run"]
@@ -42,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="flash", metavar="KERNEL", help="eager or flash (default flash)")
     p.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"one of {', '.join(_SCHEDULES)} (default 1f1b)")
     p.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state over dp")
+    add_runtime_arguments(p)
     p.add_argument("--bpipe", action="store_true", help="apply BPipe's evict/load transform to --schedule "
                    "(1f1b, interleaved, gpipe, looped-bfs, zb-h1; --schedule bpipe is 1F1B with it)")
     p.add_argument("--bpipe-budget", type=int, metavar="K", help="BPipe activation units per rank (default: the "
@@ -55,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_profile_arguments(parser)
 
 
-def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
+def _config_from_args(args: argparse.Namespace, *, shards_optimizer: bool = False) -> ParallelConfig:
     tp, pp = args.tp, args.pp
     dp = args.dp
     if dp is None:
@@ -70,16 +74,17 @@ def _config_from_args(args: argparse.Namespace) -> ParallelConfig:
                           global_batch=args.global_batch, recompute=Recompute.parse(args.recompute),
                           sequence_parallel=args.sequence_parallel, attention=Attention.parse(args.attention),
                           schedule=family,
-                          distributed_optimizer=args.distributed_optimizer, bpipe_budget=args.bpipe_budget,
+                          distributed_optimizer=args.distributed_optimizer or shards_optimizer, bpipe_budget=args.bpipe_budget,
                           bpipe=args.bpipe, layout=parse_layout(args.layout) if args.layout else None)
 
 
 def run(args: argparse.Namespace) -> int:
     from evenpipe.commands.output_paths import check_output_dir
     check_output_dir(args.out, "--out")
-    source = source_from_args(args, "estimate")
+    conventions = conventions_from_args(args)
+    source = with_conventions(source_from_args(args, "estimate"), conventions)
     model, hw = source.model, source.hardware
-    cfg = _config_from_args(args)
+    cfg = _config_from_args(args, shards_optimizer=conventions.shards_optimizer)
     from evenpipe.commands.limits import check_schedule_fits
     check_schedule_fits(num_ranks=cfg.pp, num_chunks=cfg.chunks, num_microbatches=cfg.num_microbatches)
     source.check(cfg, num_gpus=args.gpus)
@@ -95,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
                                    title=f"{model.name} on {cfg.num_gpus}x {source.name}\n{cfg.describe()}")
     if args.json:
         out = est.to_dict()
+        out["runtime"] = conventions.to_dict()
+        out[PEAK_BYTES_KEY] = list(peak_bytes_by_category(source, cfg))
         if picture is not None:
             out["memory_picture"] = str(picture)
         print(json.dumps(out, indent=2))

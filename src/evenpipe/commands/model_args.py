@@ -12,10 +12,12 @@ from evenpipe.errors import ConfigError
 
 if TYPE_CHECKING:  # the cost model is imported when a model is asked for (`simulate` without one never needs it)
     from evenpipe.cost import Hardware, ModelSpec
+    from evenpipe.cost.runtime_memory import RuntimeConventions
     from evenpipe.cost.source import CostSource
 
 __all__ = ["add_model_arguments", "model_from_args", "parse_layout", "any_model_given", "hardware_from_arg",
-           "add_profile_arguments", "add_gpus_per_node_argument", "with_gpus_per_node", "source_from_args"]
+           "add_profile_arguments", "add_gpus_per_node_argument", "with_gpus_per_node", "source_from_args",
+           "add_runtime_arguments", "conventions_from_args"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,3 +128,45 @@ def source_from_args(args: argparse.Namespace, command: str) -> CostSource:
         raise ConfigError(f"give --gpu PRESET (or --profile PROFILE to {command} on the profiled machine)")
     return AnalyticSource(model_from_args(args), with_gpus_per_node(hardware_from_arg(args.gpu), args))
 
+
+
+def add_runtime_arguments(parser: "argparse.ArgumentParser | argparse._ArgumentGroup") -> None:
+    """``--runtime``, ``--dtype`` and ``--sharding``: whose model-state conventions the memory follows."""
+    parser.add_argument("--runtime", default="evenpipe", metavar="NAME",
+                        help="model-state conventions: evenpipe (what `evenpipe train` keeps; default) or megatron "
+                             "(bf16 weights, fp32 grads, masters and Adam: the published tables)")
+    parser.add_argument("--dtype", default=None, metavar="DTYPE",
+                        help="training dtype as `train --dtype`: float32 or bfloat16 (default: a profile's dtype, "
+                             "else float32; evenpipe runtime only)")
+    parser.add_argument("--sharding", default=None, metavar="MODE",
+                        help="as `train --sharding`: none, optimizer or full (default none; optimizer with "
+                             "--distributed-optimizer)")
+
+
+def conventions_from_args(args: argparse.Namespace) -> "RuntimeConventions":
+    """The runtime conventions named by ``--runtime``, ``--dtype`` and ``--sharding`` (one-line errors)."""
+    from evenpipe.cost.runtime_memory import Runtime, RuntimeConventions, StateSharding, TrainPrecision
+    from evenpipe.errors import parse_choice
+    runtime = parse_choice(Runtime, args.runtime, "runtime")
+    dtype = args.dtype
+    if runtime is Runtime.MEGATRON and dtype is None:
+        dtype = "bfloat16"
+    elif dtype is None:
+        profile = getattr(args, "profile", None)
+        dtype = _profile_dtype(profile) if profile else "float32"
+    elif runtime is Runtime.MEGATRON and dtype != "bfloat16":
+        raise ConfigError(f"--dtype {dtype}: Megatron's conventions are bf16 mixed precision; --dtype is for "
+                          "--runtime evenpipe")
+    sharding = args.sharding
+    if sharding is None:
+        sharding = "optimizer" if getattr(args, "distributed_optimizer", False) else "none"
+    elif getattr(args, "distributed_optimizer", False) and parse_choice(StateSharding, sharding, "sharding") is StateSharding.NONE:
+        raise ConfigError("--distributed-optimizer with --sharding none: give one (--sharding optimizer is the "
+                          "distributed optimizer)")
+    return RuntimeConventions(runtime=runtime, dtype=parse_choice(TrainPrecision, dtype, "dtype"),
+                              sharding=parse_choice(StateSharding, sharding, "sharding"))
+
+
+def _profile_dtype(path: str) -> str:
+    from evenpipe.cost.profile import load_profile
+    return load_profile(path).machine.dtype

@@ -53,6 +53,8 @@ class ActivationBytes:
     boundary: float = 0.0
     """What a stage that receives its input keeps for its backward besides its layers' saved bytes (0 when the
     first layer's saved bytes include its input)."""
+    head_weight_grad: float = 0.0
+    """Of ``head``, what the last stage keeps between the input-gradient and weight-gradient halves."""
 
 
 def layer_activation_bytes(model: ModelSpec, cfg: ParallelConfig) -> float:

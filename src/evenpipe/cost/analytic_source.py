@@ -4,6 +4,7 @@ moments, the latter two sharded by the distributed optimizer)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from evenpipe.sim.costs import Link, SimCosts
@@ -14,6 +15,7 @@ from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.states import (BYTES_GRAD, BYTES_MASTER, BYTES_OPTIMIZER, BYTES_WEIGHT, embedding_params_per_rank,
                                   head_params_per_rank, layer_params_per_rank)
 from evenpipe.cost.parallel import ParallelConfig, check_config
+from evenpipe.cost.runtime_memory import Runtime, RuntimeConventions, scaled
 from evenpipe.cost.source import Holding, MicrobatchShape, ParamCounts, StateBytes
 from evenpipe.cost.specs import ModelSpec
 from evenpipe.cost.timing import (Efficiency, LayerTimes, cost_plan_durations, dp_allreduce_time, layer_times,
@@ -37,6 +39,8 @@ class AnalyticSource:
     """Every rank's GPU."""
     efficiency: Efficiency = field(default_factory=Efficiency)
     """Achieved fractions of the hardware peaks."""
+    conventions: RuntimeConventions | None = None
+    """Model-state bytes (and the activations' element size) of this runtime; None: Megatron's."""
 
     @property
     def name(self) -> str:
@@ -86,14 +90,28 @@ class AnalyticSource:
 
     def layer_bytes(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> ActivationBytes:
         _check_shape(self.model, shape, cfg)
-        return activation_bytes(self.model, cfg)
+        act = activation_bytes(self.model, cfg)  # 2-byte elements (Korthikanti et al.)
+        c = self.conventions
+        if c is None or c.runtime is Runtime.MEGATRON:
+            return act
+        # evenpipe: the training dtype's elements; every tensor-parallel rank sends the whole hidden state
+        sent = float(shape.size * shape.seq_len * self.model.hidden * c.dtype.element_bytes)
+        return dataclasses.replace(scaled(act, c.dtype.element_bytes / 2), sent=sent)
 
     def param_counts(self, cfg: ParallelConfig) -> ParamCounts:
+        c = self.conventions
+        if c is not None and c.runtime is Runtime.EVENPIPE:  # embedding and head replicated over tp
+            whole = dataclasses.replace(cfg, tp=1)
+            return ParamCounts(per_layer=layer_params_per_rank(self.model, cfg.tp),
+                               embedding=embedding_params_per_rank(self.model, 1),
+                               head=head_params_per_rank(self.model, whole))
         return ParamCounts(per_layer=layer_params_per_rank(self.model, cfg.tp),
                            embedding=embedding_params_per_rank(self.model, cfg.tp),
                            head=head_params_per_rank(self.model, cfg))
 
     def state_bytes(self, cfg: ParallelConfig, rank: int) -> StateBytes:
+        if self.conventions is not None:
+            return self.conventions.state_bytes(cfg.dp, distributed_optimizer=cfg.distributed_optimizer)
         shards = cfg.dp if cfg.distributed_optimizer else 1
         return StateBytes(parameters=BYTES_WEIGHT, gradients=BYTES_GRAD, master=BYTES_MASTER / shards,
                           optimizer=(BYTES_OPTIMIZER - BYTES_MASTER) / shards)

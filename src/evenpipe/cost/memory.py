@@ -41,7 +41,7 @@ PlanDurations = tuple[int, int, int]
 __all__ = ["StageMemory", "memory_per_stage", "stage_memory", "layer_activation_bytes", "layer_params_per_rank",
            "BYTES_WEIGHT", "embedding_params_per_rank", "layer_states_per_rank_gib", "BYTES_GRAD", "BYTES_OPTIMIZER", "build_cost_schedule", "counting_schedule",
            "ActivationBytes",
-           "activation_bytes"]
+           "activation_bytes", "rank_activation_peaks"]
 
 _TRUNCATE_FACTOR = 2
 """In-flight peaks are counted on a schedule of at most this many times p micro-batches (GPipe excepted)."""
@@ -134,7 +134,9 @@ def _cached_counting_schedule(family: ScheduleFamily, p: int, m: int, v: int, bu
 
 
 @dataclass(frozen=True, slots=True)
-class _Peak:
+class ActivationPeak:
+    """A rank's activation bytes at one moment: its own layers', its first and last stages' extras, hosted."""
+
     own_layers: float
     own_extra_embedding: float
     own_extra_head: float
@@ -142,11 +144,12 @@ class _Peak:
 
 
 def _peak_activations(schedule: Schedule, rank: int, unit: list[float], extra_first: float, extra_last: float,
-                      weight_grad_unit: list[float], transient: float) -> _Peak:
+                      weight_grad_unit: list[float], transient: float, head_weight_grad: float = 0.0
+                      ) -> ActivationPeak:
     """Walk one rank's actions; return the components at the moment of its largest total (bytes)."""
     last = schedule.num_stages - 1
     own = emb = head = hosted = 0.0
-    best = _Peak(0.0, 0.0, 0.0, 0.0)
+    best = ActivationPeak(0.0, 0.0, 0.0, 0.0)
     best_total = -1.0
 
     def extras(stage: int, sign: float) -> tuple[float, float]:
@@ -157,7 +160,7 @@ def _peak_activations(schedule: Schedule, rank: int, unit: list[float], extra_fi
         total = own + emb + head + hosted + spike
         if total > best_total:
             best_total = total
-            best = _Peak(own + spike, emb, head, hosted)
+            best = ActivationPeak(own + spike, emb, head, hosted)
 
     for a in schedule.actions[rank]:
         step, s = _WALK[a.kind.code], a.stage
@@ -167,9 +170,11 @@ def _peak_activations(schedule: Schedule, rank: int, unit: list[float], extra_fi
         if step.own:
             own += step.own * unit[s] - (step.own * weight_grad_unit[s] if step.keeps_weight_grad else 0.0)
             de, dh = extras(s, float(step.own))
-            emb, head = emb + de, head + dh
+            kept_head = step.own * head_weight_grad if step.keeps_weight_grad and s == last else 0.0
+            emb, head = emb + de, head + dh - kept_head
         elif step.weight_grad:
             own -= weight_grad_unit[s]
+            head -= head_weight_grad if s == last else 0.0
         elif step.hosted:
             hosted += step.hosted * unit[s]
         record(0.0)
@@ -264,14 +269,14 @@ def _count_states(schedule: Schedule, rank: int, layers: tuple[int, ...]) -> tup
 
 
 def _rank_peak(schedule: Schedule, rank: int, layers: tuple[int, ...], act: ActivationBytes,
-               transient: float) -> _Peak:
+               transient: float) -> ActivationPeak:
     """:func:`_peak_activations` of ``rank`` with stage units ``layers[s]·act.layer_saved`` (and so on), from the
     rank's counted states when every sum the walk makes is exact in floating point (then the order of the
     additions cannot matter and the states say it all); by the walk itself otherwise."""
-    if act.boundary:  # a per-stage term: not a count of layers, walk the bytes
+    if act.boundary or act.head_weight_grad:  # per-stage terms: not counts of layers, walk the bytes
         return _peak_activations(schedule, rank, [n * act.layer_saved + (act.boundary if s else 0.0)
                                                   for s, n in enumerate(layers)], act.embedding, act.head,
-                                 [n * act.layer_weight_grad for n in layers], transient)
+                                 [n * act.layer_weight_grad for n in layers], transient, act.head_weight_grad)
     states, top, nonneg = _rank_states(schedule, rank, layers)
     values = (act.layer_saved, act.layer_weight_grad, act.embedding, act.head, transient)
     ratios = [v.as_integer_ratio() for v in values]
@@ -289,8 +294,8 @@ def _rank_peak(schedule: Schedule, rank: int, layers: tuple[int, ...], act: Acti
         if total > best_total:
             best_total, best = total, state
     if best is None:
-        return _Peak(0.0, 0.0, 0.0, 0.0)
-    return _Peak((saved * best[0] + wg * best[1] + spike * best[5]) / den, emb * best[3] / den,
+        return ActivationPeak(0.0, 0.0, 0.0, 0.0)
+    return ActivationPeak((saved * best[0] + wg * best[1] + spike * best[5]) / den, emb * best[3] / den,
                  head * best[4] / den, saved * best[2] / den)
 
 
@@ -310,18 +315,12 @@ def stage_memory(source: CostSource, cfg: ParallelConfig) -> tuple[StageMemory, 
     if cfg.num_stages > model.num_layers:
         raise ConfigError(f"pp·chunks = {cfg.num_stages} stages exceed the {model.num_layers} layers of {model.name}")
     schedule = counting_schedule(cfg, source.plan_durations(cfg))
-    shape = shape_of(model, cfg)
     counts = source.param_counts(cfg)
     last = schedule.num_stages - 1
     out: list[StageMemory] = []
-    for r in range(cfg.pp):
-        act = source.layer_bytes(cfg, r, shape)
-        # Full recomputation: one layer's full activations exist while it is recomputed and back-propagated.
-        transient = act.layer_full if cfg.recompute is Recompute.FULL else 0.0
+    for r, (peak, held) in enumerate(rank_activation_peaks(source, cfg)):
         per_param = source.state_bytes(cfg, r)
         n_params = counts.per_layer * sum(layers[s] for s in schedule.stages_of(r))
-        peak = _rank_peak(schedule, r, layers, act, transient)
-        held = act.sent if source.holds_sent_output and any(s != last for s in schedule.stages_of(r)) else 0.0
         state = per_param.parameters + per_param.gradients + (per_param.master + per_param.optimizer)
         emb_state = counts.embedding * state if r == schedule.rank_of(0) else 0.0
         head_state = counts.head * state if r == schedule.rank_of(last) else 0.0
@@ -336,6 +335,23 @@ def stage_memory(source: CostSource, cfg: ParallelConfig) -> tuple[StageMemory, 
             head=(head_state + peak.own_extra_head) / GIB,
         ))
     return tuple(out)
+
+
+def rank_activation_peaks(source: CostSource, cfg: ParallelConfig) -> list[tuple[ActivationPeak, float]]:
+    """Per pipeline rank: its activations at the moment of its largest total (bytes), and the stage output it
+    holds until the output is sent (0 unless the source's runtime holds it)."""
+    layers = stage_layers(source.model, cfg)
+    schedule = counting_schedule(cfg, source.plan_durations(cfg))
+    shape = shape_of(source.model, cfg)
+    last = schedule.num_stages - 1
+    out = []
+    for r in range(cfg.pp):
+        act = source.layer_bytes(cfg, r, shape)
+        # Full recomputation: one layer's full activations exist while it is recomputed and back-propagated.
+        transient = act.layer_full if cfg.recompute is Recompute.FULL else 0.0
+        held = act.sent if source.holds_sent_output and any(s != last for s in schedule.stages_of(r)) else 0.0
+        out.append((_rank_peak(schedule, r, layers, act, transient), held))
+    return out
 
 
 def layer_states_per_rank_gib(source: CostSource, cfg: ParallelConfig) -> tuple[float, ...]:

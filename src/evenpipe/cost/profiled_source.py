@@ -11,6 +11,7 @@ the gradients over the profiled link.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -22,6 +23,7 @@ from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.parallel import ParallelConfig, Recompute, check_pipeline, stage_layers
 from evenpipe.cost.profile import LayerKind, LayerSample
 from evenpipe.cost.profile_fit import ProfileModel, link_from_profile
+from evenpipe.cost.runtime_memory import RuntimeConventions
 from evenpipe.cost.source import Holding, MicrobatchShape, ParamCounts, StateBytes, shape_of
 from evenpipe.cost.specs import MODEL_PRESETS, Arch, ModelSpec, replace_spec
 from evenpipe.cost.timing import LayerTimes, allreduce_time, plan_durations_of
@@ -57,6 +59,14 @@ class ProfiledSource:
         self._budget = memory_budget_gib
         self._link = link_from_profile(fits.profile)
         self._costs: dict[tuple[Any, ...], SimCosts] = {}
+        self.conventions: RuntimeConventions | None = None
+        """Model-state bytes of this runtime; None: all four in the profile's dtype (see the module doc)."""
+
+    def with_conventions(self, conventions: RuntimeConventions) -> "ProfiledSource":
+        """This source with model-state bytes by ``conventions`` (the fits and caches shared)."""
+        other = copy.copy(self)
+        other.conventions = conventions
+        return other
 
     @property
     def name(self) -> str:
@@ -140,7 +150,10 @@ class ProfiledSource:
                                layer_weight_grad=min(whole, block.weight_grad_bytes),
                                embedding=emb.saved_bytes + emb.input_saved_bytes,
                                head=head.saved_bytes + head.input_saved_bytes, sent=block.output_bytes,
-                               boundary=max(0.0, block.output_bytes - block.input_saved_bytes))
+                               boundary=max(0.0, block.output_bytes - block.input_saved_bytes),
+                               head_weight_grad=min(head.saved_bytes + head.input_saved_bytes,
+                                                    head.weight_grad_bytes)
+                               if cfg.schedule.traits.split_backward else 0.0)
 
     def param_counts(self, cfg: ParallelConfig) -> ParamCounts:
         info = self.fits.profile.model
@@ -149,6 +162,8 @@ class ProfiledSource:
                            head=float(info.params_of(LayerKind.HEAD)))
 
     def state_bytes(self, cfg: ParallelConfig, rank: int) -> StateBytes:
+        if self.conventions is not None:
+            return self.conventions.state_bytes(cfg.dp, distributed_optimizer=cfg.distributed_optimizer)
         element = float(DTYPE_BYTES.get(self.fits.profile.machine.dtype, 4))
         shards = cfg.dp if cfg.distributed_optimizer else 1
         return StateBytes(parameters=element, gradients=element, master=0.0,

@@ -1,0 +1,94 @@
+"""The predicted peak of every memory category per pipeline rank (``estimate --json``'s
+``peak_bytes_by_category``), the same categories ``train --json-out`` measures.
+
+Model states: the rank's parameters (:class:`~evenpipe.cost.source.Holding`) times the source's bytes per
+parameter of each category. Activations: the program-order walk of :func:`~evenpipe.cost.memory.stage_memory`
+(own, with the stage output held until sent, and hosted). Communication buffers: a walk of the rank's whole
+schedule as the executor posts it -- each pipeline message allocates its buffer when its run of transfers is
+posted; a receive's buffer is taken by the compute that consumes it (``F`` its ``RECV_F``, ``B`` or ``I`` its
+``RECV_B``), and a send is waited after the second compute or host move following its posting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from evenpipe.errors import ConfigError
+from evenpipe.schedule import ActionKind, Schedule
+from evenpipe.schedule.semantics import SEMANTICS
+
+from evenpipe.cost.analytic_source import AnalyticSource
+from evenpipe.cost.categories import MEMORY_CATEGORIES
+from evenpipe.cost.memory import build_cost_schedule, rank_activation_peaks
+from evenpipe.cost.parallel import ParallelConfig, stage_layers
+from evenpipe.cost.profiled_source import ProfiledSource
+from evenpipe.cost.runtime_memory import Runtime, RuntimeConventions
+from evenpipe.cost.source import CostSource, shape_of
+
+__all__ = ["peak_bytes_by_category", "message_buffer_peak", "with_conventions"]
+
+_K = ActionKind
+_PIPELINE = frozenset((_K.SEND_F, _K.SEND_B, _K.RECV_F, _K.RECV_B))
+_POSTED = frozenset(k for k in ActionKind if SEMANTICS[k].peer_kind is not None and not SEMANTICS[k].host_side)
+"""Kinds the executor posts as messages (the rest run in place: computes and host moves)."""
+_TAKES = {_K.FORWARD: _K.RECV_F, _K.BACKWARD: _K.RECV_B, _K.BACKWARD_INPUT: _K.RECV_B}
+
+
+def message_buffer_peak(schedule: Schedule, rank: int, message_bytes: float) -> float:
+    """Peak bytes of pipeline messages in flight on ``rank`` (every message ``message_bytes``)."""
+    pending: set[tuple[ActionKind, int, int]] = set()
+    now = peak = 0.0
+    sends = earlier = 0.0
+    for a in schedule.actions[rank]:
+        if a.kind in _POSTED:
+            if a.kind in _PIPELINE:
+                now += message_bytes
+                if SEMANTICS[a.kind].sends:
+                    sends += message_bytes
+                else:
+                    pending.add((a.kind, a.stage, a.microbatch))
+                peak = max(peak, now)
+            continue
+        taken = _TAKES.get(a.kind)
+        if taken is not None and (taken, a.stage, a.microbatch) in pending:
+            pending.discard((taken, a.stage, a.microbatch))
+            now -= message_bytes
+        now -= earlier
+        earlier, sends = sends, 0.0
+    return peak
+
+
+def peak_bytes_by_category(source: CostSource, cfg: ParallelConfig) -> tuple[dict[str, int], ...]:
+    """Per pipeline rank, the predicted peak bytes of every category (see the module docstring)."""
+    schedule = build_cost_schedule(cfg, source.plan_durations(cfg))
+    layers = stage_layers(source.model, cfg)
+    counts = source.param_counts(cfg)
+    shape = shape_of(source.model, cfg)
+    last = schedule.num_stages - 1
+    out = []
+    for r, (peak, held) in enumerate(rank_activation_peaks(source, cfg)):
+        n = counts.per_layer * sum(layers[s] for s in schedule.stages_of(r))
+        n += counts.embedding if r == schedule.rank_of(0) else 0.0
+        n += counts.head if r == schedule.rank_of(last) else 0.0
+        b = source.state_bytes(cfg, r)
+        sent = source.layer_bytes(cfg, r, shape).sent
+        values = (n * b.parameters, n * b.gradients, n * b.master, n * b.optimizer,
+                  peak.own_layers + peak.own_extra_embedding + peak.own_extra_head + held, peak.hosted,
+                  message_buffer_peak(schedule, r, sent))
+        out.append({name: round(v) for name, v in zip(MEMORY_CATEGORIES, values)})
+    return tuple(out)
+
+
+def with_conventions(source: CostSource, conventions: RuntimeConventions) -> CostSource:
+    """``source`` answering model-state bytes (and an analytic source's activation bytes, counted in 2-byte
+    elements, in the training dtype) by ``conventions``. A profile measured in another dtype than
+    ``conventions.dtype`` is refused in one line (its activations are that dtype's)."""
+    if isinstance(source, AnalyticSource):
+        return dataclasses.replace(source, conventions=conventions)
+    if isinstance(source, ProfiledSource):
+        measured = source.fits.profile.machine.dtype
+        if conventions.runtime is Runtime.EVENPIPE and measured != conventions.dtype.value:
+            raise ConfigError(f"--dtype {conventions.dtype.value}: the profile was measured in {measured}; "
+                              f"profile in {conventions.dtype.value} or pass --dtype {measured}")
+        return source.with_conventions(conventions)
+    raise ConfigError(f"runtime conventions apply to an analytic or a profiled source, not {source.name}")

@@ -1,0 +1,82 @@
+"""Memory by category, predicted: the runtimes' bytes per parameter, the message-buffer walk, and estimate's key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evenpipe.cli import main
+from evenpipe.cost.category_memory import message_buffer_peak
+from evenpipe.cost.runtime_memory import Runtime, RuntimeConventions, StateSharding, TrainPrecision
+from evenpipe.errors import ConfigError
+from evenpipe.schedule import build_schedule
+
+
+def _bytes(runtime: str, dtype: str, sharding: str, dp: int) -> tuple[float, float, float, float]:
+    b = RuntimeConventions(runtime=Runtime(runtime), dtype=TrainPrecision(dtype),
+                           sharding=StateSharding(sharding)).state_bytes(dp)
+    return b.parameters, b.gradients, b.master, b.optimizer
+
+
+@pytest.mark.parametrize(("runtime", "dtype", "sharding", "expected"), [
+    ("evenpipe", "float32", "none", (4, 4, 0, 8)),
+    ("evenpipe", "float32", "optimizer", (4, 4, 0, 2)),
+    ("evenpipe", "float32", "full", (1, 1, 0, 2)),
+    ("evenpipe", "bfloat16", "none", (2, 6, 4, 8)),
+    ("evenpipe", "bfloat16", "optimizer", (2, 3, 1, 2)),
+    ("evenpipe", "bfloat16", "full", (0.5, 1.5, 1, 2)),
+    ("megatron", "bfloat16", "none", (2, 4, 4, 8)),
+    ("megatron", "bfloat16", "optimizer", (2, 4, 1, 2)),
+])
+def test_bytes_per_parameter_at_dp_4(runtime: str, dtype: str, sharding: str,
+                                     expected: tuple[float, ...]) -> None:
+    assert _bytes(runtime, dtype, sharding, 4) == expected
+
+
+def test_megatron_has_no_full_sharding() -> None:
+    with pytest.raises(ConfigError, match="--sharding full.*--runtime evenpipe"):
+        RuntimeConventions(runtime=Runtime.MEGATRON, sharding=StateSharding.FULL)
+
+
+def test_message_buffers_of_1f1b_on_two_ranks() -> None:
+    s = build_schedule("1f1b", num_ranks=2, num_microbatches=4)
+    # rank 0 posts a SEND_F and, in steady state, the RECV_B of the next backward with the SEND_F of the forward
+    # before it still unwaited; rank 1 holds at most a RECV_F and a SEND_B
+    peaks = [message_buffer_peak(s, r, 10.0) for r in range(2)]
+    assert peaks == [30.0, 20.0]
+    assert message_buffer_peak(build_schedule("1f1b", num_ranks=1, num_microbatches=4), 0, 10.0) == 0.0
+
+
+def _estimate(capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
+    assert main(["estimate", "--model", "gpt-tiny", "--gpu", "h100-80gb", "--pp", "2", "--dp", "2",
+                 "--global-batch", "8", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_estimate_gives_categories_per_rank_by_the_runtime(capsys: pytest.CaptureFixture[str]) -> None:
+    fp32 = _estimate(capsys)
+    bf16 = _estimate(capsys, "--dtype", "bfloat16", "--sharding", "optimizer")
+    mega = _estimate(capsys, "--runtime", "megatron")
+    assert fp32["runtime"] == {"runtime": "evenpipe", "dtype": "float32", "sharding": "none"}
+    assert mega["runtime"]["dtype"] == "bfloat16"
+    for a, b, m in zip(fp32["peak_bytes_by_category"], bf16["peak_bytes_by_category"],
+                       mega["peak_bytes_by_category"]):
+        n = a["parameters"] / 4  # the rank's parameters
+        assert n == int(n) > 0 and a["master_weights"] == 0 and a["optimizer_state"] == 8 * n
+        assert (b["parameters"], b["gradients"], b["master_weights"], b["optimizer_state"]) == \
+            (2 * n, 4 * n, 2 * n, 4 * n)
+        assert b["communication_buffers"] * 2 == a["communication_buffers"] > 0
+        assert m["gradients"] == 4 * n and m["master_weights"] == 4 * n
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--runtime", "deepspeed"], "runtime"), (["--dtype", "float16"], "dtype"), (["--sharding", "zero3"], "sharding"),
+    (["--runtime", "megatron", "--dtype", "float32"], "--dtype float32"),
+    (["--sharding", "none", "--distributed-optimizer"], "--distributed-optimizer"),
+])
+def test_bad_runtime_options_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["estimate", "--model", "gpt-tiny", "--gpu", "h100-80gb", "--pp", "2", "--dp", "2",
+                 "--global-batch", "8", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
