@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+from evenpipe.cost.categories import MEMORY_CATEGORIES
+from evenpipe.cost.category_memory import peak_bytes_by_category, with_conventions
+from evenpipe.cost.parallel import ParallelConfig
 from evenpipe.cost.profile import Profile, ProfileError, load_profile
 from evenpipe.cost.profile_fit import ProfileModel, StepPrediction, predict_step
+from evenpipe.cost.profiled_source import ProfiledSource
+from evenpipe.cost.runtime_memory import RuntimeConventions, StateSharding, TrainPrecision
 from evenpipe.schedule.ir import Schedule
 
 __all__ = ["check_profile_for_training", "PredictedRun", "predicted_run", "prediction_table",
@@ -119,3 +124,30 @@ def predicted_compute_s(profile_path: str, *, model_name: str, model_config: Any
                                          dtype=dtype)
     pred = predict_step(ProfileModel(profile), schedule, microbatch_size=microbatch_size, layout=tuple(layout))
     return tuple(pred.trace.busy_time(r) for r in range(schedule.num_ranks))
+
+
+def category_prediction(profile_path: str, cfg: ParallelConfig, *, dtype: str,
+                        sharding: str) -> tuple[dict[str, int], ...] | None:
+    """The profile's predicted peak of every memory category per pipeline rank for a run of ``cfg`` in ``dtype``
+    under ``--sharding sharding`` (evenpipe's conventions); None at tensor parallelism > 1 (a profile measures
+    whole layers on one device)."""
+    if cfg.tp != 1:
+        return None
+    profile = load_profile(profile_path)
+    conventions = RuntimeConventions(dtype=TrainPrecision(dtype), sharding=StateSharding(sharding))
+    source = with_conventions(ProfiledSource(ProfileModel(profile)), conventions)
+    return peak_bytes_by_category(source, cfg)
+
+
+def category_table(predicted: Sequence[Mapping[str, int]] | None, measured: Sequence[Mapping[str, int]]) -> str:
+    """Predicted against measured peak bytes, per pipeline rank and memory category (KiB)."""
+    if predicted is None:
+        return "memory by category: not predicted (a profile predicts tensor parallelism 1 only)"
+    lines = ["peak memory by category (KiB): predicted vs measured",
+             f"{'rank':>4} {'category':22s} {'predicted':>12s} {'measured':>12s} {'error':>8s}"]
+    for r, (p, m) in enumerate(zip(predicted, measured)):
+        for c in MEMORY_CATEGORIES:
+            pv, mv = p.get(c, 0), m.get(c, 0)
+            err = "   exact" if pv == mv else _err(pv, mv)
+            lines.append(f"{r:4d} {c:22s} {pv / 1024:12.1f} {mv / 1024:12.1f} {err:>8s}")
+    return "\n".join(lines)

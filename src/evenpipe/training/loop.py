@@ -343,19 +343,19 @@ def _gather_summary(job: _Job, report: RankReport, progress: _Progress, *, first
                             first_step=first_step,
                             tokens_per_step=job.config.data.global_batch * job.config.seq_len)
         log.info("\n" + memory_table(summary, measured=job.measured))
-        prediction = _prediction(job, [r for r, _ in gathered])
+        prediction = _prediction(job, [r for r, _ in gathered], summary.peak_bytes_by_category)
         _write_outputs(job, summary, [rec for _, rec in gathered if rec is not None], prediction)
         shared = [summary]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
 
 
-def _prediction(job: _Job, reports: list[RankReport]) -> dict[str, Any] | None:
+def _prediction(job: _Job, reports: list[RankReport], measured: Any = ()) -> dict[str, Any] | None:
     """With ``--predict``: log the profile's prediction against this run's measurement; its dict form."""
     out, cfg = job.config.output, job.config
     if not out.predict:
         return None
-    from evenpipe.plan.predict import prediction_table, report_prediction
+    from evenpipe.plan.predict import category_prediction, category_table, prediction_table, report_prediction
     from evenpipe.runtime.stages import stage_block_counts
     model_config = cfg.model.resolve()
     run = report_prediction(out.predict, model_name=cfg.model.name, model_config=model_config,
@@ -364,7 +364,21 @@ def _prediction(job: _Job, reports: list[RankReport]) -> dict[str, Any] | None:
                             layout=stage_block_counts(model_config, job.schedule.num_stages, cfg.schedule.layout),
                             reports=reports, dtype=cfg.model.dtype.value)
     log.info("\n" + prediction_table(run))
-    return run.to_dict()
+    predicted = category_prediction(out.predict, _parallel_config(cfg), dtype=cfg.model.dtype.value,
+                                    sharding=cfg.runtime.sharding.value)
+    log.info("\n" + category_table(predicted, measured))
+    return {**run.to_dict(), "peak_bytes_by_category": list(predicted) if predicted is not None else None}
+
+
+def _parallel_config(cfg: TrainConfig) -> Any:
+    """The planner's record of this run's parallelism (what its memory prediction takes)."""
+    from evenpipe.cost.parallel import ParallelConfig, Recompute
+    sched, rt, m = cfg.schedule, cfg.runtime, cfg.schedule.num_microbatches
+    return ParallelConfig(tp=rt.tp, pp=sched.num_ranks, dp=rt.dp, chunks=sched.num_chunks or 1,
+                          microbatch_size=cfg.data.global_batch // (m * rt.dp), global_batch=cfg.data.global_batch,
+                          recompute=Recompute.FULL if sched.recompute else Recompute.NONE, schedule=sched.family,
+                          distributed_optimizer=rt.sharding is not Sharding.NONE, bpipe=sched.bpipe,
+                          bpipe_budget=sched.bpipe_budget, layout=sched.layout)
 
 
 def _write_outputs(job: _Job, summary: TrainSummary, recorders: list[Any],

@@ -80,3 +80,12 @@ def test_bad_runtime_options_are_one_line(args: list[str], message: str, capsys:
                  "--global-batch", "8", *args])
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_category_table_marks_exact_counts_and_errors() -> None:
+    from evenpipe.plan.predict import category_table
+    measured = [dict.fromkeys(("parameters", "own_activations"), 1024)]
+    table = category_table([{"parameters": 1024, "own_activations": 1075}], measured)
+    rows = {line.split()[1]: line for line in table.splitlines()[2:]}
+    assert rows["parameters"].endswith("exact") and rows["own_activations"].endswith("+5.0%")
+    assert "not predicted" in category_table(None, measured)
