@@ -127,15 +127,23 @@ def _stop_on_signals() -> Iterator[None]:
 def _start(config_path: str, status_dir: str, nproc: int, port: int,
            procs: list[subprocess.Popen[bytes]]) -> None:
     """Start the workers into ``procs`` (appended one by one, so a stop half-way ends those started), joining the
-    rendezvous store on ``port`` (see :func:`~evenpipe.runtime.rendezvous.hosted_rendezvous`). They form one
-    process group, led by rank 0, and each is told to end when this process is gone."""
+    rendezvous store on ``port`` (see :func:`~evenpipe.runtime.rendezvous.hosted_rendezvous`). They stay out of
+    this process's group (:func:`_own_group`), and each is told to end when this process is gone."""
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         env.setdefault("OMP_NUM_THREADS", "1")
         procs.append(subprocess.Popen([sys.executable, "-m", "evenpipe.training.worker", config_path,
                                        "--status-dir", status_dir, "--launcher-pid", str(os.getpid())], env=env,
-                                      process_group=procs[0].pid if procs else 0))
+                                      **_own_group(procs)))
+
+
+def _own_group(procs: list[subprocess.Popen[bytes]]) -> dict[str, Any]:
+    """Popen options that keep a worker out of the launcher's process group: the workers' shared group, led by
+    rank 0 (Python 3.11+), else a session of its own (Python 3.10 has no ``process_group``)."""
+    if sys.version_info >= (3, 11):
+        return {"process_group": procs[0].pid if procs else 0}
+    return {"start_new_session": True}
 
 
 def _end_group(procs: list[subprocess.Popen[bytes]], policy: FaultPolicy) -> None:
@@ -150,9 +158,9 @@ def _end_group(procs: list[subprocess.Popen[bytes]], policy: FaultPolicy) -> Non
 
 def _signal_until_gone(procs: list[subprocess.Popen[bytes]], policy: FaultPolicy) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        if all(p.poll() is not None for p in procs):  # all reaped: the group's id may no longer be ours
+        if all(p.poll() is not None for p in procs):
             return
-        _signal_group(procs[0].pid, sig)
+        _signal_groups(procs, sig)
         deadline = time.monotonic() + policy.kill_after_s
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             time.sleep(policy.poll_s)
@@ -160,11 +168,20 @@ def _signal_until_gone(procs: list[subprocess.Popen[bytes]], policy: FaultPolicy
         p.wait()
 
 
-def _signal_group(group: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(group, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _signal_groups(procs: list[subprocess.Popen[bytes]], sig: signal.Signals) -> None:
+    """``sig`` to the process group of every worker not yet reaped (so also to what a worker started); to the
+    worker alone should it share the launcher's group. A reaped worker is skipped: its pid may be another's."""
+    for p in procs:
+        if p.poll() is not None:
+            continue
+        try:
+            group = os.getpgid(p.pid)
+            if group == os.getpgrp():
+                p.send_signal(sig)
+            else:
+                os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _steps_done(status_dir: str, nproc: int) -> int | None:
