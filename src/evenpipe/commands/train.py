@@ -114,8 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow-rank-threshold", type=float, default=1.3,
                    help="name a pipeline rank whose compute, against the prediction (--predict) or its own first "
                         "steps, is this many times its peers' (default 1.3)")
-    p.add_argument("--slow-rank-steps", type=int, default=3,
-                   help="consecutive slow steps before a rank is named and replan.json written (default 3)")
+    p.add_argument("--slow-rank-steps", type=int, default=4,
+                   help="consecutive slow steps before a rank is named and replan.json written (default 4)")
     p.add_argument("--emulate-slow-rank", default=None, metavar="RANK:FACTOR[@STEP]",
                    help="for tests and benchmarks: pipeline rank RANK's computes take FACTOR times as long from "
                         "0-based step STEP (it sleeps after each)")

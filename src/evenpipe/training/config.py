@@ -351,7 +351,7 @@ class RuntimeOptions:
     slow_rank_threshold: float = 1.3
     """A rank whose compute, against its reference, is this many times its peers' is slow in that step
     (:mod:`evenpipe.plan.slow_rank`)."""
-    slow_rank_steps: int = 3
+    slow_rank_steps: int = 4
     """Consecutive slow steps before a slow rank is named and a layout re-planned."""
     emulate_slow_rank: str | None = None
     """For tests and benchmarks: ``RANK:FACTOR[@STEP]`` slows a pipeline rank's computes

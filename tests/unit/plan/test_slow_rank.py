@@ -69,7 +69,7 @@ def test_against_a_prediction_a_longer_step_is_not_slow_and_a_steady_model_error
         assert det.observe([3 * c for c in steady], work=3.0) is None  # three times the work, three times the time
     slowed = [c * (1.5 if r == 3 else 1.0) for r, c in enumerate(steady)]
     (step, alarm), = _run(det, [slowed] * 4)
-    assert alarm.rank == 3 and step == 3 and alarm.against == "predicted"
+    assert alarm.rank == 3 and step == det.config.patience == 4 and alarm.against == "predicted"
     assert alarm.factor == pytest.approx(1.5)
 
 
