@@ -149,12 +149,12 @@ def cross_rank_inputs(layout: tuple[int, ...]) -> tuple[list[bool], list[bool]]:
             [s + 1 < S and layout[s + 1] != layout[s] for s in range(S)])
 
 
-_kinds: ObjectMemo[frozenset[int]] = ObjectMemo(4)
+_kinds: ObjectMemo[frozenset[int]] = ObjectMemo(1)
 
 
 def kinds_used(schedule: Schedule) -> frozenset[int]:
-    """The kind codes ``schedule`` holds (computed once for the last few schedule objects asked about: the
-    dispatcher's ``applies`` checks ask each time)."""
+    """The kind codes ``schedule`` holds (computed once for the last schedule object asked about: the dispatcher's
+    ``applies`` checks ask in turn; only one is kept, so no other schedule is kept alive)."""
     return _kinds.get(schedule, None, lambda: frozenset().union(*map(set, schedule.columns.kinds)))
 
 
