@@ -130,11 +130,13 @@ def source_from_args(args: argparse.Namespace, command: str) -> CostSource:
 
 
 
-def add_runtime_arguments(parser: "argparse.ArgumentParser | argparse._ArgumentGroup") -> None:
+def add_runtime_arguments(parser: "argparse.ArgumentParser | argparse._ArgumentGroup", *,
+                          default_runtime: str = "evenpipe") -> None:
     """``--runtime``, ``--dtype`` and ``--sharding``: whose model-state conventions the memory follows."""
-    parser.add_argument("--runtime", default="evenpipe", metavar="NAME",
-                        help="model-state conventions: evenpipe (what `evenpipe train` keeps; default) or megatron "
-                             "(bf16 weights, fp32 grads, masters and Adam: the published tables)")
+    parser.add_argument("--runtime", default=default_runtime, metavar="NAME",
+                        help="model-state conventions: evenpipe (what `evenpipe train` keeps) or megatron (bf16 "
+                             "weights, fp32 grads, masters and Adam: the published tables); default "
+                             f"{default_runtime}")
     parser.add_argument("--dtype", default=None, metavar="DTYPE",
                         help="training dtype as `train --dtype`: float32 or bfloat16 (default: a profile's dtype, "
                              "else float32; evenpipe runtime only)")

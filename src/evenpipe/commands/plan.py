@@ -11,7 +11,8 @@ import time
 from typing import TypeVar
 
 from evenpipe.commands.model_args import (add_gpus_per_node_argument, add_model_arguments, add_profile_arguments,
-                                         parse_layout, source_from_args)
+                                         add_runtime_arguments, conventions_from_args, parse_layout,
+                                         source_from_args)
 from evenpipe.cost import Attention, Hardware, ModelSpec, Recompute
 from evenpipe.cost.profiled_source import ProfiledSource
 from evenpipe.cost.source import CostSource
@@ -53,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                         help="shard optimizer state over data parallelism (default: the planner tries both)")
     parser.add_argument("--bpipe-budget", type=int, metavar="K", help="BPipe per-rank activation budget")
+    add_runtime_arguments(parser, default_runtime="megatron")  # the search's fits and checks are Megatron's
     add_profile_arguments(parser)
 
 
@@ -126,7 +128,8 @@ def _profile_space(args: argparse.Namespace, space: SearchSpace) -> SearchSpace:
 def run(args: argparse.Namespace) -> int:
     if args.explain is not None and args.explain not in _EXPLAIN_TOPICS:
         raise choice_error("--explain topic", args.explain, _EXPLAIN_TOPICS)
-    source = source_from_args(args, "plan")
+    from evenpipe.cost.category_memory import with_conventions
+    source = with_conventions(source_from_args(args, "plan"), conventions_from_args(args))
     model, hw = source.model, source.hardware
     space = _space_from_args(args)
     if hw is None:

@@ -89,3 +89,14 @@ def test_category_table_marks_exact_counts_and_errors() -> None:
     rows = {line.split()[1]: line for line in table.splitlines()[2:]}
     assert rows["parameters"].endswith("exact") and rows["own_activations"].endswith("+5.0%")
     assert "not predicted" in category_table(None, measured)
+
+
+def test_plan_takes_the_runtime_options(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "--model", "gpt-tiny", "--gpu", "h100-80gb", "--gpus", "2", "--global-batch", "8", "--top", "1",
+            "--json"]
+
+    def plans(*extra: str) -> list:
+        assert main([*base, *extra]) == 0
+        return json.loads(capsys.readouterr().out)["candidates"]
+    assert plans() == plans("--runtime", "megatron")  # plan keeps Megatron's layout unless asked
+    assert plans("--runtime", "evenpipe", "--dtype", "bfloat16", "--sharding", "optimizer")
