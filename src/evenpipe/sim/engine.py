@@ -135,20 +135,22 @@ def _stuck_grid(schedule: Schedule, pcs: list[int], width: int = 4) -> str:
     return "\n".join(lines)
 
 
-@dataclass(slots=True)
 class _RankMoves:
     """One rank's moves met so far while preparing it (keys are (stage, micro-batch))."""
 
-    away: dict[tuple[int, int], ActionKind] = field(default_factory=dict)
-    """EVICT/OFFLOAD not yet brought back."""
-    back: dict[tuple[int, int], int] = field(default_factory=dict)
-    """LOAD/RELOAD index not yet consumed."""
-    accepted: dict[tuple[int, int], int] = field(default_factory=dict)
-    offloaded: set[tuple[int, int]] = field(default_factory=set)
-    evicting: list[int] = field(default_factory=list)
-    """EVICTs posted since the last F/R: the next F/R and LOADs wait for them to land."""
-    returning: list[int] = field(default_factory=list)
-    """RETURNs posted since the last ACCEPT, and that ACCEPT: the next ACCEPT waits for them."""
+    __slots__ = ("away", "back", "accepted", "offloaded", "evicting", "returning")
+
+    def __init__(self) -> None:
+        self.away: dict[tuple[int, int], ActionKind] = {}
+        """EVICT/OFFLOAD not yet brought back."""
+        self.back: dict[tuple[int, int], int] = {}
+        """LOAD/RELOAD index not yet consumed."""
+        self.accepted: dict[tuple[int, int], int] = {}
+        self.offloaded: set[tuple[int, int]] = set()
+        self.evicting: list[int] = []
+        """EVICTs posted since the last F/R: the next F/R and LOADs wait for them to land."""
+        self.returning: list[int] = []
+        """RETURNs posted since the last ACCEPT, and that ACCEPT: the next ACCEPT waits for them."""
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ on the costs) is cached for the last few schedules simulated, so sweeps over cos
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 from itertools import repeat
 
@@ -106,8 +106,7 @@ class Shape:
         return self.link_order, self.x_linkpos
 
 
-@dataclass(slots=True)
-class _PeerColumns:
+class _PeerColumns(RunState):
     """The peer-to-peer messages :meth:`_Compiler._match` numbers, as parallel lists in that order."""
 
     src: list[int]
@@ -136,20 +135,22 @@ def compile_shape(schedule: Schedule) -> Shape:
     return _cache.get(schedule, None, lambda: _Compiler(schedule).run())
 
 
-@dataclass(slots=True)
 class _RankState:
     """What :meth:`_Compiler._rank` has met so far on one rank (keys (stage, mb), or completion keys)."""
 
-    done: dict[int, int] = field(default_factory=dict)
-    """Completion key -> index of the compute producing it, produced so far."""
-    wanted: dict[int, int] = field(default_factory=dict)
-    """Completion key -> signal, for consumers met before their producer."""
-    away: set[tuple[int, int]] = field(default_factory=set)
-    back: dict[tuple[int, int], int] = field(default_factory=dict)
-    accepted: dict[tuple[int, int], int] = field(default_factory=dict)
-    offloaded: dict[tuple[int, int], int] = field(default_factory=dict)
-    evicting: list[int] = field(default_factory=list)
-    returning: list[int] = field(default_factory=list)
+    __slots__ = ("done", "wanted", "away", "back", "accepted", "offloaded", "evicting", "returning")
+
+    def __init__(self) -> None:
+        self.done: dict[int, int] = {}
+        """Completion key -> index of the compute producing it, produced so far."""
+        self.wanted: dict[int, int] = {}
+        """Completion key -> signal, for consumers met before their producer."""
+        self.away: set[tuple[int, int]] = set()
+        self.back: dict[tuple[int, int], int] = {}
+        self.accepted: dict[tuple[int, int], int] = {}
+        self.offloaded: dict[tuple[int, int], int] = {}
+        self.evicting: list[int] = []
+        self.returning: list[int] = []
 
 
 class _Compiler:

@@ -33,8 +33,9 @@ _Sig = TypeVar("_Sig", bound=Hashable)
 
 
 class RunState:
-    """An evaluator's per-run tables and lists, declared as annotated attributes of a subclass and set by keyword,
-    every one (a plain class: defining a dataclass of some fifty fields costs a millisecond at import)."""
+    """A record of an evaluator's (its per-run tables and lists, its compiled columns), declared as annotated
+    attributes of a subclass and set by keyword, every one (a plain class: defining a dataclass of some fifty fields
+    costs a millisecond at import, and the dispatcher imports every evaluator)."""
 
     def __init__(self, **fields: object) -> None:
         missing = set(type(self).__annotations__) - set(fields)
