@@ -105,24 +105,30 @@ def measured(summary: dict[str, Any], first: int = 1) -> float:
 
 
 def uneven(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]:
+    """The three runs; without a named rank, the re-planned run is skipped and recovery and detection are None."""
     slow = f"{args.slow_rank}:{args.factor}@{args.slow_from}"
     base = train(args, out, "baseline", args.false_alarm_steps)
     even = train(args, out, "slow_even", args.steps, "--emulate-slow-rank", slow)
     replan = even["replan"]
+    cases = [("baseline", base, measured(base), False)]
     if replan is None:
-        raise SystemExit(f"the slow rank was not named in {args.steps} steps: {even['slow_ranks']['alarms']}")
-    detected_after = replan["step"] - args.slow_from  # slowed steps until named
-    fixed = train(args, out, "slow_replanned", args.steps, "--emulate-slow-rank", f"{args.slow_rank}:{args.factor}",
-                  "--layout", replan["layout_arg"])
-    b, e, r = measured(base), measured(even, replan["step"]), measured(fixed)
+        cases.append(("slow_even", even, measured(even, max(args.slow_from, 1)), True))
+    else:
+        fixed = train(args, out, "slow_replanned", args.steps, "--emulate-slow-rank",
+                      f"{args.slow_rank}:{args.factor}", "--layout", replan["layout_arg"])
+        cases += [("slow_even", even, measured(even, replan["step"]), True),
+                  ("slow_replanned", fixed, measured(fixed), True)]
     runs = {}
-    for name, s, m, is_slow in (("baseline", base, b, False), ("slow_even", even, e, True),
-                                ("slow_replanned", fixed, r, True)):
+    for name, s, m, is_slow in cases:
         p, layout = predicted_step(args, s, is_slow)
         runs[name] = {"measured_step_s": m, "predicted_step_s": p, "error": (p - m) / m, "layout": layout}
-    return {"runs": runs, "recovery": (e - r) / (e - b) if e > b else None,  # None: the slowdown cost nothing
-            "replanned_layout": replan["layout"], "detected_after_steps": detected_after,
-            "detected_rank": replan["rank"], "detected_factor": replan["factor"],
+    b, e = runs["baseline"]["measured_step_s"], runs["slow_even"]["measured_step_s"]
+    r = runs["slow_replanned"]["measured_step_s"] if replan is not None else None
+    return {"runs": runs, "recovery": (e - r) / (e - b) if r is not None and e > b else None,  # None: not measurable
+            "replanned_layout": replan and replan["layout"],
+            "detected_after_steps": replan and replan["step"] - args.slow_from,  # slowed steps until named
+            "detected_rank": replan and replan["rank"], "detected_factor": replan and replan["factor"],
+            "slow_even_alarms": even["slow_ranks"]["alarms"],
             "false_alarms": len(base["slow_ranks"]["alarms"]), "false_alarm_steps": args.false_alarm_steps}
 
 
@@ -173,8 +179,9 @@ def main() -> int:
         print(f"{name:15s} measured {run['measured_step_s'] * 1e3:8.1f} ms  predicted "
               f"{run['predicted_step_s'] * 1e3:8.1f} ms ({run['error']:+.1%})")
     recovery = "-" if result["recovery"] is None else f"{result['recovery']:.0%}"
-    print(f"recovery {recovery}; rank {result['detected_rank']} named after "
-          f"{result['detected_after_steps']} slowed steps at {result['detected_factor']:.2f}x; false alarms "
+    named = ("not named" if result["detected_rank"] is None else f"rank {result['detected_rank']} named after "
+             f"{result['detected_after_steps']} slowed steps at {result['detected_factor']:.2f}x")
+    print(f"recovery {recovery}; {named}; false alarms "
           f"{result['false_alarms']} in {result['false_alarm_steps']} steps; latency-aware gain "
           f"{result['latency']['gain']:+.1%} ({result['latency']['link']} ms); load {load0} -> {result['load_after']}")
     return 0

@@ -41,6 +41,21 @@ def test_recovery_detection_and_false_alarms_from_the_runs(monkeypatch: pytest.M
     assert seen[1] == ("slow_even", ("--emulate-slow-rank", "1:1.5@6"))
 
 
+def test_a_slow_rank_never_named_skips_the_replanned_run(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: pathlib.Path) -> None:
+    names: list[str] = []
+
+    def train(args, out, name, steps, *extra):
+        names.append(name)
+        return _summary([0.1] * 5 if name == "baseline" else [0.1, 0.1, 0.2, 0.2, 0.2], [], None)
+    monkeypatch.setattr(bench_uneven, "train", train)
+    monkeypatch.setattr(bench_uneven, "predicted_step", lambda args, s, slow: (0.1, [2, 2]))
+    args = argparse.Namespace(slow_rank=1, factor=1.5, slow_from=3, steps=6, false_alarm_steps=6)
+    result = bench_uneven.uneven(args, tmp_path)
+    assert names == ["baseline", "slow_even"] and result["recovery"] is None and result["detected_rank"] is None
+    assert result["runs"]["slow_even"]["measured_step_s"] == pytest.approx(0.2)
+
+
 def test_measured_takes_the_median_from_a_step_on() -> None:
     s = _summary([1.0, 2.0, 3.0, 4.0, 5.0], [], None)  # 0-based steps 1..5
     assert bench_uneven.measured(s) == 3.0 and bench_uneven.measured(s, 4) == 4.5
