@@ -10,13 +10,14 @@ runs (:class:`~evenpipe.sim.kernel.CannotVouch`). The trace names its evaluator 
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Callable
 
 from evenpipe.schedule.ir import Schedule
 from evenpipe.sim import engine, fast, free, links
 from evenpipe.sim.costs import SimCosts
-from evenpipe.sim.kernel import CannotVouch, gc_paused
+from evenpipe.sim.kernel import CannotVouch
 from evenpipe.sim.trace import Trace
 
 __all__ = ["Evaluator", "EVALUATORS", "simulate"]
@@ -54,12 +55,17 @@ def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
     Raises :class:`~evenpipe.errors.ScheduleValidationError` for unmatched transfers or a schedule that deadlocks,
     and :class:`~evenpipe.errors.ConfigError` when ``costs`` does not describe every stage.
     """
-    engine.check_costs(schedule, costs)
-    with gc_paused():
+    collecting = gc.isenabled()
+    gc.disable()  # first, before anything allocates: no collection runs inside a simulation (see gc_paused)
+    try:
+        engine.check_costs(schedule, costs)
         for evaluator in EVALUATORS:
             if evaluator.applies(schedule, costs):
                 try:
                     return evaluator.run(schedule, costs)
                 except CannotVouch:
                     continue
+    finally:
+        if collecting:
+            gc.enable()
     raise AssertionError("the event engine answers every schedule")
