@@ -10,14 +10,13 @@ runs (:class:`~evenpipe.sim.kernel.CannotVouch`). The trace names its evaluator 
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from typing import Callable
 
 from evenpipe.schedule.ir import Schedule
 from evenpipe.sim import engine, fast, free, links
 from evenpipe.sim.costs import SimCosts
-from evenpipe.sim.kernel import CannotVouch
+from evenpipe.sim.kernel import CannotVouch, gc_paused
 from evenpipe.sim.trace import Trace
 
 __all__ = ["Evaluator", "EVALUATORS", "simulate"]
@@ -55,9 +54,7 @@ def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
     Raises :class:`~evenpipe.errors.ScheduleValidationError` for unmatched transfers or a schedule that deadlocks,
     and :class:`~evenpipe.errors.ConfigError` when ``costs`` does not describe every stage.
     """
-    collecting = gc.isenabled()
-    gc.disable()  # first, before anything allocates: no collection runs inside a simulation (see gc_paused)
-    try:
+    with gc_paused():  # first, before anything allocates: no collection starts inside a simulation
         engine.check_costs(schedule, costs)
         for evaluator in EVALUATORS:
             if evaluator.applies(schedule, costs):
@@ -65,7 +62,4 @@ def simulate(schedule: Schedule, costs: SimCosts) -> Trace:
                     return evaluator.run(schedule, costs)
                 except CannotVouch:
                     continue
-    finally:
-        if collecting:
-            gc.enable()
     raise AssertionError("the event engine answers every schedule")

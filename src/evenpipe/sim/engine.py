@@ -105,8 +105,8 @@ def simulate_events(schedule: Schedule, costs: SimCosts, *,
     """The reference: simulate with the event engine described above (same contract as
     :func:`evenpipe.sim.simulate`). ``durations`` gives every compute its own duration, keyed by (rank, index in
     the rank's action list), instead of its stage's (see :func:`evenpipe.sim.replay.replay`)."""
-    check_costs(schedule, costs)
-    with gc_paused():
+    with gc_paused():  # first, before anything allocates
+        check_costs(schedule, costs)
         return _Engine(schedule, costs, per_action=durations).run()
 
 

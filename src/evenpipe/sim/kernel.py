@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from contextlib import contextmanager
-from typing import Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
+from typing import Callable, Hashable, Iterable, Sequence, TypeVar
 
 from evenpipe.schedule.ir import Schedule
 from evenpipe.schedule.memo import ObjectMemo
@@ -159,17 +158,35 @@ def kinds_used(schedule: Schedule) -> frozenset[int]:
     return _kinds.get(schedule, None, lambda: frozenset().union(*map(set, schedule.columns.kinds)))
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause cyclic garbage collection: a run allocates ~10^5-10^6 small acyclic objects, and collections
-    would only cost time (~25% on the event engine)."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
+class _GcPause:
+    """A re-entrant pause of cyclic garbage collection that allocates nothing on entry (a generator-based context
+    manager would allocate, and so could start the very collection it is meant to keep out)."""
+
+    __slots__ = ("depth", "was_enabled")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.was_enabled = False
+
+    def __enter__(self) -> None:
+        if not self.depth:
+            self.was_enabled = gc.isenabled()
+            gc.disable()
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+        if not self.depth and self.was_enabled:
             gc.enable()
+
+
+_GC_PAUSE = _GcPause()
+
+
+def gc_paused() -> _GcPause:
+    """Pause cyclic garbage collection (re-entrant): a run allocates ~10^5-10^6 small acyclic objects, and
+    collections would only cost time (~25% on the event engine). Enter it before anything allocates."""
+    return _GC_PAUSE
 
 
 def attempt(run: Callable[[], Trace]) -> Trace | None:
