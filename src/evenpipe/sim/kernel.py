@@ -15,7 +15,6 @@ from collections import Counter
 from typing import Callable, Hashable, Iterable, Sequence, TypeVar
 
 from evenpipe.schedule.ir import Schedule
-from evenpipe.schedule.memo import ObjectMemo
 from evenpipe.sim.costs import StageCosts
 from evenpipe.sim.rules import B, F, I, KR, W
 from evenpipe.sim.trace import Trace
@@ -149,13 +148,10 @@ def cross_rank_inputs(layout: tuple[int, ...]) -> tuple[list[bool], list[bool]]:
             [s + 1 < S and layout[s + 1] != layout[s] for s in range(S)])
 
 
-_kinds: ObjectMemo[frozenset[int]] = ObjectMemo(1)
-
-
 def kinds_used(schedule: Schedule) -> frozenset[int]:
-    """The kind codes ``schedule`` holds (computed once for the last schedule object asked about: the dispatcher's
-    ``applies`` checks ask in turn; only one is kept, so no other schedule is kept alive)."""
-    return _kinds.get(schedule, None, lambda: frozenset().union(*map(set, schedule.columns.kinds)))
+    """The kind codes ``schedule`` holds (not memoized: a memo would hold the schedule, and its release would
+    then fall inside a later simulation)."""
+    return frozenset().union(*map(set, schedule.columns.kinds))
 
 
 class _GcPause:
