@@ -42,8 +42,11 @@ def _start(tmp_path: pathlib.Path) -> tuple[subprocess.Popen[str], pathlib.Path]
     env.update(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     cmd = [sys.executable, "-m", "evenpipe", "train", "--model", "gpt-tiny", "--seq-len", "16", "--stages", "2",
            "--microbatches", "2", "--steps", "1000000", "--random-tokens", "--metrics", str(metrics)]
+    # as from a terminal: SIGINT at its default (pytest-xdist's workers ignore it, and an ignored SIGINT is inherited
+    # and, by design, left ignored by the launcher)
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return launcher, metrics
 
 

@@ -32,9 +32,9 @@ def test_the_store_listens_before_any_worker_starts_and_the_job_trains(monkeypat
     seen: list[tuple[int, bool, str | None]] = []
     start = launch._start
 
-    def checked_start(config_path: str, status_dir: str, nproc: int, port: int):  # type: ignore[no-untyped-def]
+    def checked_start(config_path: str, status_dir: str, nproc: int, port: int, procs):  # type: ignore[no-untyped-def]
         seen.append((port, _listening(port), os.environ.get(rendezvous.AGENT_STORE_ENV)))
-        return start(config_path, status_dir, nproc, port)
+        return start(config_path, status_dir, nproc, port, procs)
 
     monkeypatch.setattr(launch, "_start", checked_start)
     assert main(_TRAIN) == 0
