@@ -48,11 +48,15 @@ class TrainPrecision(enum.Enum):
 
 
 class StateSharding(enum.Enum):
-    """Sharded data parallelism (``train --sharding``)."""
+    """How data-parallel replicas share the model state (``train --sharding``; the runtime's
+    ``evenpipe.training.config.Sharding`` is this enum)."""
 
     NONE = "none"
+    """Every replica holds all parameters, gradients and optimizer state; gradients are all-reduced."""
     OPTIMIZER = "optimizer"
+    """Distributed optimizer: optimizer state sharded over replicas (ZeRO-1)."""
     FULL = "full"
+    """FSDP2 per stage module: parameters, gradients and optimizer state sharded."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

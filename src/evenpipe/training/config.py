@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from evenpipe.cost.runtime_memory import StateSharding as Sharding  # one closed set for the runtime and the planner
 from evenpipe.errors import ConfigError, parse_choice
 from evenpipe.runtime.data import TokenSource as DataSource
 from evenpipe.runtime.precision import TrainDtype
@@ -44,17 +45,6 @@ class Backend(enum.Enum):
     """CPU (and CPU tensors on GPU hosts)."""
     NCCL = "nccl"
     """NVIDIA GPUs."""
-
-
-class Sharding(enum.Enum):
-    """How data-parallel replicas share the model state (see :mod:`evenpipe.runtime.sharding`)."""
-
-    NONE = "none"
-    """Every replica holds all parameters, gradients and optimizer state; gradients are all-reduced."""
-    OPTIMIZER = "optimizer"
-    """Distributed optimizer: optimizer state sharded over replicas (ZeRO-1)."""
-    FULL = "full"
-    """FSDP2 per stage module: parameters, gradients and optimizer state sharded."""
 
 
 def _at_least(name: str, value: Any, low: float) -> None:
