@@ -190,7 +190,8 @@ class PipelineExecutor:
         if dist.get_backend(groups.pp_group) == "nccl":  # NCCL: first call on a group must involve all its ranks
             for grp in (groups.pp_group, groups.bpipe_group, groups.dp_group):
                 if grp is not None:
-                    dist.all_reduce(torch.zeros(1, device=self.device), group=grp)
+                    with collective("the first NCCL all-reduce of a group"):
+                        dist.all_reduce(torch.zeros(1, device=self.device), group=grp)
 
     # ------------------------------------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from evenpipe.errors import ConfigError
+from evenpipe.runtime.comm import collective
 from evenpipe.training.checkpoint_manifest import (FileEntry, Manifest, checkpoint_name, checksum_problem,
                                                    file_entry, prune_plan, read_manifest, size_problem,
                                                    step_directories, write_manifest)
@@ -101,12 +102,14 @@ class SaveJob:
             for entry in os.listdir(self.directory):
                 if entry.startswith(_TMP):
                     shutil.rmtree(os.path.join(self.directory, entry), ignore_errors=True)
-        dist.barrier()
+        with collective("the checkpoint's opening barrier"):
+            dist.barrier()
 
     def complete(self, group: Any = None) -> None:
         """After every rank's DCP write: checksum the files between the ranks, then rank 0 writes the manifest
         (last), renames the directory, points ``latest`` at it and prunes (collective over ``group``)."""
-        dist.barrier(group)
+        with collective("the barrier after the checkpoint's writes"):
+            dist.barrier(group)
         entries = _gather_entries(self.tmp, group)
         if dist.get_rank() == 0:
             write_manifest(self.tmp, Manifest(step=self.step, world=self.world, files=entries))
@@ -118,7 +121,8 @@ class SaveJob:
             for old in prune_plan(step_directories(self.directory), saved=name, keep=self.keep,
                                   replaced=self.replaced):
                 shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
-        dist.barrier(group)
+        with collective("the barrier after the checkpoint's manifest"):
+            dist.barrier(group)
 
 
 def state_to_save(target: CheckpointTarget, state: TrainState) -> dict[str, torch.Tensor]:
@@ -147,7 +151,8 @@ def _gather_entries(path: str, group: Any = None) -> tuple[FileEntry, ...]:
     me, world = dist.get_rank(), dist.get_world_size()
     mine = [file_entry(path, n) for n in names[me::world]]
     gathered: list[Any] = [None] * world if me == 0 else []
-    dist.gather_object(mine, gathered if me == 0 else None, dst=0, group=group)
+    with collective("the gather of the checkpoint's checksums", 0):
+        dist.gather_object(mine, gathered if me == 0 else None, dst=0, group=group)
     return tuple(sorted((e for part in gathered for e in part), key=lambda e: e.name)) if me == 0 else ()
 
 
@@ -170,12 +175,15 @@ def newest_complete_checkpoint(directory: str) -> str | None:
     names = step_directories(directory) if me == 0 else []
     while True:
         payload: list[Any] = [_next_candidate(directory, names) if me == 0 else None]
-        dist.broadcast_object_list(payload, src=0)
+        with collective("the broadcast of the checkpoint to resume from", 0):
+            dist.broadcast_object_list(payload, src=0)
         if payload[0] is None:
             return None
         path, manifest = payload[0]
         problems: list[Any] = [None] * world
-        dist.all_gather_object(problems, checksum_problem(path, manifest.files[me::world]))
+        mine = checksum_problem(path, manifest.files[me::world])
+        with collective("the all-gather of the checkpoint's checksum results"):
+            dist.all_gather_object(problems, mine)
         bad = [p for p in problems if p]
         if not bad:
             return str(path)

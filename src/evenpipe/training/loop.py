@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from evenpipe.runtime.comm import ParallelGroups, build_groups, init_from_env
+from evenpipe.runtime.comm import ParallelGroups, build_groups, collective, init_from_env
 from evenpipe.runtime.mesh import MeshDim
 from evenpipe.training.checkpoint import SaveJob, TrainState, load_checkpoint, newest_complete_checkpoint
 from evenpipe.training.checkpoint_manifest import step_directories
@@ -215,7 +215,8 @@ def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSumm
     sink = MetricsSink(jsonl_path=out.metrics, tensorboard_dir=out.tensorboard,
                        append=state.step > 0) if dist.get_rank() == 0 else None
     progress = _Progress()
-    dist.barrier()  # every rank built: the first step's waits measure peers, not start-up skew
+    with collective("the start-up barrier"):  # every rank built: the first step's waits measure peers, not skew
+        dist.barrier()
     try:
         for step in range(state.step, steps):
             metrics = _watched_step(job, watch, step, progress)
@@ -240,7 +241,8 @@ def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSumm
             sink.close()
     watch.progress("gathering the summary", watched=False)
     summary = _gather_summary(job, _report(job, progress), progress, first_step=steps - len(progress.losses))
-    dist.barrier()
+    with collective("the closing barrier"):
+        dist.barrier()
     dist.destroy_process_group()
     return summary
 
@@ -335,7 +337,8 @@ def _gather_summary(job: _Job, report: RankReport, progress: _Progress, *, first
     traced = job.groups.dp_rank == 0 and job.groups.tp_rank == 0  # one recorder per pipeline rank
     records = progress.records if traced else None
     gathered: list[Any] = [None] * dist.get_world_size() if me == 0 else []
-    dist.gather_object((report, records), gathered if me == 0 else None, dst=0)
+    with collective("the summary gather", 0):
+        dist.gather_object((report, records), gathered if me == 0 else None, dst=0)
     shared: list[Any] = [None]
     if me == 0:
         summary = summarise([r for r, _ in gathered], progress.losses, progress.grad_norms,
@@ -346,7 +349,8 @@ def _gather_summary(job: _Job, report: RankReport, progress: _Progress, *, first
         prediction = _prediction(job, [r for r, _ in gathered], summary.peak_bytes_by_category)
         _write_outputs(job, summary, [rec for _, rec in gathered if rec is not None], prediction)
         shared = [summary]
-    dist.broadcast_object_list(shared, src=0)
+    with collective("the summary broadcast", 0):
+        dist.broadcast_object_list(shared, src=0)
     return shared[0]
 
 

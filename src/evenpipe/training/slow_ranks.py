@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from evenpipe.plan.slow_rank import DetectorConfig, SlowRankAlarm, SlowRankDetector, replan_layout
+from evenpipe.runtime.comm import collective
 
 __all__ = ["SlowRankWatch"]
 
@@ -58,7 +59,8 @@ class SlowRankWatch:
         world = dist.get_world_size()
         mine = torch.tensor([float(self.pp_rank), compute_s], dtype=torch.float64, device=self.device)
         every = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine)
+        with collective("the step-time all-gather"):
+            dist.all_gather(every, mine)
         if self.detector is None:
             return
         per_rank = [0.0] * self.num_ranks
