@@ -18,11 +18,13 @@ import torch
 
 from evenpipe.models import build_model, lm_loss, model_config
 from evenpipe.models.adapter import PipelineModel, reference_model
+from evenpipe.models.recompute import set_selective_recompute
 from evenpipe.runtime.comm import build_groups
 from evenpipe.runtime.executor import PipelineExecutor
 from evenpipe.runtime.stages import build_stage_modules
 from evenpipe.runtime.stash import ActivationStash
 from evenpipe.schedule.ir import Schedule
+from evenpipe.training.config import Recompute, parse_recompute
 from harness import failures_only, missing_runs, ran
 
 MICROBATCH = 2
@@ -41,7 +43,8 @@ class Case:
     chunks: int = 1
     model: str = "gpt-tiny"
     """A reference preset, or ``hf:NAME`` for the Hugging Face fixture ``tests/fixtures/hf/NAME``."""
-    recompute: bool = False
+    recompute: bool | str = False
+    """Full recomputation of every stage (True), or ``train --recompute``'s text: one mode or one per stage."""
     free_outputs: bool = True
     bpipe_budget: int | None = None
     steps: int = 2
@@ -56,7 +59,8 @@ class Case:
     stages' activations (``StageModule.packed_forward``)."""
 
     def __str__(self) -> str:
-        extra = "".join([f" V={self.chunks}" if self.chunks > 1 else "", " R" if self.recompute else "",
+        rec = f" R={self.recompute}" if isinstance(self.recompute, str) else " R" if self.recompute else ""
+        extra = "".join([f" V={self.chunks}" if self.chunks > 1 else "", rec,
                          "" if self.free_outputs else " keep-outputs",
                          f" K={self.bpipe_budget}" if self.bpipe_budget else "",
                          f" steps={self.steps}" if self.steps != 2 else "", " adamw" if self.adam else "",
@@ -64,12 +68,19 @@ class Case:
         return f"{self.family} {self.model} P={self.pp} M={self.microbatches} DP={self.dp}{extra}"
 
 
+def recompute_modes(case: Case, num_stages: int) -> tuple[Recompute, ...]:
+    """The case's recomputation mode of each stage."""
+    return parse_recompute(case.recompute, num_stages)
+
+
 def schedule_for(case: Case) -> Schedule:
     if case.text is not None:
         return Schedule.from_text(case.text)
     from evenpipe.schedule import build_schedule
+    recompute = case.recompute if isinstance(case.recompute, bool) else [
+        s for s, r in enumerate(recompute_modes(case, case.pp * case.chunks)) if r is Recompute.FULL]
     return build_schedule(case.family, num_ranks=case.pp, num_microbatches=case.microbatches,
-                          num_chunks=case.chunks, bpipe_budget=case.bpipe_budget, recompute=case.recompute,
+                          num_chunks=case.chunks, bpipe_budget=case.bpipe_budget, recompute=recompute,
                           bpipe=case.bpipe)
 
 
@@ -177,8 +188,11 @@ def _run(case: Case, groups, stash_factory) -> list[str]:
     ref_params = dict(ref.named_parameters())
     mine = schedule.stages_of(groups.pp_rank)
     stages = build_stage_modules(built.parts, num_stages=schedule.num_stages, stages=mine)
-    for stage in stages.values():
+    modes = recompute_modes(case, schedule.num_stages)
+    for s, stage in stages.items():
         stage.packed = case.documents
+        if modes[s] is Recompute.SELECTIVE:
+            assert set_selective_recompute(stage) == len(stage.blocks), f"stage {s}: not every block switched"
     stash = (stash_factory or ActivationStash)()
     ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=built.loss,
                           free_outputs=case.free_outputs, stash=stash)

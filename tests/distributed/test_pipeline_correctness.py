@@ -31,6 +31,10 @@ def _schedule_cases() -> list[Case]:
     for family, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("looped-bfs", 2)):
         out.append(Case(family=family, pp=2, microbatches=4, chunks=chunks, recompute=True))
         out.append(Case(family=family, pp=2, microbatches=4, chunks=chunks, free_outputs=False, model="llama-tiny"))
+    # selective recomputation (the attention core) with the full and the split backward, and a mode per stage
+    out += [Case(family="1f1b", pp=2, microbatches=4, recompute="selective"),
+            Case(family="zb-h1", pp=2, microbatches=4, recompute="selective", model="llama-tiny"),
+            Case(family="1f1b", pp=2, microbatches=4, recompute="full,selective", model="llama-tiny")]
     # the zero-bubble and V-shaped families (V placement: the last stage, and so the loss, on rank 0)
     for family in ("zb-h2", "zb-v", "v-half", "v-min", "dualpipev"):
         for pp, dp in LAYOUTS:
@@ -57,6 +61,7 @@ def _bpipe_cases() -> list[Case]:
             out.append(Case(family=family, pp=pp, microbatches=2 * pp, dp=dp, chunks=chunks, bpipe=True,
                             model="llama-tiny" if dp == 2 else "gpt-tiny"))
     out.append(Case(family="interleaved", pp=4, microbatches=8, chunks=2, bpipe=True, recompute=True))
+    out.append(Case(family="bpipe", pp=4, microbatches=9, recompute="selective,none,selective,full"))
     return out
 
 

@@ -48,7 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per step (default: microbatch-size x microbatches x dp)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
-    p.add_argument("--recompute", action="store_true", help="full activation recomputation per stage")
+    p.add_argument("--recompute", nargs="?", const="full", default="none", metavar="MODE",
+                   help="activation recomputation: none, selective (the attention core of every block) or full "
+                        "(whole stages); or one mode per stage, comma-separated (e.g. full,none,selective,none); a "
+                        "bare --recompute is full (default none)")
     p.add_argument("--free-outputs", action=argparse.BooleanOptionalAction, default=True,
                    help="free each stage output once sent (default on)")
     p.add_argument("--bpipe-budget", type=int, default=None,
@@ -139,7 +142,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     if args.microbatch_size < 1:
         raise ConfigError(f"--microbatch-size must be >= 1, got {args.microbatch_size}")
     schedule = ScheduleOptions(family=args.schedule, num_ranks=args.stages, num_chunks=args.chunks,
-                               num_microbatches=args.microbatches, recompute=bool(args.recompute),
+                               num_microbatches=args.microbatches, recompute=args.recompute,
                                free_outputs=bool(args.free_outputs), bpipe_budget=args.bpipe_budget,
                                bpipe=args.bpipe,
                                layout=_layout(args.layout))

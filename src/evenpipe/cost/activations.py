@@ -11,7 +11,8 @@ QKV and MLP inputs (2 + 2) and the two dropout masks (1 + 1); the 24·s·b·h/t 
 the output-projection input (2), the GeLU input (8) and the second MLP GEMM's input (8); the score terms are the
 softmax output (2), its dropout mask (1) and the dropout output (2), 5·a·s²·b/t. Written for any block:
 
-    replicated = 4·sbh (norms) + 4·sbh (QKV and MLP inputs) + 2·sbh if the block has dropout
+    replicated = 4·sbh (norms) + 4·sbh (QKV and MLP inputs) + 2·sbh if the block has dropout (GPT, unless a
+                 running model's dropout is 0: ``ModelSpec.has_dropout``)
     split      = 2·sbh (Q) + 4·sb·h_kv (K, V) + 2·sbh (projection input) + mlp
     mlp        = 4·sbf for GeLU (its input and the second GEMM's input), 6·sbf for SwiGLU (the gate and up
                  outputs, which a fused SwiGLU saves, and the down-projection input)
@@ -67,7 +68,7 @@ def activation_bytes(model: ModelSpec, cfg: ParallelConfig) -> ActivationBytes:
     s, b, h, t = model.seq_len, cfg.microbatch_size, model.hidden, cfg.tp
     sbh = float(s * b * h)
     sp_div = t if cfg.sequence_parallel else 1
-    dropout = model.arch is Arch.GPT
+    dropout = model.has_dropout
     replicated = (8.0 + (2.0 if dropout else 0.0)) * sbh
     kv = 4.0 * s * b * model.kv_hidden / min(t, model.num_kv_heads)
     mlp = (6.0 if model.arch is Arch.LLAMA else 4.0) * s * b * model.ffn_hidden

@@ -113,6 +113,12 @@ class ModelSpec:
             raise ConfigError(f"model rope_theta must be > 0, got {self.rope_theta}")
 
     @property
+    def has_dropout(self) -> bool:
+        """Whether a block applies dropout (and saves its masks): GPT as Megatron trains it (Korthikanti et al.
+        2022), not LLaMA. A running model with dropout 0 says False (:class:`evenpipe.models.config.ModelConfig`)."""
+        return self.arch is Arch.GPT
+
+    @property
     def head_dim(self) -> int:
         return self.hidden // self.num_heads
 

@@ -71,6 +71,11 @@ class ModelConfig(ModelSpec):
             raise ConfigError(f"model dropout must be in [0, 1), got {self.dropout}")
 
     @property
+    def has_dropout(self) -> bool:
+        """Whether the blocks save dropout masks: a GPT block with dropout > 0 (what the cost model counts)."""
+        return self.arch is Arch.GPT and self.dropout > 0
+
+    @property
     def spec(self) -> ModelSpec:
         """The plain model record (runtime fields dropped)."""
         return ModelSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelSpec)})

@@ -18,6 +18,7 @@ from torch import nn
 from evenpipe.errors import ConfigError
 from evenpipe.models.config import Attention, ModelConfig
 from evenpipe.models.documents import Documents
+from evenpipe.models.recompute import recompute_core
 
 __all__ = ["CausalSelfAttention", "rotary_table", "apply_rotary", "check_seq_len"]
 
@@ -97,6 +98,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.attend = _eager_attention if cfg.attention is Attention.EAGER else _sdpa_attention
         self.rotary = rotary is not None
+        self.recompute_core = False
+        """Selective recomputation: the core (scores to ``probs @ v``) keeps only q, k, v and runs again in
+        backward (:mod:`evenpipe.models.recompute`)."""
         if rotary is not None:  # constant tables: buffers, so the stash recognises them as non-activations
             self.register_buffer("rope_cos", rotary[0], persistent=False)
             self.register_buffer("rope_sin", rotary[1], persistent=False)
@@ -114,8 +118,9 @@ class CausalSelfAttention(nn.Module):
         if self.rotary:
             q = apply_rotary(q, self.rope_cos, self.rope_sin, positions)
             k = apply_rotary(k, self.rope_cos, self.rope_sin, positions)
-        if documents is None:
-            out = self.attend(q, k, v, dropout)  # [B, H, T, D]
+        args = (dropout,) if documents is None else (dropout, documents.mask)
+        if self.recompute_core:
+            out = recompute_core(self.attend, q, k, v, *args, random=dropout > 0)  # [B, H, T, D]
         else:
-            out = self.attend(q, k, v, dropout, documents.mask)
+            out = self.attend(q, k, v, *args)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))

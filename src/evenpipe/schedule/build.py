@@ -6,7 +6,7 @@ import contextlib
 import functools
 import gc
 import warnings
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator
 
 from evenpipe.errors import ConfigError
 from evenpipe.schedule.bpipe import bpipe_transform
@@ -27,7 +27,7 @@ __all__ = ["build_schedule", "add_offload", "add_recompute", "compute_order", "p
 
 
 def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None,
-                   bpipe_budget: int | None = None, recompute: bool = False,
+                   bpipe_budget: int | None = None, recompute: bool | Collection[int] = False,
                    plan_durations: tuple[int, int, int] | None = None, bpipe: bool = False,
                    link_plan: LinkPlan | None = None, offload_ranks: frozenset[int] = frozenset()) -> Schedule:
     """A complete schedule (compute, SEND/RECV, and for bpipe EVICT/ACCEPT/RETURN/LOAD), already validated.
@@ -37,14 +37,15 @@ def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbat
     Interleaved takes micro-batches in equal rounds (``M % max(1, M // P) == 0``; any multiple of P gives
     Megatron's schedule exactly). ``bpipe_budget`` is the
     activation units a rank may hold under BPipe (default ``ceil((P+1)/2)``). ``recompute`` inserts ``R`` right
-    before every backward (``B`` or ``I``). ``plan_durations`` are the relative integer durations of ``F``, ``I``
-    and ``W`` that zb-h2, v-half and v-min plan their order with (default 1, 1, 1;
-    :func:`plan_durations_for` turns measured or modelled times into them). ``bpipe`` applies the BPipe
-    transform to any family that allows it (``bpipe`` itself is 1F1B with it); ``bpipe_budget`` is then in
-    activation units of one stage (a chunk when interleaved), default the lowest balanced peak the pairing
-    allows. ``link_plan`` is what ``latency-aware`` orders for (times, each link's message time, the per-rank
-    activation cap; default: ``plan_durations`` over free links, cap P). ``offload_ranks``: ranks that copy
-    their saved activations to host memory (:func:`add_offload`). Bad values raise ``ConfigError``.
+    before every backward (``B`` or ``I``) of every stage (True) or of the stages it lists. ``plan_durations``
+    are the relative integer durations of ``F``, ``I`` and ``W`` that zb-h2, v-half and v-min plan their order
+    with (default 1, 1, 1; :func:`plan_durations_for` turns measured or modelled times into them). ``bpipe``
+    applies the BPipe transform to any family that allows it (``bpipe`` itself is 1F1B with it);
+    ``bpipe_budget`` is then in activation units of one stage (a chunk when interleaved), default the lowest
+    balanced peak the pairing allows. ``link_plan`` is what ``latency-aware`` orders for (times, each link's
+    message time, the per-rank activation cap; default: ``plan_durations`` over free links, cap P).
+    ``offload_ranks``: ranks that copy their saved activations to host memory (:func:`add_offload`).
+    Bad values raise ``ConfigError``.
     """
     fam = ScheduleFamily.parse(family)
     num_chunks = fam.traits.chunks.chunks(num_chunks) if num_chunks is None else num_chunks
@@ -83,7 +84,7 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_chunks: int,
-           bpipe_budget: int | None, recompute: bool, plan_durations: tuple[int, int, int] | None,
+           bpipe_budget: int | None, recompute: bool | Collection[int], plan_durations: tuple[int, int, int] | None,
            bpipe: bool, link_plan: LinkPlan | None = None, offload_ranks: frozenset[int] = frozenset()) -> Schedule:
     if bpipe and Transform.BPIPE not in fam.traits.transforms:
         allowed = ", ".join(f.value for f in ScheduleFamily if Transform.BPIPE in f.traits.transforms)
@@ -92,11 +93,13 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
                             plan_durations=plan_durations, link_plan=link_plan)
     if bpipe_budget is not None and not bpipe:
         warnings.warn(f"bpipe_budget={bpipe_budget} has no effect on schedule {fam.value!r}", stacklevel=3)
+    recompute = _recomputed_stages(recompute, compute.num_stages)
     if recompute:
-        compute = add_recompute(compute)
+        compute = add_recompute(compute, stages=None if len(recompute) == compute.num_stages else recompute)
     if offload_ranks:
         compute = add_offload(compute, ranks=set(offload_ranks), prefetch=True)
-    meta: dict[str, object] = {**compute.meta, "family": fam.value, "chunks": num_chunks, "recompute": recompute}
+    meta: dict[str, object] = {**compute.meta, "family": fam.value, "chunks": num_chunks,
+                               "recompute": _recompute_meta(recompute, compute.num_stages)}
     if bpipe:
         full = bpipe_transform(compute, budget=bpipe_budget)
         meta.update(full.meta)
@@ -186,8 +189,26 @@ assert set(_GENERATORS) | {f for f in ScheduleFamily if f.traits.plans_with_dura
     set(ScheduleFamily), "every family needs a generator"
 
 
-def add_recompute(schedule: Schedule) -> Schedule:
-    """Insert ``R(s, m)`` right before every ``B``/``I`` of ``(s, m)`` that has none yet."""
+def _recomputed_stages(recompute: bool | Collection[int], num_stages: int) -> frozenset[int]:
+    """The stages ``build_schedule``'s ``recompute`` names (True: all, False: none); ConfigError for a stage
+    outside ``0..num_stages-1``."""
+    if isinstance(recompute, bool):
+        return frozenset(range(num_stages)) if recompute else frozenset()
+    stages = frozenset(int(s) for s in recompute)
+    bad = sorted(s for s in stages if not 0 <= s < num_stages)
+    if bad:
+        raise ConfigError(f"recompute stage {bad[0]} is not a stage of this schedule (0..{num_stages - 1})")
+    return stages
+
+
+def _recompute_meta(stages: frozenset[int], num_stages: int) -> bool | list[int]:
+    """The schedule's ``recompute`` meta: True (every stage), False (none) or the stages."""
+    return len(stages) == num_stages if len(stages) in (0, num_stages) else sorted(stages)
+
+
+def add_recompute(schedule: Schedule, *, stages: Collection[int] | None = None) -> Schedule:
+    """Insert ``R(s, m)`` right before every ``B``/``I`` of ``(s, m)`` that has none yet, for every stage or
+    for ``stages``."""
     cols = schedule.columns
     rec, backs = ActionKind.RECOMPUTE.code, (ActionKind.BACKWARD.code, ActionKind.BACKWARD_INPUT.code)
     out: list[tuple[list[int], list[int], list[int], list[int]]] = []
@@ -195,7 +216,7 @@ def add_recompute(schedule: Schedule) -> Schedule:
         have = {(s, m) for k, s, m in zip(ks, ss, ms) if k == rec}
         row: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         for k, s, m, p in zip(ks, ss, ms, ps):
-            if k in backs and (s, m) not in have:
+            if k in backs and (s, m) not in have and (stages is None or s in stages):
                 row[0].append(rec)
                 row[1].append(s)
                 row[2].append(m)

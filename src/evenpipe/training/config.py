@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from evenpipe.cost.parallel import Recompute
 from evenpipe.cost.runtime_memory import StateSharding as Sharding  # one closed set for the runtime and the planner
 from evenpipe.errors import ConfigError, parse_choice
 from evenpipe.runtime.data import TokenSource as DataSource
@@ -35,6 +36,8 @@ __all__ = [
     "RuntimeOptions",
     "OutputOptions",
     "TrainConfig",
+    "Recompute",
+    "parse_recompute",
 ]
 
 
@@ -127,8 +130,11 @@ class ScheduleOptions:
     """Stages per rank V (interleaved, looped-bfs); None: the family's own (1, or 2 for the V-shaped ones)."""
     num_microbatches: int = 8
     """Micro-batches per step M."""
-    recompute: bool = False
-    """Full activation recomputation per stage."""
+    recompute: tuple[Recompute, ...] = ()
+    """Activation recomputation of each stage, in pipeline order (none, selective: the attention core, full:
+    the whole stage). Given as one mode for every stage (a :class:`Recompute`, its name, or a bool: full or
+    none), or one per stage (a sequence, or a comma-separated string); stored as one mode when every stage has
+    it (so a resume may change the stage count), else one per stage."""
     free_outputs: bool = True
     """Free each stage output once sent."""
     bpipe: bool = False
@@ -148,6 +154,8 @@ class ScheduleOptions:
             _at_least(name, value, 1)
         if self.layout is not None:
             _coerce(self, "layout", tuple(self.layout))
+        modes = parse_recompute(self.recompute, self.num_stages)
+        _coerce(self, "recompute", modes[:1] if len(set(modes)) == 1 else modes)
         if self.num_ranks == 1 and self.family is ScheduleFamily.BPIPE:
             raise ConfigError("--schedule bpipe needs --stages >= 2 (ranks exchange activations in pairs)")
         self.build()  # the schedule's own checks (micro-batch counts, BPipe budget)
@@ -158,11 +166,17 @@ class ScheduleOptions:
         assert self.num_chunks is not None
         return self.num_ranks * self.num_chunks
 
+    def stages_recomputing(self, mode: Recompute) -> frozenset[int]:
+        """The stages whose recomputation is ``mode``."""
+        modes = self.recompute * self.num_stages if len(self.recompute) == 1 else self.recompute
+        return frozenset(s for s, r in enumerate(modes) if r is mode)
+
     def build(self) -> Any:
-        """The validated :class:`evenpipe.schedule.Schedule`."""
+        """The validated :class:`evenpipe.schedule.Schedule` (``R`` actions on the fully recomputed stages)."""
         from evenpipe.schedule import build_schedule
         return build_schedule(self.family, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
-                              num_chunks=self.num_chunks, recompute=self.recompute, bpipe=self.bpipe,
+                              num_chunks=self.num_chunks, recompute=self.stages_recomputing(Recompute.FULL),
+                              bpipe=self.bpipe,
                               bpipe_budget=self.bpipe_budget if self.family is ScheduleFamily.BPIPE or self.bpipe
                               else None)
 
@@ -446,6 +460,9 @@ class TrainConfig:
         from evenpipe.runtime.stages import partition_layers
         partition_layers(cfg.num_layers, sched.num_stages, layout=sched.layout)
         _check_tp(cfg, self.runtime.tp, self.model.hf_config)
+        if self.model.hf_config is not None and Recompute.SELECTIVE in sched.recompute:
+            raise ConfigError("--recompute selective: a --hf-config model's attention runs inside transformers, "
+                              "where evenpipe cannot recompute its core yet; use full or none")
         self.runtime.emulation().check(sched.num_ranks)
         if self.runtime.sharding is Sharding.FULL and sched.family.traits.split_backward:
             raise ConfigError(f"--sharding full cannot run --schedule {sched.family.value}: its weight-gradient "
@@ -520,6 +537,33 @@ def _check_tp(cfg: Any, tp: int, hf_config: str | None) -> None:
                               f"them across ranks (heads {cfg.num_heads}, key/value heads {cfg.num_kv_heads})")
 
 
+def parse_recompute(value: Any, num_stages: int) -> tuple[Recompute, ...]:
+    """One recomputation mode per stage from one mode (a :class:`Recompute`, its name, a bool: full or none) or
+    one per stage (a sequence or a comma-separated string); ConfigError naming the value otherwise."""
+    if isinstance(value, bool):
+        value = Recompute.FULL if value else Recompute.NONE
+    if isinstance(value, Recompute):
+        return (value,) * num_stages
+    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
+    if not items:  # the field's default
+        return (Recompute.NONE,) * num_stages
+    allowed = ", ".join(r.value for r in Recompute)
+    try:
+        modes = tuple(Recompute.parse(v) for v in items)
+    except ConfigError:
+        raise ConfigError(f"--recompute {_text(value)}: each entry must be one of {allowed}") from None
+    if len(modes) == 1:
+        return modes * num_stages
+    if len(modes) != num_stages:
+        raise ConfigError(f"--recompute {_text(value)}: {len(modes)} entries for {num_stages} stages; give one of "
+                          f"{allowed}, or one per stage ({num_stages}, comma-separated)")
+    return modes
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ",".join(getattr(v, "value", str(v)) for v in value)
+
+
 def _plain(record: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(record):
@@ -527,6 +571,6 @@ def _plain(record: Any) -> dict[str, Any]:
         if isinstance(value, enum.Enum):
             value = value.value
         elif isinstance(value, tuple):
-            value = list(value)
+            value = [v.value if isinstance(v, enum.Enum) else v for v in value]
         out[f.name] = value
     return out

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from evenpipe.errors import ConfigError
 from evenpipe.runtime.comm import ParallelGroups, build_groups, collective, init_from_env
 from evenpipe.runtime.mesh import MeshDim
 from evenpipe.training.checkpoint import SaveJob, TrainState, load_checkpoint, newest_complete_checkpoint
@@ -28,7 +29,7 @@ from evenpipe.training.checkpoint_manifest import step_directories
 from evenpipe.training.run_record import RUN_KEY, run_fingerprint
 from evenpipe.training.checkpoint_state import checkpoint_target
 from evenpipe.training.checkpoint_writer import CheckpointWriter
-from evenpipe.training.config import Backend, DataSource, RuntimeOptions, Sharding, TrainConfig
+from evenpipe.training.config import Backend, DataSource, Recompute, RuntimeOptions, Sharding, TrainConfig
 from evenpipe.training.fault import Watchdog, timeout_after_step
 from evenpipe.training.metrics import MetricsSink, StepMetrics, format_progress
 from evenpipe.training.optim import build_lr_scheduler, build_optimizer, clip_grad_global_norm
@@ -133,6 +134,7 @@ def _build(config: TrainConfig) -> _Job:
     for stage in stages.values():  # documents: boundaries travel with the activations
         if isinstance(stage, StageModule):
             stage.packed = config.data.source is DataSource.DOCUMENTS
+    _recompute_selectively(stages, sched.stages_recomputing(Recompute.SELECTIVE))
     stash = _stash()
     ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=built.loss,
                           free_outputs=sched.free_outputs, stash=stash, device=device, grad_sync=grad_sync)
@@ -140,6 +142,17 @@ def _build(config: TrainConfig) -> _Job:
     return _Job(config=config, groups=groups, device=device, schedule=schedule, executor=ex, stages=stages,
                 params=params, optimizer=opt, scheduler=None, data=config.token_batches(built.spec.vocab),
                 measured=stash is not None, model=built.describe())
+
+
+def _recompute_selectively(stages: dict[int, Any], selective: frozenset[int]) -> None:
+    """Switch on selective recomputation in this rank's ``selective`` stages (ConfigError when a stage's
+    blocks have no attention core it can recompute)."""
+    from evenpipe.models.recompute import set_selective_recompute
+    for s, stage in stages.items():
+        if s in selective and not set_selective_recompute(stage) and len(getattr(stage, "blocks", ())):
+            layer = stage.blocks[0]
+            raise ConfigError(f"--recompute selective: stage {s}'s {type(getattr(layer, 'layer', layer)).__name__} "
+                              "blocks have no attention core evenpipe can recompute (use full or none)")
 
 
 def _parallelize(stages: dict[int, Any], groups: ParallelGroups, rt: RuntimeOptions) -> Any:
@@ -368,19 +381,23 @@ def _prediction(job: _Job, reports: list[RankReport], measured: Any = ()) -> dic
                             layout=stage_block_counts(model_config, job.schedule.num_stages, cfg.schedule.layout),
                             reports=reports, dtype=cfg.model.dtype.value)
     log.info("\n" + prediction_table(run))
-    predicted = category_prediction(out.predict, _parallel_config(cfg), dtype=cfg.model.dtype.value,
-                                    sharding=cfg.runtime.sharding.value)
+    planned = _parallel_config(cfg)
+    predicted = None if planned is None else category_prediction(
+        out.predict, planned, dtype=cfg.model.dtype.value, sharding=cfg.runtime.sharding.value)
     log.info("\n" + category_table(predicted, measured))
     return {**run.to_dict(), "peak_bytes_by_category": list(predicted) if predicted is not None else None}
 
 
 def _parallel_config(cfg: TrainConfig) -> Any:
-    """The planner's record of this run's parallelism (what its memory prediction takes)."""
+    """The planner's record of this run's parallelism (what its memory prediction takes); None when no profile
+    predicts its recomputation (selective, or a mode per stage)."""
     from evenpipe.cost.parallel import ParallelConfig, Recompute
     sched, rt, m = cfg.schedule, cfg.runtime, cfg.schedule.num_microbatches
+    if len(set(sched.recompute)) != 1 or sched.recompute[0] is Recompute.SELECTIVE:
+        return None
     return ParallelConfig(tp=rt.tp, pp=sched.num_ranks, dp=rt.dp, chunks=sched.num_chunks or 1,
                           microbatch_size=cfg.data.global_batch // (m * rt.dp), global_batch=cfg.data.global_batch,
-                          recompute=Recompute.FULL if sched.recompute else Recompute.NONE, schedule=sched.family,
+                          recompute=sched.recompute[0], schedule=sched.family,
                           distributed_optimizer=rt.sharding is not Sharding.NONE, bpipe=sched.bpipe,
                           bpipe_budget=sched.bpipe_budget, layout=sched.layout)
 
