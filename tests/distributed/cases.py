@@ -73,6 +73,14 @@ def recompute_modes(case: Case, num_stages: int) -> tuple[Recompute, ...]:
     return parse_recompute(case.recompute, num_stages)
 
 
+def recompute_selectively(case: Case, stages) -> None:
+    """Switch on selective recomputation in this rank's stages that the case names."""
+    modes = recompute_modes(case, case.pp * case.chunks)
+    for s, stage in stages.items():
+        if modes[s] is Recompute.SELECTIVE:
+            assert set_selective_recompute(stage) == len(stage.blocks), f"stage {s}: not every block switched"
+
+
 def schedule_for(case: Case) -> Schedule:
     if case.text is not None:
         return Schedule.from_text(case.text)
@@ -188,11 +196,9 @@ def _run(case: Case, groups, stash_factory) -> list[str]:
     ref_params = dict(ref.named_parameters())
     mine = schedule.stages_of(groups.pp_rank)
     stages = build_stage_modules(built.parts, num_stages=schedule.num_stages, stages=mine)
-    modes = recompute_modes(case, schedule.num_stages)
-    for s, stage in stages.items():
+    for stage in stages.values():
         stage.packed = case.documents
-        if modes[s] is Recompute.SELECTIVE:
-            assert set_selective_recompute(stage) == len(stage.blocks), f"stage {s}: not every block switched"
+    recompute_selectively(case, stages)
     stash = (stash_factory or ActivationStash)()
     ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=built.loss,
                           free_outputs=case.free_outputs, stash=stash)

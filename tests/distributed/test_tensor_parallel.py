@@ -48,7 +48,9 @@ TP_PP_CASES = ([TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model
                + [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model=m, documents=True))
                   for f, v, m in (("1f1b", 1, "gpt-tiny"), ("zb-h1", 1, "llama-tiny"))]
                + [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model=m))
-                  for f, v in HF_FAMILIES for m in HF_MODELS])
+                  for f, v in HF_FAMILIES for m in HF_MODELS]
+               + [TpCase(case=Case(family=f, pp=2, microbatches=4, model=m, recompute="selective"))  # attention core
+                  for f, m in (("zb-h1", "gpt-tiny"), *(("1f1b", m) for m in HF_MODELS))])
 TP_PP_DP_CASES = [TpCase(case=Case(family=f, pp=2, microbatches=2, dp=2, chunks=v, model=m))
                   for f, v in HF_FAMILIES for m in (*MODELS, *HF_MODELS)]
 

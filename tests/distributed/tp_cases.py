@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cases import TIGHT, Case, case_model, global_batch, reference_loss, schedule_for
+from cases import TIGHT, Case, case_model, global_batch, recompute_selectively, reference_loss, schedule_for
 from harness import ran
 from evenpipe.models import model_config
 from evenpipe.models.adapter import PipelineModel, reference_model
@@ -110,6 +110,7 @@ def tp_pipeline(case: Case, groups, *, fully_shard: bool = False) -> TpPipeline:
     stages, params = build_rank_stages(model.module, model.parts, schedule, groups.pp_rank, prepare=prepare)
     for stage in stages.values():
         stage.packed = case.documents
+    recompute_selectively(case, stages)
     return TpPipeline(schedule=schedule, model=model, ref=ref, stages=stages, params=params,
                       grad_sync=(grad_sync or [None])[0])
 

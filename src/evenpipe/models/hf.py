@@ -18,8 +18,10 @@ it, so two ranks holding copies sum its gradient before the optimizer step. The 
 
 from __future__ import annotations
 
+import copy
 import os
 import pathlib
+import sys
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -31,6 +33,7 @@ from evenpipe.errors import ConfigError, choice_error
 from evenpipe.models.adapter import PipelineModel
 from evenpipe.models.documents import Documents
 from evenpipe.models.lm import PipelineParts
+from evenpipe.models.recompute import recompute_core
 
 __all__ = ["hf_model", "HF_SPLITS", "has_weights", "require_transformers"]
 
@@ -87,13 +90,37 @@ class HFEmbedding(nn.Module):
 
 
 class HFBlock(nn.Module):
-    """One decoder layer, hidden -> hidden, given the position ids, causal mask and rotary embeddings it needs."""
+    """One decoder layer, hidden -> hidden, given the position ids, causal mask and rotary embeddings it needs.
+
+    ``recompute_core = True`` recomputes its attention core in backward (selective recomputation): the layer's
+    attention module gets a copy of the config whose attention implementation is evenpipe's wrapper around the
+    one it had (``sdpa`` or ``eager``); the causal mask is still built for that one."""
 
     def __init__(self, layer: nn.Module, config: Any, rotary: nn.Module | None) -> None:
         super().__init__()
         self.layer = layer
         self.rotary = rotary
         self._config = config
+
+    @property
+    def recompute_core(self) -> bool:
+        return hasattr(_attention_of(self.layer), _BASE_ATTENTION)
+
+    @recompute_core.setter
+    def recompute_core(self, on: bool) -> None:
+        attn = _attention_of(self.layer)
+        if on and not hasattr(attn, _BASE_ATTENTION):
+            _register_selective()
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+            impl = attn.config._attn_implementation
+            eager = getattr(sys.modules[type(attn).__module__], "eager_attention_forward")
+            setattr(attn, _BASE_ATTENTION, (attn.config, ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)))
+            config = copy.copy(attn.config)
+            config._attn_implementation = _SELECTIVE
+            attn.config = config
+        elif not on and hasattr(attn, _BASE_ATTENTION):
+            attn.config = getattr(attn, _BASE_ATTENTION)[0]
+            delattr(attn, _BASE_ATTENTION)
 
     def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -103,6 +130,37 @@ class HFBlock(nn.Module):
         extra = {"position_embeddings": self.rotary(x, position_ids=position_ids)} if self.rotary is not None else {}
         out = self.layer(x, attention_mask=mask, position_ids=position_ids, use_cache=False, **extra)
         return out[0] if isinstance(out, tuple) else out
+
+
+_SELECTIVE = "evenpipe_selective"
+"""The attention implementation name of a selectively recomputed Hugging Face attention module."""
+_BASE_ATTENTION = "_evenpipe_base_attention"
+"""Attribute of such a module: its own config and the attention function the wrapper recomputes."""
+
+
+def _attention_of(layer: nn.Module) -> Any:
+    """The layer's attention module (``self_attn`` of the Llama family, ``attn`` of GPT-2)."""
+    found = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
+    if found is None or not hasattr(found, "config"):
+        raise ConfigError(f"--recompute selective: {type(layer).__name__} has no attention module evenpipe knows")
+    return found
+
+
+def _selective_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The module's own attention function, its core recomputed in backward (no attention weights returned)."""
+    base = getattr(module, _BASE_ATTENTION)[1]
+
+    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        out: torch.Tensor = base(module, q, k, v, mask, **kwargs)[0]
+        return out
+    random = module.training and float(kwargs.get("dropout") or 0.0) > 0
+    return recompute_core(core, query, key, value, attention_mask, random=random), None
+
+
+def _register_selective() -> None:
+    from transformers.modeling_utils import AttentionInterface
+    AttentionInterface.register(_SELECTIVE, _selective_attention)
 
 
 class HFHead(nn.Module):

@@ -4,7 +4,6 @@ Pure: builds argument lists, starts nothing. Every option of the printed ``train
 ``evenpipe train`` (a test runs one); what the runtime cannot do yet is said in :attr:`LaunchCommand.notes`
 instead of being silently dropped:
 
-- selective recomputation (the runtime recomputes whole stages): the command asks for full recomputation;
 - sequence parallelism (the runtime's tensor parallelism keeps norms replicated): the command runs without it.
 
 Processes: ``tp * pp * dp`` in all, ``min(total, gpus_per_node)`` per node (tensor parallelism innermost in the
@@ -73,9 +72,7 @@ def launch_command(cfg: ParallelConfig, *, model: ModelSpec, model_args: tuple[s
              "--global-batch", str(cfg.global_batch),
              "--layout", ",".join(str(n) for n in stage_layers(model, cfg))]
     if cfg.recompute is not Recompute.NONE:
-        train.append("--recompute")
-        if cfg.recompute is Recompute.SELECTIVE:
-            notes.append("the runtime recomputes whole stages: selective recomputation runs as full")
+        train += ["--recompute", cfg.recompute.value]
     if cfg.bpipe:  # BPipe's transform on another family (interleaved+bpipe)
         train.append("--bpipe")
     if cfg.bpipe_budget is not None:

@@ -460,9 +460,6 @@ class TrainConfig:
         from evenpipe.runtime.stages import partition_layers
         partition_layers(cfg.num_layers, sched.num_stages, layout=sched.layout)
         _check_tp(cfg, self.runtime.tp, self.model.hf_config)
-        if self.model.hf_config is not None and Recompute.SELECTIVE in sched.recompute:
-            raise ConfigError("--recompute selective: a --hf-config model's attention runs inside transformers, "
-                              "where evenpipe cannot recompute its core yet; use full or none")
         self.runtime.emulation().check(sched.num_ranks)
         if self.runtime.sharding is Sharding.FULL and sched.family.traits.split_backward:
             raise ConfigError(f"--sharding full cannot run --schedule {sched.family.value}: its weight-gradient "

@@ -4,6 +4,10 @@ what the cost model's selective figure counts, and ``--recompute`` takes one mod
 
 from __future__ import annotations
 
+import json
+import pathlib
+import tempfile
+
 import pytest
 import torch
 
@@ -11,7 +15,7 @@ from evenpipe.cost.activations import activation_bytes
 from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute
 from evenpipe.errors import ConfigError
 from evenpipe.models import model_config
-from evenpipe.models.adapter import reference_model
+from evenpipe.models.adapter import PipelineModel, reference_model
 from evenpipe.models.recompute import set_selective_recompute
 from evenpipe.runtime.stages import build_stage_modules
 from evenpipe.runtime.stash import ActivationStash
@@ -20,14 +24,31 @@ from evenpipe.training.config import ScheduleOptions, parse_recompute
 SEQ, B = 16, 2
 
 
+HF = pathlib.Path(__file__).parents[2] / "fixtures" / "hf"
+
+
+def _model(name: str, **overrides: object) -> PipelineModel:
+    """A reference preset of 4 layers, or a Hugging Face fixture (``hf:NAME``, eager attention with
+    ``overrides`` as its config's fields) of 4 layers."""
+    if not name.startswith("hf:"):
+        return reference_model(model_config(name, seq_len=SEQ, num_layers=4, **overrides), seed=0)
+    pytest.importorskip("transformers")
+    from evenpipe.models.hf import hf_model
+    raw = json.loads((HF / name[3:] / "config.json").read_text())
+    raw.update({"n_layer" if "n_layer" in raw else "num_hidden_layers": 4}, **overrides)
+    path = pathlib.Path(tempfile.mkdtemp(prefix="evenpipe-sel-")) / "config.json"
+    path.write_text(json.dumps(raw))
+    return hf_model(path, seed=0, attention="eager")
+
+
 def _run(name: str, selective: bool, **overrides: object) -> tuple[float, list[torch.Tensor], int]:
     """Loss, gradients (stage input first, then every parameter) and the stash's bytes of one micro-batch on a
     stage of two blocks (its input counted with the first block's norm input, which it is)."""
-    cfg = model_config(name, seq_len=SEQ, num_layers=4, **overrides)
-    stage = build_stage_modules(reference_model(cfg, seed=0).parts, num_stages=3, stages=[1], layout=(1, 2, 1))[1]
+    built = _model(name, **overrides)
+    stage = build_stage_modules(built.parts, num_stages=3, stages=[1], layout=(1, 2, 1))[1]
     set_selective_recompute(stage, selective)
     stage.train()
-    x = torch.randn(B, SEQ, cfg.hidden, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    x = torch.randn(B, SEQ, built.spec.hidden, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
     stash = ActivationStash([stage])
     stash.hold((1, 0), x)
     torch.manual_seed(5)
@@ -44,7 +65,9 @@ def _run(name: str, selective: bool, **overrides: object) -> tuple[float, list[t
     ("gpt-tiny", {"attention": "eager", "dropout": 0.1}),
     ("gpt-tiny", {}),
     ("llama-tiny", {"attention": "eager"}),
-], ids=["gpt-eager-dropout", "gpt-sdpa", "llama-eager"])
+    ("hf:tiny-llama", {}),
+    ("hf:tiny-gpt2", {"attn_pdrop": 0.1}),
+], ids=["gpt-eager-dropout", "gpt-sdpa", "llama-eager", "hf-llama", "hf-gpt2-dropout"])
 def test_selective_equals_keeping_the_core(name: str, overrides: dict[str, object]) -> None:
     torch.set_num_threads(1)
     loss, grads, kept = _run(name, False, **overrides)

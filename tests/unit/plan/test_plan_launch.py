@@ -22,18 +22,19 @@ def test_one_node_is_standalone_and_names_every_option() -> None:
     text = cmd.text()
     assert text.startswith("torchrun --nproc-per-node=8 --standalone -m evenpipe train --model gpt-tiny ")
     for part in ("--tp 2", "--stages 4", "--dp 1", "--sharding optimizer", "--schedule bpipe", "--chunks 1",
-                 "--microbatches 16", "--microbatch-size 1", "--global-batch 16", "--recompute", "--layout 2,2,2,2"):
+                 "--microbatches 16", "--microbatch-size 1", "--global-batch 16", "--recompute full", "--layout 2,2,2,2"):
         assert part in text, part
     assert cmd.notes == ()
 
 
-def test_many_nodes_use_a_rendezvous_and_unsupported_choices_are_noted() -> None:
+def test_many_nodes_use_a_rendezvous_selective_runs_and_unsupported_choices_are_noted() -> None:
     cmd = _cmd(dp=4, recompute=Recompute.SELECTIVE, sequence_parallel=True, chunks=2,
                schedule=ScheduleFamily.INTERLEAVED, global_batch=32)
     assert (cmd.num_nodes, cmd.procs_per_node) == (4, 8)
     assert "--nnodes=4 --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500" in cmd.text()
     assert "--layout 1,1,1,1,1,1,1,1" in cmd.text() and "--sharding none" in cmd.text()
-    assert len(cmd.notes) == 2 and any("selective" in n for n in cmd.notes) and any("sequence" in n for n in cmd.notes)
+    assert " --recompute selective" in cmd.text() and not any("selective" in n for n in cmd.notes)
+    assert len(cmd.notes) == 1 and any("sequence" in n for n in cmd.notes)
 
 
 def test_plan_prints_the_best_command_and_json_has_one_per_candidate(capsys) -> None:
