@@ -12,6 +12,7 @@ the gradients over the profiled link.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any
 
@@ -19,6 +20,7 @@ from evenpipe.errors import ConfigError
 from evenpipe.sim.costs import Link, SimCosts
 
 from evenpipe.cost.activations import ActivationBytes
+from evenpipe.cost.flops import attention_core_flops, layer_forward_flops
 from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.parallel import ParallelConfig, Recompute, check_pipeline, stage_layers
 from evenpipe.cost.profile import LayerKind, LayerSample
@@ -106,8 +108,6 @@ class ProfiledSource:
             raise ConfigError(f"--gpus {num_gpus} != tp·pp·dp = {cfg.tp}·{cfg.pp}·{cfg.dp} = {cfg.num_gpus}")
         if cfg.tp != 1:
             raise ConfigError(f"tp {cfg.tp}: a profile measures whole layers on one device; it takes tp 1")
-        if cfg.recompute is Recompute.SELECTIVE:
-            raise ConfigError("recompute selective: a profile times whole-layer recomputation only (none or full)")
         check_pipeline(self._model, cfg)
 
     def memory_budget_gib(self, rank: int) -> float | None:
@@ -132,7 +132,16 @@ class ProfiledSource:
             bi, bw = block.backward_s, 0.0
         return LayerTimes(forward_compute=fwd_f * block.forward_s, backward_input_compute=bwd_f * bi,
                           backward_weight_compute=bwd_f * bw, tp_forward=0.0, tp_backward=0.0,
-                          selective_recompute=0.0, recompute_forward=fwd_f * block.recompute_s)
+                          selective_recompute=fwd_f * block.forward_s * self._core_share(cfg, shape)
+                          if cfg.recompute is Recompute.SELECTIVE else 0.0,
+                          recompute_forward=fwd_f * block.recompute_s)
+
+    def _core_share(self, cfg: ParallelConfig, shape: MicrobatchShape) -> float:
+        """The attention core's share of a block's forward (by FLOPs, :mod:`evenpipe.cost.flops`): what selective
+        recomputation runs again in the backward, as a fraction of the profiled forward."""
+        model = replace_spec(self._model, seq_len=shape.seq_len)
+        core = attention_core_flops(model, tp=1, microbatch_size=shape.size)
+        return core / layer_forward_flops(model, tp=1, microbatch_size=shape.size)
 
     def layer_flop_rate(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> float:
         return self.fits.efficiency([shape.size])[0].predicted_flops_per_s
@@ -143,6 +152,9 @@ class ProfiledSource:
         emb = self.fits.predict(LayerKind.EMBEDDING, b, s)
         head = self.fits.predict(LayerKind.HEAD, b, s)
         whole = block.saved_bytes + block.input_saved_bytes
+        # Selective recomputation keeps what a block without it keeps: the profiled blocks run the fused kernel
+        # (SDPA), which saves no score matrix, only its softmax statistics (4·a·s·b bytes), which selective
+        # recomputation also drops and the cost model neglects (as it does for flash attention).
         if cfg.recompute is Recompute.FULL:  # the stage keeps its input only, and rebuilds its layers one by one
             return ActivationBytes(layer_full=whole, layer_saved=0.0, layer_weight_grad=0.0, embedding=0.0,
                                    head=0.0, sent=block.output_bytes, boundary=block.output_bytes)
@@ -189,13 +201,18 @@ class ProfiledSource:
     def stage_costs(self, cfg: ParallelConfig, shape: MicrobatchShape) -> SimCosts:
         layout = stage_layers(self._model, cfg)
         split, alternating = cfg.schedule.traits.split_backward, cfg.chunks > 1
-        key = (layout, split, alternating, shape)
+        selective = cfg.recompute is Recompute.SELECTIVE
+        key = (layout, split, alternating, shape, selective)
         costs = self._costs.get(key)
         if costs is None:
             n = len(layout)
             stages = [self.fits.stage_costs(blocks=layout[s], first=s == 0, last=s == n - 1,
                                             microbatch_size=shape.size, split_backward=split,
                                             seq_len=shape.seq_len, alternating=alternating) for s in range(n)]
+            if selective:  # each block's attention core runs again in the input-gradient part of the backward
+                core = self.layer_times(cfg, 0, shape).selective_recompute
+                stages = [dataclasses.replace(st, backward_input=st.backward_input + blocks * core)
+                          for st, blocks in zip(stages, layout)]
             costs = self._costs[key] = SimCosts.from_stages(stages, default_link=self._link)
         return costs
 

@@ -142,8 +142,8 @@ def category_prediction(profile_path: str, cfg: ParallelConfig, *, dtype: str,
 def category_table(predicted: Sequence[Mapping[str, int]] | None, measured: Sequence[Mapping[str, int]]) -> str:
     """Predicted against measured peak bytes, per pipeline rank and memory category (KiB)."""
     if predicted is None:
-        return ("memory by category: not predicted (a profile predicts tensor parallelism 1 and no or whole-stage "
-                "recomputation only)")
+        return ("memory by category: not predicted (a profile predicts tensor parallelism 1 and one recomputation "
+                "mode for every stage only)")
     lines = ["peak memory by category (KiB): predicted vs measured",
              f"{'rank':>4} {'category':22s} {'predicted':>12s} {'measured':>12s} {'error':>8s}"]
     for r, (p, m) in enumerate(zip(predicted, measured)):

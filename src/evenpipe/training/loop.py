@@ -389,11 +389,11 @@ def _prediction(job: _Job, reports: list[RankReport], measured: Any = ()) -> dic
 
 
 def _parallel_config(cfg: TrainConfig) -> Any:
-    """The planner's record of this run's parallelism (what its memory prediction takes); None when no profile
-    predicts its recomputation (selective, or a mode per stage)."""
-    from evenpipe.cost.parallel import ParallelConfig, Recompute
+    """The planner's record of this run's parallelism (what its memory prediction takes); None when its stages
+    recompute differently (the planner takes one mode for every stage)."""
+    from evenpipe.cost.parallel import ParallelConfig
     sched, rt, m = cfg.schedule, cfg.runtime, cfg.schedule.num_microbatches
-    if len(set(sched.recompute)) != 1 or sched.recompute[0] is Recompute.SELECTIVE:
+    if len(set(sched.recompute)) != 1:
         return None
     return ParallelConfig(tp=rt.tp, pp=sched.num_ranks, dp=rt.dp, chunks=sched.num_chunks or 1,
                           microbatch_size=cfg.data.global_batch // (m * rt.dp), global_batch=cfg.data.global_batch,

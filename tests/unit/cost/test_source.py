@@ -11,7 +11,8 @@ from evenpipe.cost.estimate import estimate, estimate_with
 from evenpipe.cost.memory import stage_memory
 from evenpipe.cost.profile_fit import ProfileModel, predict_step
 from evenpipe.cost.profiled_source import ProfiledSource
-from evenpipe.cost.source import CostSource, Holding, MicrobatchShape
+from evenpipe.cost.parallel import stage_layers
+from evenpipe.cost.source import CostSource, Holding, MicrobatchShape, shape_of
 from evenpipe.errors import ConfigError
 from evenpipe.schedule import build_schedule
 
@@ -87,11 +88,25 @@ def test_profiled_estimate_is_the_profiles_prediction(family: str, chunks: int, 
     assert est.mfu != est.mfu and est.to_dict()["mfu"] is None  # no peak FLOP rate known: NaN, null in JSON
 
 
+def test_profiled_source_answers_selective_recomputation() -> None:
+    """Selective recomputation keeps what the profiled (fused-kernel) blocks keep, and re-runs each block's
+    attention core, its FLOP share of the profiled forward, in the input-gradient part of the backward."""
+    source = ProfiledSource(ProfileModel(make_profile(layers=8)))
+    none, sel = (ParallelConfig(pp=2, global_batch=8, recompute=r) for r in (Recompute.NONE, Recompute.SELECTIVE))
+    source.check(sel)
+    shape = shape_of(source.model, sel)
+    assert source.layer_bytes(sel, 0, shape) == source.layer_bytes(none, 0, shape)
+    core = source.layer_times(sel, 0, shape).selective_recompute
+    assert 0 < core < source.layer_times(none, 0, shape).forward_compute
+    assert source.layer_times(none, 0, shape).selective_recompute == 0
+    blocks = stage_layers(source.model, sel)
+    for s, (a, b) in enumerate(zip(source.stage_costs(none, shape).stages, source.stage_costs(sel, shape).stages)):
+        assert b.backward_input == pytest.approx(a.backward_input + blocks[s] * core)
+
+
 def test_profiled_source_refuses_what_a_profile_cannot_answer() -> None:
     source = ProfiledSource(ProfileModel(make_profile(layers=8)))
     with pytest.raises(ConfigError, match="tp 2"):
         source.check(ParallelConfig(tp=2, pp=2, global_batch=8))
-    with pytest.raises(ConfigError, match="selective"):
-        source.check(ParallelConfig(pp=2, global_batch=8, recompute=Recompute.SELECTIVE))
     with pytest.raises(ConfigError, match="budget"):
         ProfiledSource(ProfileModel(make_profile()), memory_budget_gib=0.0)
