@@ -31,9 +31,10 @@ class ShardCase:
     sharding: str
     """``optimizer`` or ``full``."""
     tp: int = 1
+    sequence_parallel: bool = False
 
     def __str__(self) -> str:
-        return f"{self.case} TP={self.tp} sharding={self.sharding}"
+        return f"{self.case} TP={self.tp}{' SP' if self.sequence_parallel else ''} sharding={self.sharding}"
 
 
 def run_shard_case(sc: ShardCase) -> list[str]:
@@ -42,7 +43,7 @@ def run_shard_case(sc: ShardCase) -> list[str]:
 
 def _run(sc: ShardCase, groups) -> list[str]:
     case = sc.case
-    pipe = tp_pipeline(case, groups, fully_shard=sc.sharding == "full")
+    pipe = tp_pipeline(case, groups, fully_shard=sc.sharding == "full", sequence_parallel=sc.sequence_parallel)
     params, ref_params = pipe.params.named, pipe.ref_params()
     if sc.sharding == "optimizer":
         opt = ShardedOptimizer(pipe.params,

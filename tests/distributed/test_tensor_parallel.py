@@ -11,6 +11,9 @@
 - BPipe at tp 2 x pp 4 (in the 8-process world, :mod:`tp_balance`): every tensor-parallel rank of an evictor
   evicts its own shard, measured per-rank peaks within 15% of their mean, and pipeline rank 0 at most
   ceil((p+1)/2)/p + 0.1 of its 1F1B peak on every tensor-parallel rank.
+- sequence parallelism (issue 33): its cases among the worlds' cases (loss and every gradient equal to the
+  un-sharded model, with FSDP and the distributed optimizer too), and at tp 2 x pp 4 every stage-boundary
+  message half its tp 1 size and what BPipe evicts halved (measured, :func:`tp_balance.measure_sequence_bytes`).
 
 Two worlds (4 and 8 processes), each started once per module and running all its cases; each test looks up its
 own failures.
@@ -27,7 +30,8 @@ import pytest
 from cases import Case
 from harness import failures_only, missing_runs, run_world
 from shard_cases import ShardCase, run_shard_cases
-from tp_balance import P, balance_reports, is_data, measure_balance
+from tp_balance import (MICROBATCH, P, SEQ, balance_reports, is_data, measure_balance, measure_sequence_bytes,
+                        sequence_bytes)
 from tp_cases import TpCase, run_tp_cases
 
 pytestmark = pytest.mark.distributed
@@ -51,8 +55,20 @@ TP_PP_CASES = ([TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model
                   for f, v in HF_FAMILIES for m in HF_MODELS]
                + [TpCase(case=Case(family=f, pp=2, microbatches=4, model=m, recompute="selective"))  # attention core
                   for f, m in (("zb-h1", "gpt-tiny"), *(("1f1b", m) for m in HF_MODELS))])
+SP_CASES = [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model=m, bpipe=b, documents=d),
+                   sequence_parallel=True)
+            for f, v, m, b, d in (("1f1b", 1, "gpt-tiny", False, False), ("bpipe", 1, "llama-tiny", False, False),
+                                  ("zb-h1", 1, "gpt-tiny", False, False), ("interleaved", 2, "llama-tiny", True, False),
+                                  ("1f1b", 1, "gpt-tiny", False, True))]
+SP_CASES += [TpCase(case=Case(family=f, pp=2, microbatches=4, model=m, recompute=r), sequence_parallel=True)
+             for f, m, r in (("zb-h1", "gpt-tiny", "selective"), ("1f1b", "llama-tiny", "full"))]
+"""Sequence parallelism (issue 33): GPT and LLaMA, a split backward, BPipe (plain and as a transform), documents,
+selective and full recomputation."""
+TP_PP_CASES += SP_CASES
 TP_PP_DP_CASES = [TpCase(case=Case(family=f, pp=2, microbatches=2, dp=2, chunks=v, model=m))
                   for f, v in HF_FAMILIES for m in (*MODELS, *HF_MODELS)]
+TP_PP_DP_CASES += [TpCase(case=Case(family=f, pp=2, microbatches=2, dp=2, chunks=v, model=m), sequence_parallel=True)
+                   for f, v, m in (("1f1b", 1, "gpt-tiny"), ("interleaved", 2, "llama-tiny"))]
 
 _SHARD_4 = (("1f1b", 1, 2, "gpt-tiny", "optimizer"), ("1f1b", 1, 2, "gpt-tiny", "full"),
             ("interleaved", 2, 2, "llama-tiny", "full"), ("bpipe", 1, 3, "gpt-tiny", "full"),
@@ -64,13 +80,16 @@ SHARD_CASES_4 = [ShardCase(case=Case(family=f, pp=2, microbatches=m, dp=2, chunk
                  for f, v, m, model, mode in _SHARD_4]
 SHARD_CASES_8 = [ShardCase(case=Case(family=f, pp=2, microbatches=m, dp=2, chunks=v, model=model), sharding=mode,
                            tp=2) for f, v, m, model, mode in _SHARD_8]
+SHARD_CASES_8 += [ShardCase(case=Case(family="1f1b", pp=2, microbatches=2, dp=2, model="gpt-tiny"), sharding=mode,
+                            tp=2, sequence_parallel=True) for mode in ("full", "optimizer")]
 
 def _four(rank: int, world: int) -> list[str]:
     return run_tp_cases(TP_PP_CASES) + run_shard_cases(SHARD_CASES_4)
 
 
 def _eight(rank: int, world: int) -> list[str]:
-    return run_tp_cases(TP_PP_DP_CASES) + run_shard_cases(SHARD_CASES_8) + measure_balance(rank, world)
+    return (run_tp_cases(TP_PP_DP_CASES) + run_shard_cases(SHARD_CASES_8) + measure_balance(rank, world)
+            + measure_sequence_bytes(rank, world))
 
 
 def _flatten(results: dict[int, list[str]]) -> list[str]:
@@ -154,3 +173,34 @@ def test_rank0_peak_shrinks_on_every_tp_rank(reports: list[dict[str, Any]]) -> N
     bad = [f"tp {r['tp']}: rank 0 BPipe peak {r['bpipe']['peak']} B > {bound:.3f} x 1F1B peak {r['1f1b']['peak']} B"
            for r in reports if r["pp"] == 0 and r["bpipe"]["peak"] > bound * r["1f1b"]["peak"]]
     assert not bad, "\n".join(bad) + "\n" + _table(reports)
+
+
+# --- sequence parallelism's bytes at tp 2 x pp 4 (measured in the 8-process world; see tp_balance.py) ----------
+@pytest.fixture(scope="module")
+def sp_bytes(eight_failures: list[str]) -> dict[tuple[str, int, int], dict[str, Any]]:
+    data = sequence_bytes(eight_failures)
+    if not data:
+        fatal = [f for f in eight_failures if not is_data(f) and (" raised " in f or "reported nothing" in f)]
+        pytest.fail("the sequence-parallel bytes measurement failed:\n" + "\n".join(fatal or ["no report"]))
+    return data
+
+
+@pytest.mark.parametrize("kind", ["send_f", "send_b"])
+def test_sequence_parallel_halves_boundary_messages(sp_bytes: dict, kind: str) -> None:
+    """Every activation (gradient) message across a stage boundary is half its tp 1 and plain tp 2 size."""
+    for pp in range(P):
+        whole = sp_bytes[("tp1", pp, 0)][kind]
+        for tp in range(2):
+            assert sp_bytes[("tp2", pp, tp)][kind] == whole, (pp, tp)
+            assert [2 * b for b in sp_bytes[("tp2-sp", pp, tp)][kind]] == whole, (pp, tp, whole)
+
+
+def test_sequence_parallel_halves_bpipe_bytes(sp_bytes: dict) -> None:
+    """What BPipe evicts halves exactly on a rank of blocks only (pipeline rank 1); on rank 0 all but the
+    embedding's inputs (token ids [b, T] and positions [T], int64, whole on every tensor-parallel rank) halve."""
+    for tp in range(2):
+        assert 2 * sp_bytes[("tp2-sp", 1, tp)]["evicted"] == sp_bytes[("tp1", 1, 0)]["evicted"] > 0
+        units = len(sp_bytes[("tp1", 0, 0)]["evict"])
+        replicated = units * (MICROBATCH * SEQ + SEQ) * 8
+        assert 2 * sp_bytes[("tp2-sp", 0, tp)]["evicted"] - sp_bytes[("tp1", 0, 0)]["evicted"] == replicated
+        assert sp_bytes[("tp2", 1, tp)]["evicted"] > sp_bytes[("tp2-sp", 1, tp)]["evicted"]  # control: plain tp

@@ -34,9 +34,11 @@ class TpCase:
     case: Case
     """Schedule, pipeline ranks, replicas, model."""
     tp: int = 2
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (norms and boundaries sharded over the sequence)."""
 
     def __str__(self) -> str:
-        return f"{self.case} TP={self.tp}"
+        return f"{self.case} TP={self.tp}" + (" SP" if self.sequence_parallel else "")
 
 
 def tp_config(name: str, num_stages: int):
@@ -95,16 +97,16 @@ def _model(name: str, num_stages: int) -> PipelineModel:
     return reference_model(tp_config(name, num_stages), seed=7)
 
 
-def tp_pipeline(case: Case, groups, *, fully_shard: bool = False) -> TpPipeline:
-    """This rank's stages of the case's model, tensor parallel over the mesh's ``tp`` dimension and, with
-    ``fully_shard``, FSDP over ``dp``."""
+def tp_pipeline(case: Case, groups, *, fully_shard: bool = False, sequence_parallel: bool = False) -> TpPipeline:
+    """This rank's stages of the case's model, tensor parallel over the mesh's ``tp`` dimension (and the
+    sequence with ``sequence_parallel``) and, with ``fully_shard``, FSDP over ``dp``."""
     schedule = schedule_for(case)
     model, ref = _model(case.model, schedule.num_stages), _model(case.model, schedule.num_stages)
     grad_sync = []
 
     def prepare(mine) -> None:
         for stage in mine.values():
-            parallelize_stage(stage, groups.mesh["tp"])
+            parallelize_stage(stage, groups.mesh["tp"], sequence_parallel=sequence_parallel)
         if fully_shard:
             grad_sync.append(fully_shard_stages(mine.values(), groups.mesh["dp"]))
     stages, params = build_rank_stages(model.module, model.parts, schedule, groups.pp_rank, prepare=prepare)
@@ -129,7 +131,7 @@ def run_tp_case(tc: TpCase) -> list[str]:
 
 def _run(tc: TpCase, groups) -> list[str]:
     case = tc.case
-    pipe = tp_pipeline(case, groups)
+    pipe = tp_pipeline(case, groups, sequence_parallel=tc.sequence_parallel)
     params, ref_params, module = pipe.params.named, pipe.ref_params(), pipe.model.module
     stash = ActivationStash()
     ex = pipe.executor(groups, stash)

@@ -12,6 +12,7 @@ from evenpipe.cli import main
 pytest.importorskip("torch")
 
 _HF_GPT2 = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "tiny-gpt2" / "config.json"
+_HF_LLAMA = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "tiny-llama" / "config.json"
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +55,11 @@ BAD = {
     "emulated slowdown below 1": (["--emulate-slow-rank", "1:0.5"], "RANK:FACTOR[@STEP] with FACTOR >= 1"),
     "emulated link to itself": (["--emulate-link-delay", "1-1:5"], "A-B:MS for two different"),
     "slow-rank threshold not above 1": (["--slow-rank-threshold", "0.9"], "--slow-rank-threshold must be > 1"),
+    "sequence parallelism without tp": (["--sequence-parallel"], "--sequence-parallel needs --tp 2 or more"),
+    "sequence parallelism not dividing the sequence": (["--sequence-parallel", "--tp", "2", "--seq-len", "15"],
+                                                      "cannot split --seq-len 15"),
+    "sequence parallelism on a Hugging Face model": (
+        ["--hf-config", str(_HF_LLAMA), "--tp", "2", "--sequence-parallel"], "cannot run the Hugging Face model"),
 }
 
 

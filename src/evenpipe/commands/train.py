@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1; world = stages x dp x tp)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (default 1; divides the heads)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism with --tp > 1: norms and stage boundaries sharded over the "
+                        "sequence")
     p.add_argument("--sharding", default="none",
                    help="sharded data parallelism: none, optimizer (distributed optimizer) or full (FSDP2)")
     p.add_argument("--chunks", type=int, default=None,
@@ -152,7 +155,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     if args.tensorboard:
         from evenpipe.training.metrics import require_tensorboard
         require_tensorboard()
-    runtime = RuntimeOptions(steps=args.steps, dp=args.dp, tp=args.tp, sharding=args.sharding, backend=backend,
+    runtime = RuntimeOptions(steps=args.steps, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel,
+                             sharding=args.sharding, backend=backend,
                              timeout_s=args.timeout, slow_rank_threshold=args.slow_rank_threshold,
                              slow_rank_steps=args.slow_rank_steps, emulate_slow_rank=args.emulate_slow_rank,
                              emulate_link_delays=tuple(args.emulate_link_delay))
@@ -247,8 +251,8 @@ def header(config: TrainConfig) -> str:
     per_replica = config.data.global_batch // (sched.num_microbatches * rt.dp)
     schedule = sched.family.value + (" + bpipe" if sched.bpipe else "")
     return (f"train {config.model.name}: {model.num_params:,} parameters ({config.model.dtype.value}), "
-            f"world {config.world_size} = pp {sched.num_ranks} x dp {rt.dp} x tp {rt.tp} ({rt.backend.value}), "
-            f"schedule {schedule}\n"
+            f"world {config.world_size} = pp {sched.num_ranks} x dp {rt.dp} x tp {rt.tp}"
+            + (" (sequence parallel)" if rt.sequence_parallel else "") + f" ({rt.backend.value}), schedule {schedule}\n"
             f"  global batch {config.data.global_batch} sequences of {config.seq_len} tokens = "
             f"{sched.num_microbatches} micro-batches of {per_replica} sequence(s) x dp {rt.dp}; {rt.steps} step"
             + ("" if rt.steps == 1 else "s"))

@@ -94,8 +94,10 @@ class AnalyticSource:
         c = self.conventions
         if c is None or c.runtime is Runtime.MEGATRON:
             return act
-        # evenpipe: the training dtype's elements; every tensor-parallel rank sends the whole hidden state
+        # evenpipe: the training dtype's elements; every tensor-parallel rank sends the whole hidden state, or its
+        # 1/tp slice of the sequence under sequence parallelism
         sent = float(shape.size * shape.seq_len * self.model.hidden * c.dtype.element_bytes)
+        sent /= cfg.tp if cfg.sequence_parallel else 1
         return dataclasses.replace(scaled(act, c.dtype.element_bytes / 2), sent=sent)
 
     def param_counts(self, cfg: ParallelConfig) -> ParamCounts:

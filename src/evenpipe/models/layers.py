@@ -106,8 +106,9 @@ class CausalSelfAttention(nn.Module):
             self.register_buffer("rope_sin", rotary[1], persistent=False)
 
     def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q, k, v = self.qkv(x).split(
+        qkv = self.qkv(x)  # [B, T, ...]: under sequence parallelism x holds T / tp positions, qkv all T
+        batch, seq = qkv.shape[:2]
+        q, k, v = qkv.split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
             dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]

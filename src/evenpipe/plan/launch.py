@@ -4,7 +4,8 @@ Pure: builds argument lists, starts nothing. Every option of the printed ``train
 ``evenpipe train`` (a test runs one); what the runtime cannot do yet is said in :attr:`LaunchCommand.notes`
 instead of being silently dropped:
 
-- sequence parallelism (the runtime's tensor parallelism keeps norms replicated): the command runs without it.
+- sequence parallelism for a Hugging Face model (the runtime shards the reference blocks only) or a sequence
+  length that ``tp`` does not divide: the command runs without it.
 
 Processes: ``tp * pp * dp`` in all, ``min(total, gpus_per_node)`` per node (tensor parallelism innermost in the
 runtime's mesh, so a tensor-parallel group stays inside a node). One node uses ``--standalone``; more nodes use a
@@ -81,6 +82,10 @@ def launch_command(cfg: ParallelConfig, *, model: ModelSpec, model_args: tuple[s
         notes.append(f"this train has no --offload yet: pipeline ranks 0-{cfg.offload_ranks - 1} would copy their "
                      "saved activations to host memory")
     if cfg.sequence_parallel and cfg.tp > 1:
-        notes.append("the runtime has no sequence parallelism: norms stay replicated over tensor parallelism")
+        if "--hf-config" in model_args or model.seq_len % cfg.tp:
+            notes.append("the runtime's sequence parallelism shards the reference models' sequences into tp equal "
+                         "slices: this run keeps the norms replicated over tensor parallelism")
+        else:
+            train.append("--sequence-parallel")
     return LaunchCommand(num_nodes=nodes, procs_per_node=per_node, torchrun=torchrun, train=tuple(train),
                          notes=tuple(notes))

@@ -58,7 +58,7 @@ from evenpipe.runtime.mailbox import Mailbox
 from evenpipe.runtime.stash import StashMeta
 from evenpipe.runtime.step_context import (HANDSHAKE_TAG, Handler, LiveTensors, LossFn, Phase, Posting, Stash,
                                            StashKey, StepContext, addons, handler_table)
-from evenpipe.runtime.tensor_parallel import local_shard
+from evenpipe.runtime.tensor_parallel import local_shard, sum_sequence_partial_grads
 from evenpipe.runtime.trace import RankRecorder
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 
@@ -224,6 +224,8 @@ class PipelineExecutor:
         else:
             self._all_reduce_grads()
         self._sum_tied_grads()
+        if self.groups.tp_group is not None:  # norms on sequence slices (nothing to sum without them)
+            sum_sequence_partial_grads(self.stages.values(), self.groups.tp_group)
         loss = self._share_loss(ctx.loss_sum)
         dt = time.perf_counter() - t0
         return StepResult(loss=loss, step_time_s=dt, peak_own_bytes=int(self.stash.peak_own_bytes),

@@ -120,6 +120,9 @@ class StageModule(nn.Module):
         self.last = last
         self.packed = False
         """Rows of several documents whose boundaries travel with the activations (see :meth:`packed_forward`)."""
+        self.sequence_group: Any = None
+        """The tensor-parallel group when sequence parallelism shards the hidden states over the sequence (set by
+        :func:`evenpipe.runtime.tensor_parallel.parallelize_stage`): the document channel follows the slices."""
         self.tied_params: tuple[nn.Parameter, ...] = ()
         """Parameters of ``first``/``last`` tied to a weight of the other end (see ``PipelineParts.tied``)."""
 
@@ -164,6 +167,9 @@ class StageModule(nn.Module):
             x, doc_ids = x[:, 0], x[:, 1]
         else:
             x, starts = x[..., :-1], x[..., -1].detach()
+            if self.sequence_group is not None:  # this rank's slice of the starts: the document ids need all
+                from evenpipe.runtime.sequence_parallel import gather_sequence
+                starts = gather_sequence(starts, self.sequence_group)
             doc_ids = torch.cumsum(starts != 0, dim=1)
         documents = Documents(doc_ids)
         if self.first is not None:
@@ -172,7 +178,11 @@ class StageModule(nn.Module):
             x = block(x, documents)
         if self.last is not None:
             return self.last(x)
-        return torch.cat([x, (documents.positions == 0).to(x.dtype).unsqueeze(-1)], dim=-1)
+        starts = (documents.positions == 0).to(x.dtype)
+        if self.sequence_group is not None:
+            from evenpipe.runtime.sequence_parallel import scatter_sequence
+            starts = scatter_sequence(starts, self.sequence_group)
+        return torch.cat([x, starts.unsqueeze(-1)], dim=-1)
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}/{self.num_stages}, layers={self.layers.start}..{self.layers.stop - 1}"

@@ -17,7 +17,13 @@ Per block, with ``tp`` ranks on the mesh's ``tp`` dimension:
 What crosses a stage boundary: a replicated, plain (local) ``torch.Tensor`` -- every block takes and returns
 the full hidden state ``[B, T, h]`` (``use_local_output``), so the executor's point-to-point transfers and its
 shape handshake are unchanged; tensor-parallel rank ``t`` of stage ``s`` talks to rank ``t`` of stage ``s+1``.
-Sequence parallelism of the norms is not implemented (boundaries would then be sequence-sharded).
+
+With ``sequence_parallel`` (Megatron's sequence parallelism, :mod:`evenpipe.runtime.sequence_parallel`) the
+same linears are split the same way, but the column-parallel ones all-gather their input over the sequence and
+the row-parallel ones reduce-scatter their output over it; between them the norms, dropout and residual adds run
+on ``T / tp`` positions. The embedding's output is cut to this rank's slice and the head's input gathered, so
+what crosses a stage boundary is ``[B, T / tp, h]``: tensor-parallel rank ``t`` sends its own slice to rank
+``t`` of the next stage.
 
 The fused q/k/v weight is stored ``[q heads | k heads | v heads]``; a column split of that would hand rank 0
 all the query heads. :func:`parallelize_stage` therefore reorders its rows rank-major (rank ``t``'s query, key
@@ -27,14 +33,19 @@ parameter or gradient, so it can be compared with (or saved as) the un-sharded m
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from evenpipe.errors import ConfigError
+from evenpipe.runtime.comm import collective, through_flat
+from evenpipe.runtime.sequence_parallel import (SEQUENCE_PARTIAL, gather_sequence, gathered_linear,
+                                                reduce_scatter_sequence, scatter_sequence)
 
-__all__ = ["parallelize_stage", "full_tensor", "local_shard", "reference_layout"]
+__all__ = ["parallelize_stage", "full_tensor", "local_shard", "reference_layout", "sum_sequence_partial_grads"]
 
 _QKV_ORDER = "_evenpipe_tp_row_order"
 """Attribute of a reordered q/k/v linear: the row permutation applied before sharding."""
@@ -101,8 +112,9 @@ def _check_heads(module: nn.Module, tp: int) -> None:
                           "key/value heads")
 
 
-def parallelize_stage(stage: nn.Module, tp_mesh: Any) -> nn.Module:
-    """Split ``stage``'s attention and MLP modules over the 1-D device mesh ``tp_mesh`` (in place).
+def parallelize_stage(stage: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = False) -> nn.Module:
+    """Split ``stage``'s attention and MLP modules over the 1-D device mesh ``tp_mesh`` (in place); with
+    ``sequence_parallel``, shard the rest of each block over the sequence too (see the module docstring).
 
     Call it once per stage module, before building the optimizer (parameters become DTensors).
     """
@@ -112,6 +124,8 @@ def parallelize_stage(stage: nn.Module, tp_mesh: Any) -> nn.Module:
     tp = tp_mesh.size()
     if tp == 1:
         return stage
+    if sequence_parallel:
+        _check_sequence_parallel(stage, tp)
     split = 0
     for module in list(stage.modules()):
         plan = _plans(module)
@@ -122,9 +136,10 @@ def parallelize_stage(stage: nn.Module, tp_mesh: Any) -> nn.Module:
             _check_heads(module, tp)
         if isinstance(module, CausalSelfAttention):
             _reorder_rows(module.qkv, _qkv_row_order(module.num_heads, module.num_kv_heads, module.head_dim, tp))
-            parallelize_module(module, tp_mesh, plan)
             module.num_heads //= tp  # the forward now sees this rank's heads only
             module.num_kv_heads //= tp
+        if sequence_parallel:
+            _sequence_parallel_linears(module, plan, tp_mesh)
         else:
             parallelize_module(module, tp_mesh, plan)
     blocks: Sequence[nn.Module] = getattr(stage, "blocks", ())
@@ -133,7 +148,100 @@ def parallelize_stage(stage: nn.Module, tp_mesh: Any) -> nn.Module:
         raise ConfigError(f"--tp {tp}: tensor parallelism splits the reference GPT/LLaMA blocks and Hugging Face "
                           f"Llama-family layers (q/k/v/o and gate/up/down projections); this model's "
                           f"{type(layer).__name__} has no tensor-parallel plan (use --tp 1)")
+    if sequence_parallel:
+        _shard_sequence(stage, tp_mesh.get_group())
     return stage
+
+
+def _check_sequence_parallel(stage: nn.Module, tp: int) -> None:
+    """Sequence parallelism runs the reference blocks (their norms and residuals are this file's to shard)."""
+    from evenpipe.models.gpt import GPTBlock, GPTHead
+    from evenpipe.models.llama import LlamaBlock, LlamaHead
+    blocks: Sequence[nn.Module] = getattr(stage, "blocks", ())
+    last = getattr(stage, "last", None)
+    odd = [type(m).__name__ for m in (*blocks, *([last] if last is not None else []))
+           if not isinstance(m, (GPTBlock, LlamaBlock, GPTHead, LlamaHead))]
+    if odd:
+        raise ConfigError(f"--sequence-parallel with --tp {tp} shards the reference GPT/LLaMA blocks; this model's "
+                          f"{odd[0]} computes positions and masks from the sequence it receives (drop "
+                          "--sequence-parallel)")
+
+
+def _sequence_parallel_linears(module: nn.Module, plan: dict[str, Any], tp_mesh: Any) -> None:
+    """Shard each linear of ``plan`` by columns or rows as DTensors and give it the sequence-parallel forward."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    for name, style in plan.items():
+        linear = getattr(module, name)
+        column = isinstance(style, ColwiseParallel)
+        for p_name, param in list(linear.named_parameters(recurse=False)):
+            dim = 0 if column else (1 if p_name == "weight" else None)  # a row-parallel bias stays whole
+            local = param.detach() if dim is None else param.detach().chunk(tp, dim=dim)[rank]
+            placement = Replicate() if dim is None else Shard(dim)
+            shard = DTensor.from_local(local.clone(), tp_mesh, [placement], run_check=False)
+            linear.register_parameter(p_name, nn.Parameter(shard, requires_grad=param.requires_grad))
+        linear.sequence_group = tp_mesh.get_group()
+        linear.__class__ = _SequenceColumnLinear if column else _SequenceRowLinear
+
+
+class _SequenceColumnLinear(nn.Linear):
+    """A column-parallel linear whose input is a sequence slice: all-gather, then this rank's columns."""
+
+    sequence_group: Any
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else _to_local(self.bias)
+        return gathered_linear(x, _to_local(self.weight), bias, self.sequence_group)
+
+
+class _SequenceRowLinear(nn.Linear):
+    """A row-parallel linear whose partial sums are reduce-scattered over the sequence (bias added after)."""
+
+    sequence_group: Any
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = reduce_scatter_sequence(F.linear(x, _to_local(self.weight)), self.sequence_group)
+        return out if self.bias is None else out + _to_local(self.bias)
+
+
+def _to_local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's local shard, differentiably (its gradient flows back to the DTensor)."""
+    local: torch.Tensor = t.to_local()  # type: ignore[attr-defined]
+    return local
+
+
+def _shard_sequence(stage: nn.Module, group: Any) -> None:
+    """Cut the embedding's output to this rank's slice, gather the head's input, and name the parameters whose
+    gradients are partial over the slices (norms, row-parallel biases: summed by the executor each step)."""
+    first, last = getattr(stage, "first", None), getattr(stage, "last", None)
+    if first is not None:
+        first.register_forward_hook(lambda _m, _args, out: scatter_sequence(out, group))
+    if last is not None:
+        last.head.register_forward_pre_hook(lambda _m, args: (gather_sequence(args[0], group), *args[1:]))
+    partial = [name for name, p in stage.named_parameters()
+               if (name.startswith("blocks.") and not _is_sharded(p))
+               or (name.startswith("last.") and not name.startswith("last.head."))]
+    setattr(stage, SEQUENCE_PARTIAL, tuple(partial))
+    stage.sequence_group = group
+
+
+def sum_sequence_partial_grads(stages: Iterable[nn.Module], group: Any) -> None:
+    """Sum over the tensor-parallel ranks the gradients of every stage's parameters named in its
+    ``SEQUENCE_PARTIAL`` list (one flat all-reduce; a DTensor gradient by its local shard): each rank's gradient
+    counts only its sequence slice."""
+    grads = [local_shard(g) for stage in stages for name in getattr(stage, SEQUENCE_PARTIAL, ())
+             if (g := stage.get_parameter(name).grad) is not None]
+
+    def total(flat: torch.Tensor) -> None:
+        with collective("the sequence-parallel gradient all-reduce over tensor parallelism"):
+            dist.all_reduce(flat, group=group)
+
+    through_flat(grads, total)
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    return any(not pl.is_replicate() for pl in getattr(t, "placements", ()))
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:

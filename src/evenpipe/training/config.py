@@ -345,6 +345,9 @@ class RuntimeOptions:
     """Data-parallel replicas (world = stages x dp x tp)."""
     tp: int = 1
     """Tensor-parallel ranks per stage (DTensor; see :mod:`evenpipe.runtime.tensor_parallel`)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism with ``tp > 1``: norms, dropout and residual adds, and what crosses a stage
+    boundary or moves under BPipe, on ``seq_len / tp`` positions (:mod:`evenpipe.runtime.sequence_parallel`)."""
     sharding: Sharding = Sharding.NONE
     """Sharded data parallelism: none, optimizer (distributed optimizer) or full (FSDP2)."""
     backend: Backend = Backend.GLOO
@@ -369,6 +372,9 @@ class RuntimeOptions:
         _at_least("steps", self.steps, 1)
         _at_least("dp", self.dp, 1)
         _at_least("tp", self.tp, 1)
+        if self.sequence_parallel and self.tp < 2:
+            raise ConfigError(f"--sequence-parallel needs --tp 2 or more (got --tp {self.tp}): it shards over the "
+                              "tensor-parallel ranks")
         if self.timeout_s is not None:
             _finite_positive("timeout", self.timeout_s)
         _coerce(self, "emulate_link_delays", tuple(self.emulate_link_delays))
@@ -460,6 +466,8 @@ class TrainConfig:
         from evenpipe.runtime.stages import partition_layers
         partition_layers(cfg.num_layers, sched.num_stages, layout=sched.layout)
         _check_tp(cfg, self.runtime.tp, self.model.hf_config)
+        if self.runtime.sequence_parallel:
+            _check_sequence_parallel(self.seq_len, self.runtime.tp, self.model.hf_config)
         self.runtime.emulation().check(sched.num_ranks)
         if self.runtime.sharding is Sharding.FULL and sched.family.traits.split_backward:
             raise ConfigError(f"--sharding full cannot run --schedule {sched.family.value}: its weight-gradient "
@@ -559,6 +567,16 @@ def parse_recompute(value: Any, num_stages: int) -> tuple[Recompute, ...]:
 
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else ",".join(getattr(v, "value", str(v)) for v in value)
+
+
+def _check_sequence_parallel(seq_len: int, tp: int, hf_config: str | None) -> None:
+    """Sequence parallelism cuts every sequence into ``tp`` equal slices of the reference blocks."""
+    if seq_len % tp:
+        raise ConfigError(f"--sequence-parallel with --tp {tp} cannot split --seq-len {seq_len}: use a sequence "
+                          f"length divisible by {tp}")
+    if hf_config is not None:
+        raise ConfigError(f"--sequence-parallel cannot run the Hugging Face model {hf_config}: its layers compute "
+                          "positions and masks from the sequence they receive (drop --sequence-parallel)")
 
 
 def _plain(record: Any) -> dict[str, Any]:

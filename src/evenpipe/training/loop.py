@@ -160,7 +160,7 @@ def _parallelize(stages: dict[int, Any], groups: ParallelGroups, rt: RuntimeOpti
     if rt.tp > 1:
         from evenpipe.runtime.tensor_parallel import parallelize_stage
         for stage in stages.values():
-            parallelize_stage(stage, groups.mesh[MeshDim.TP.value])
+            parallelize_stage(stage, groups.mesh[MeshDim.TP.value], sequence_parallel=rt.sequence_parallel)
     if rt.sharding is Sharding.FULL and rt.dp > 1:
         from evenpipe.runtime.sharding import fully_shard_stages
         return fully_shard_stages(stages.values(), groups.mesh[MeshDim.DP.value])
@@ -399,6 +399,7 @@ def _parallel_config(cfg: TrainConfig) -> Any:
                           microbatch_size=cfg.data.global_batch // (m * rt.dp), global_batch=cfg.data.global_batch,
                           recompute=sched.recompute[0], schedule=sched.family,
                           distributed_optimizer=rt.sharding is not Sharding.NONE, bpipe=sched.bpipe,
+                          sequence_parallel=rt.sequence_parallel,
                           bpipe_budget=sched.bpipe_budget, layout=sched.layout)
 
 

@@ -110,3 +110,15 @@ def test_profiled_source_refuses_what_a_profile_cannot_answer() -> None:
         source.check(ParallelConfig(tp=2, pp=2, global_batch=8))
     with pytest.raises(ConfigError, match="budget"):
         ProfiledSource(ProfileModel(make_profile()), memory_budget_gib=0.0)
+
+
+def test_evenpipe_boundary_message_shrinks_by_tp_under_sequence_parallelism() -> None:
+    """evenpipe's runtime sends the whole hidden state per tensor-parallel rank, or its 1/tp sequence slice under
+    sequence parallelism (as measured in tests/distributed/test_tensor_parallel.py)."""
+    from evenpipe.cost.runtime_memory import RuntimeConventions
+    source = AnalyticSource(GPT, A100, conventions=RuntimeConventions())
+    shape = MicrobatchShape(size=2, seq_len=GPT.seq_len)
+    whole = 2 * GPT.seq_len * GPT.hidden * 4  # float32
+    for tp, sp, want in ((1, False, whole), (2, False, whole), (2, True, whole / 2), (4, True, whole / 4)):
+        cfg = ParallelConfig(pp=4, tp=tp, sequence_parallel=sp, microbatch_size=2, global_batch=16)
+        assert source.layer_bytes(cfg, 1, shape).sent == want, (tp, sp)

@@ -33,8 +33,17 @@ def test_many_nodes_use_a_rendezvous_selective_runs_and_unsupported_choices_are_
     assert (cmd.num_nodes, cmd.procs_per_node) == (4, 8)
     assert "--nnodes=4 --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500" in cmd.text()
     assert "--layout 1,1,1,1,1,1,1,1" in cmd.text() and "--sharding none" in cmd.text()
-    assert " --recompute selective" in cmd.text() and not any("selective" in n for n in cmd.notes)
-    assert len(cmd.notes) == 1 and any("sequence" in n for n in cmd.notes)
+    assert " --recompute selective" in cmd.text() and not cmd.notes
+    assert " --sequence-parallel" in cmd.text()  # the runtime runs what the plan chose (issue 33)
+
+
+def test_sequence_parallelism_the_runtime_cannot_run_is_noted() -> None:
+    model = dataclasses.replace(model_preset("gpt-tiny"), num_layers=8, seq_len=15)
+    cfg = ParallelConfig(tp=2, pp=4, microbatch_size=1, global_batch=16, sequence_parallel=True)
+    odd = launch_command(cfg, model=model, model_args=("--model", "gpt-tiny"), gpus_per_node=8)
+    hf = launch_command(cfg, model=model_preset("gpt-tiny"), model_args=("--hf-config", "x.json"), gpus_per_node=8)
+    for cmd in (odd, hf):
+        assert "--sequence-parallel" not in cmd.text() and any("sequence" in n for n in cmd.notes)
 
 
 def test_plan_prints_the_best_command_and_json_has_one_per_candidate(capsys) -> None:
