@@ -34,7 +34,8 @@ def _schedule_cases() -> list[Case]:
     # selective recomputation (the attention core) with the full and the split backward, and a mode per stage
     out += [Case(family="1f1b", pp=2, microbatches=4, recompute="selective"),
             Case(family="zb-h1", pp=2, microbatches=4, recompute="selective", model="llama-tiny"),
-            Case(family="1f1b", pp=2, microbatches=4, recompute="full,selective", model="llama-tiny")]
+            Case(family="1f1b", pp=2, microbatches=4, recompute="full,selective", model="llama-tiny"),
+            Case(family="zb-v", pp=4, microbatches=8, chunks=2, recompute="selective")]
     # the zero-bubble and V-shaped families (V placement: the last stage, and so the loss, on rank 0)
     for family in ("zb-h2", "zb-v", "v-half", "v-min", "dualpipev"):
         for pp, dp in LAYOUTS:
