@@ -1,7 +1,8 @@
 """Checkpoints in every mode (issue 33.1), four processes each: a run stopped after 3 of 6 steps and resumed
 reproduces the uninterrupted losses bit for bit with the same layout -- bfloat16 with tensor parallelism and
 optimizer-state sharding; FSDP (``--sharding full``) with BPipe -- and within 1e-5 (float32) when the schedule,
-pipeline degree, data-parallel degree, tensor-parallel degree or sharding mode changes at the resume.
+pipeline degree, data-parallel degree, tensor-parallel degree, sharding mode or sequence parallelism changes at
+the resume.
 
 Each uninterrupted run saves at steps 3 and 6; a resume copies its directory without step 6 and continues from
 step 3, so one straight run serves as both the checkpoint source and the reference."""
@@ -65,6 +66,7 @@ CHANGED = {
     "pp4-bpipe": ["--stages", "4", "--schedule", "bpipe"],
     "pp1-tp2-dp2-optimizer": ["--stages", "1", "--tp", "2", "--dp", "2", "--sharding", "optimizer"],
     "pp1-tp2-dp2-fsdp": ["--stages", "1", "--tp", "2", "--dp", "2", "--sharding", "full"],
+    "pp2-tp2-sequence-parallel-bpipe": ["--stages", "2", "--tp", "2", "--sequence-parallel", "--schedule", "bpipe"],
 }
 
 

@@ -237,7 +237,7 @@ def sum_sequence_partial_grads(stages: Iterable[nn.Module], group: Any) -> None:
         with collective("the sequence-parallel gradient all-reduce over tensor parallelism"):
             dist.all_reduce(flat, group=group)
 
-    through_flat(grads, total)
+    through_flat(grads, total, dtype=torch.float32)  # summed in fp32 whatever the model's dtype
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
