@@ -13,7 +13,7 @@ from cases import Case, global_batch
 from evenpipe.runtime.sharding import ShardedOptimizer
 from evenpipe.runtime.stash import ActivationStash
 from evenpipe.runtime.tensor_parallel import full_tensor, reference_layout
-from tp_cases import norm_failure, run_in_layout, tp_pipeline
+from tp_cases import grad_failures, norm_failure, run_in_layout, tp_pipeline
 
 LR = 1e-3
 EPS = 1e-6
@@ -22,6 +22,9 @@ key bias: softmax is shift-invariant) turns last-bit reduction-order noise into 
 default 1e-8; with 1e-6 such elements move by ``lr * noise / eps``, far below the tolerance, while every element
 with a real gradient (>= 1e-5 here) still takes an Adam step."""
 ADAM_TOL = {"rtol": 1e-4, "atol": 1e-5}
+GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
+"""Every gradient of every step (before the optimizer) against the reference's: the sharded reduction only
+reorders sums."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +73,7 @@ def _run(sc: ShardCase, groups) -> list[str]:
         ref_loss.backward()
         check(f"step {step} loss", torch.tensor(result.loss, dtype=torch.float64), ref_loss.detach().double(),
               **ADAM_TOL)
+        failures += grad_failures(f"{where} step {step}", pipe, **GRAD_TOL)
         if step == 0:
             failures += norm_failure(where, pipe, groups)
         opt.step()

@@ -62,7 +62,7 @@ def test_resume_in_the_same_layout_is_bitwise(tmp_path: pathlib.Path, name: str)
 BASE = ["--stages", "2", "--tp", "2"]
 """The float32 run whose step-3 checkpoint the other layouts resume: pipeline 2 x tensor parallel 2, 1F1B."""
 CHANGED = {
-    "tp1-dp2-fsdp-gpipe": ["--stages", "2", "--dp", "2", "--sharding", "full", "--schedule", "gpipe"],
+    "tp1-dp2-fsdp-zb-v": ["--stages", "2", "--dp", "2", "--sharding", "full", "--schedule", "zb-v"],
     "pp4-bpipe": ["--stages", "4", "--schedule", "bpipe"],
     "pp1-tp2-dp2-optimizer": ["--stages", "1", "--tp", "2", "--dp", "2", "--sharding", "optimizer"],
     "pp1-tp2-dp2-fsdp": ["--stages", "1", "--tp", "2", "--dp", "2", "--sharding", "full"],

@@ -6,7 +6,8 @@
   and both layouts; at tp 2 x pp 2 also every other schedule family (the newer V-shaped and memory-capped ones
   on the GPT) and BPipe as a transform of interleaved.
 - sharding (distributed optimizer, FSDP2) at pp 2 x dp 2 and tp 2 x pp 2 x dp 2 (the Hugging Face Llama too):
-  three AdamW steps give the losses and parameters of un-sharded AdamW on the un-pipelined model.
+  three AdamW steps give the losses, gradients and parameters of un-sharded AdamW on the un-pipelined model;
+  FSDP2 also with every split-backward family at pp 4 x dp 2, zb-v at tp 2, and two with recomputation.
 
 - BPipe at tp 2 x pp 4 (in the 8-process world, :mod:`tp_balance`): every tensor-parallel rank of an evictor
   evicts its own shard, measured per-rank peaks within 15% of their mean, and pipeline rank 0 at most
@@ -82,14 +83,25 @@ SHARD_CASES_8 = [ShardCase(case=Case(family=f, pp=2, microbatches=m, dp=2, chunk
                            tp=2) for f, v, m, model, mode in _SHARD_8]
 SHARD_CASES_8 += [ShardCase(case=Case(family="1f1b", pp=2, microbatches=2, dp=2, model="gpt-tiny"), sharding=mode,
                             tp=2, sequence_parallel=True) for mode in ("full", "optimizer")]
+ZB_FAMILIES = (("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("v-half", 2), ("v-min", 2), ("dualpipev", 2))
+"""Every split-backward family: weight passes run after FSDP's backward hooks (issue 33.4)."""
+ZB_FSDP_CASES = ([ShardCase(case=Case(family=f, pp=4, microbatches=8 if f == "dualpipev" else 4, dp=2, chunks=v),
+                            sharding="full") for f, v in ZB_FAMILIES]
+                 + [ShardCase(case=Case(family="zb-v", pp=2, microbatches=4, dp=2, chunks=2), sharding="full", tp=2)])
+"""At P=4 x DP=2 (and zb-v with tensor parallelism): the V-shaped ones put both ends of the tied GPT embedding on
+rank 0."""
+ZB_FSDP_RECOMPUTE_CASES = [ShardCase(case=Case(family=f, pp=2, microbatches=4, dp=2, chunks=v, recompute=True),
+                                     sharding="full") for f, v in (("zb-h1", 1), ("dualpipev", 2))]
+"""FSDP2 with full recomputation (each family with recomputation alone at P=4: test_pipeline_correctness)."""
+
 
 def _four(rank: int, world: int) -> list[str]:
-    return run_tp_cases(TP_PP_CASES) + run_shard_cases(SHARD_CASES_4)
+    return run_tp_cases(TP_PP_CASES) + run_shard_cases(SHARD_CASES_4 + ZB_FSDP_RECOMPUTE_CASES)
 
 
 def _eight(rank: int, world: int) -> list[str]:
-    return (run_tp_cases(TP_PP_DP_CASES) + run_shard_cases(SHARD_CASES_8) + measure_balance(rank, world)
-            + measure_sequence_bytes(rank, world))
+    return (run_tp_cases(TP_PP_DP_CASES) + run_shard_cases(SHARD_CASES_8 + ZB_FSDP_CASES)
+            + measure_balance(rank, world) + measure_sequence_bytes(rank, world))
 
 
 def _flatten(results: dict[int, list[str]]) -> list[str]:
@@ -123,10 +135,11 @@ def test_tp2_pp2_dp2_matches_unsharded_model(eight_failures: list[str], case: Tp
     assert not _mine(eight_failures, case), "\n".join(_mine(eight_failures, case))
 
 
-@pytest.mark.parametrize("case", SHARD_CASES_4 + SHARD_CASES_8, ids=str)
+@pytest.mark.parametrize("case", SHARD_CASES_4 + ZB_FSDP_RECOMPUTE_CASES + SHARD_CASES_8 + ZB_FSDP_CASES,
+                         ids=str)
 def test_sharding_matches_unsharded_adamw(four_failures: list[str], eight_failures: list[str],
                                           case: ShardCase) -> None:
-    failures = eight_failures if case.tp > 1 else four_failures
+    failures = eight_failures if case.tp * case.case.pp * case.case.dp > 4 else four_failures
     assert not _mine(failures, case), "\n".join(_mine(failures, case))
 
 

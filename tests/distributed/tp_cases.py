@@ -124,6 +124,23 @@ def norm_failure(where: str, pipe: TpPipeline, groups) -> list[str]:
     return [] if abs(got - want) <= 1e-6 * want else [f"{where}: gradient norm {got!r} != un-sharded {want!r}"]
 
 
+def grad_failures(where: str, pipe: TpPipeline, **tol) -> list[str]:
+    """Every parameter's full gradient (gathered over tensor parallelism and FSDP, in the reference layout) vs.
+    the reference's, after a step of both."""
+    module, ref_params = pipe.model.module, pipe.ref_params()
+    failures = []
+    for name, p in pipe.params.named.items():
+        if p.grad is None:
+            failures.append(f"{where} grad {name}: no gradient")
+            continue
+        try:
+            torch.testing.assert_close(reference_layout(module, name, full_tensor(p.grad)), ref_params[name].grad,
+                                       **tol)
+        except AssertionError as e:
+            failures.append(f"{where} grad {name}: {str(e).splitlines()[0]}")
+    return failures
+
+
 def run_tp_case(tc: TpCase) -> list[str]:
     """Run one case on this rank; failure messages (empty when it passed or this rank sits it out)."""
     return run_in_layout(tc, tc.case, tc.tp, lambda groups: _run(tc, groups))
@@ -157,12 +174,7 @@ def _run(tc: TpCase, groups) -> list[str]:
         ref_loss = pipe.ref_loss(tokens, targets, case.microbatches * case.dp)
         ref_loss.backward()
         check(f"step {step} loss", torch.tensor(result.loss, dtype=torch.float64), ref_loss.detach().double())
-        for name, p in params.items():
-            if p.grad is None:
-                failures.append(f"{where} step {step} grad {name}: no gradient")
-                continue
-            check(f"step {step} grad {name}", reference_layout(module, name, full_tensor(p.grad)),
-                  ref_params[name].grad)
+        failures += grad_failures(f"{where} step {step}", pipe, **TIGHT)
         if step == 0:
             failures += norm_failure(where, pipe, groups)
         if not stash.is_empty():
@@ -182,4 +194,5 @@ def run_tp_cases(cases: list[TpCase]) -> list[str]:
     return out
 
 
-__all__ = ["TpCase", "tp_config", "run_tp_case", "run_tp_cases", "run_in_layout", "tp_pipeline", "TpPipeline", "norm_failure"]
+__all__ = ["TpCase", "tp_config", "run_tp_case", "run_tp_cases", "run_in_layout", "tp_pipeline", "TpPipeline", "norm_failure",
+           "grad_failures"]

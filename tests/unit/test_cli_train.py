@@ -48,8 +48,6 @@ BAD = {
     "unknown sharding": (["--sharding", "zero3"], "unknown sharding mode 'zero3'"),
     "tp on a Hugging Face GPT-2": (["--hf-config", str(_HF_GPT2), "--tp", "2"],
                                    "cannot split Hugging Face model_type 'gpt2'"),
-    "FSDP with the zero-bubble split": (["--sharding", "full", "--schedule", "zb-h1", "--dp", "2"],
-                                        "cannot run --schedule zb-h1"),
     "emulated slow rank outside the pipeline": (["--stages", "2", "--emulate-slow-rank", "3:2"],
                                                 "rank 3; the pipeline has ranks 0..1"),
     "emulated slowdown below 1": (["--emulate-slow-rank", "1:0.5"], "RANK:FACTOR[@STEP] with FACTOR >= 1"),
@@ -131,3 +129,13 @@ def test_train_help_gives_the_microbatch_defaults(capsys: pytest.CaptureFixture[
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "sequences per micro-batch b (default 2;" in text and "micro-batches per step M (default 8)" in text
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipev"])
+def test_fsdp_runs_every_split_backward_schedule(schedule: str, no_launch: list[object]) -> None:
+    """--sharding full with a zero-bubble split reaches the launcher (issue 33.4; its numbers are tested in
+    tests/distributed/test_tensor_parallel.py)."""
+    assert main(["train", "--sharding", "full", "--schedule", schedule, "--dp", "2", "--stages", "2",
+                 "--microbatches", "4"]) == 0
+    (config, _), = no_launch
+    assert config.schedule.family.traits.split_backward and config.runtime.sharding.value == "full"

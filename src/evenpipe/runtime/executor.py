@@ -237,7 +237,7 @@ class PipelineExecutor:
     def _context(self, live: LiveTensors, shapes: Mapping[int, tuple[tuple[int, ...], torch.dtype]]) -> StepContext:
         """A fresh step context, with every registered add-on's state for this step."""
         recorder = RankRecorder(self.groups.pp_rank) if self.trace else None
-        ctx = StepContext(schedule=self.schedule, groups=self.groups, stages=self.stages, params=self._params,
+        ctx = StepContext(schedule=self.schedule, groups=self.groups, stages=self.stages,
                           loss_fn=self.loss_fn, stash=self.stash, device=self.device, free_outputs=self.free_outputs,
                           recompute_stages=self.recompute_stages, shapes=shapes, live=live,
                           mail=Mailbox(timeout_s=self.groups.timeout_s, recorder=recorder), recorder=recorder,

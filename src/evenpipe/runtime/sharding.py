@@ -15,6 +15,9 @@ Two modes beyond plain replicas (which all-reduce gradients and each keep a whol
   gradients accumulate unsharded with gradient sync off, and once the schedule has run every micro-batch
   :class:`FsdpGradientSync` reduce-scatters them once and reshards (FSDP's post-backward, called by hand because
   a pipeline step is many backward calls, not one). Gradients are averaged over replicas, as without sharding.
+  So a zero-bubble schedule's deferred weight pass (``W``, :mod:`evenpipe.runtime.split_backward`) needs nothing
+  of FSDP: it runs on the gathered parameters, which are its graph's leaves
+  (:meth:`evenpipe.runtime.step_context.StepContext.graph_params`), before the sync.
 """
 
 from __future__ import annotations
@@ -96,25 +99,47 @@ class ShardedOptimizer:
 
 def fully_shard_stages(stages: Iterable[nn.Module], dp_mesh: Any) -> "FsdpGradientSync":
     """Apply FSDP2 to each stage module over ``dp_mesh`` (in place, before building the optimizer), with the
-    pipeline resharding policy; the gradient sync the executor runs after the schedule."""
+    pipeline resharding policy; the gradient sync the executor runs after the schedule.
+
+    A parameter two of these stages share (a tied embedding when one rank holds the first and the last stage, as
+    the V-shaped schedules place them) is left out of FSDP and stays one replicated object: each stage's
+    ``fully_shard`` would give it a sharded copy of its own, which would then take its gradient and its update
+    apart from the other. Its gradient is averaged over replicas by the sync instead."""
     from torch.distributed.fsdp import fully_shard
     modules = list(stages)
+    shared = _shared_parameters(modules)
     for m in modules:
         tied = getattr(m, "tied_params", ())  # weights tied across the pipeline's ends: find them again by name
         names = [n for n, p in m.named_parameters(remove_duplicate=False) if any(p is t for t in tied)]
-        fully_shard(m, mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(m, mesh=dp_mesh, reshard_after_forward=False,
+                    ignored_params={p for p in m.parameters() if id(p) in shared} or None)
         if tied:
             setattr(m, "tied_params", tuple({id(q): q for q in (m.get_parameter(n) for n in names)}.values()))
-    sync = FsdpGradientSync(modules)
+    sync = FsdpGradientSync(modules, replicated=list(shared.values()), dp_group=dp_mesh.get_group())
     sync.accumulate()
     return sync
 
 
-class FsdpGradientSync:
-    """Run by the executor once per step after the last backward: reduce-scatter and reshard every stage."""
+def _shared_parameters(modules: Sequence[nn.Module]) -> dict[int, nn.Parameter]:
+    """Parameters (by id) that more than one of ``modules`` holds."""
+    seen: dict[int, int] = {}
+    params: dict[int, nn.Parameter] = {}
+    for m in modules:
+        for p in m.parameters():
+            seen[id(p)] = seen.get(id(p), 0) + 1
+            params[id(p)] = p
+    return {i: p for i, p in params.items() if seen[i] > 1}
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+
+class FsdpGradientSync:
+    """Run by the executor once per step after the last backward: reduce-scatter and reshard every stage, and
+    average the gradients of the ``replicated`` parameters (left out of FSDP) over ``dp_group``."""
+
+    def __init__(self, modules: Sequence[nn.Module], *, replicated: Sequence[nn.Parameter] = (),
+                 dp_group: Any = None) -> None:
         self.modules = list(modules)
+        self.replicated = list(replicated)
+        self.dp_group = dp_group
 
     def accumulate(self) -> None:
         """Micro-batch mode: no gradient sync, no resharding after a backward."""
@@ -133,6 +158,22 @@ class FsdpGradientSync:
             with collective("the FSDP gradient reduce-scatter across replicas"):
                 self._post_backward(state)
         self.accumulate()
+        if self.replicated:
+            self._average_replicated()
+
+    def _average_replicated(self) -> None:
+        size = dist.get_world_size(self.dp_group)
+        grads = []
+        for p in self.replicated:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(local_shard(p.grad))
+
+        def mean(flat: torch.Tensor) -> None:
+            with collective("the gradient all-reduce of parameters shared by stages across replicas"):
+                dist.all_reduce(flat, group=self.dp_group)
+            flat /= size
+        through_flat(grads, mean, dtype=torch.float32)
 
     @staticmethod
     def _post_backward(state: Any) -> None:

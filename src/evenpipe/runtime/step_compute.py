@@ -116,7 +116,7 @@ def _backward(a: Action, ctx: StepContext) -> None:
     needs_x = x is not None and x.requires_grad
     if a.kind is _K.BACKWARD_INPUT:
         xs = (x,) if needs_x and x is not None else ()
-        gxs, ctx.live.deferred_w[key] = backward_input(roots, grads, xs, ctx.params[a.stage])
+        gxs, ctx.live.deferred_w[key] = backward_input(roots, grads, xs, ctx.graph_params(a.stage))
         _deliver_input_grad(ctx, key, gxs[0] if xs else None)
         return
     if needs_x:
@@ -128,7 +128,7 @@ def _backward(a: Action, ctx: StepContext) -> None:
 
 
 def _weight(a: Action, ctx: StepContext) -> None:
-    backward_weight(ctx.live.deferred_w.pop(a.key), ctx.params[a.stage])
+    backward_weight(ctx.live.deferred_w.pop(a.key), ctx.graph_params(a.stage))
     _done(ctx, a.key)
 
 

@@ -194,8 +194,6 @@ class StepContext:
     groups: ParallelGroups
     stages: Mapping[int, nn.Module]
     """This rank's stage modules by stage id."""
-    params: Mapping[int, Sequence[torch.Tensor]]
-    """Each stage's trainable parameters."""
     loss_fn: LossFn
     stash: Stash
     device: torch.device
@@ -226,6 +224,13 @@ class StepContext:
     @property
     def last_stage(self) -> int:
         return self.schedule.num_stages - 1
+
+    def graph_params(self, stage: int) -> list[torch.Tensor]:
+        """The trainable parameters of ``stage`` as its autograd graphs hold them, for the split backward: read
+        from the module now, because under FSDP (:mod:`evenpipe.runtime.sharding`) the module holds the
+        gathered (unsharded) parameters from its first forward of a step until the step's gradient sync, and
+        those, not the sharded ones the optimizer sees, are the graph's leaves."""
+        return [p for p in self.stages[stage].parameters() if p.requires_grad]
 
     def tag(self, a: Action, *, part: int = 0, num_parts: int = 1) -> int:
         """:func:`message_tag` of ``a`` in this schedule."""

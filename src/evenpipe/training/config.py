@@ -469,10 +469,6 @@ class TrainConfig:
         if self.runtime.sequence_parallel:
             _check_sequence_parallel(self.seq_len, self.runtime.tp, self.model.hf_config)
         self.runtime.emulation().check(sched.num_ranks)
-        if self.runtime.sharding is Sharding.FULL and sched.family.traits.split_backward:
-            raise ConfigError(f"--sharding full cannot run --schedule {sched.family.value}: its weight-gradient "
-                              "passes run outside FSDP's backward hooks; use --sharding optimizer or a schedule "
-                              "without a split backward")
         self.token_batches(cfg.vocab)  # the data source's own checks (file readable, vocabulary large enough)
 
     def token_batches(self, vocab: int) -> Any:
