@@ -41,10 +41,11 @@ def _schedule_cases() -> list[Case]:
         for pp, dp in LAYOUTS:
             out.append(Case(family=family, pp=pp, microbatches=2 * pp, dp=dp, chunks=1 if family == "zb-h2" else 2,
                             model="llama-tiny" if dp == 2 else "gpt-tiny"))
-    # full recomputation with every split-backward family at P=4 (issue 33.4)
+    # full and selective recomputation with every split-backward family at P=4 (issue 33.4; zb-v selective above)
     for family, chunks in (("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("v-half", 2), ("v-min", 2), ("dualpipev", 2)):
-        out.append(Case(family=family, pp=4, microbatches=8 if family == "dualpipev" else 4, chunks=chunks,
-                        recompute=True))
+        for recompute in (True, "selective")[:1 if family == "zb-v" else 2]:
+            out.append(Case(family=family, pp=4, microbatches=8 if family == "dualpipev" else 4, chunks=chunks,
+                            recompute=recompute, model="llama-tiny" if recompute is True else "gpt-tiny"))
     # host offload (OFFLOAD/RELOAD) of every micro-batch on every rank, full and split backward
     for family, dp in (("1f1b", 2), ("zb-h1", 1)):
         out.append(Case(family=f"{family}+offload", pp=2, microbatches=4, dp=dp,

@@ -90,9 +90,12 @@ ZB_FSDP_CASES = ([ShardCase(case=Case(family=f, pp=4, microbatches=8 if f == "du
                  + [ShardCase(case=Case(family="zb-v", pp=2, microbatches=4, dp=2, chunks=2), sharding="full", tp=2)])
 """At P=4 x DP=2 (and zb-v with tensor parallelism): the V-shaped ones put both ends of the tied GPT embedding on
 rank 0."""
-ZB_FSDP_RECOMPUTE_CASES = [ShardCase(case=Case(family=f, pp=2, microbatches=4, dp=2, chunks=v, recompute=True),
-                                     sharding="full") for f, v in (("zb-h1", 1), ("dualpipev", 2))]
-"""FSDP2 with full recomputation (each family with recomputation alone at P=4: test_pipeline_correctness)."""
+ZB_FSDP_RECOMPUTE_CASES = [ShardCase(case=Case(family=f, pp=2, microbatches=4, dp=2, chunks=v, recompute=r),
+                                     sharding="full")
+                           for f, v, r in (("zb-h1", 1, True), ("dualpipev", 2, True), ("zb-v", 2, "selective"),
+                                           ("v-half", 2, "selective"))]
+"""FSDP2 with full and selective recomputation (each family with recomputation alone at P=4:
+test_pipeline_correctness)."""
 
 
 def _four(rank: int, world: int) -> list[str]:
