@@ -94,6 +94,23 @@ CASES: dict[str, list[str]] = {
     "compare missing traces": ["compare", "{tmp}/missing.json", "{tmp}/missing.json", "--out", "{out}/c.png"],
     "compare out under a file": [*CMP, "--out", "{file}/c.png"],
     "compare out in an unknown format": [*CMP, "--out", "{out}/c.xyz"],
+    # clusters: estimate --cluster, plan --cluster --what-if
+    "estimate cluster with a gpu": [*EST, "--cluster", "{examples}/mixed_a100_h100.json"],
+    "estimate cluster unknown placement": ["estimate", "--model", "gpt-tiny", "--cluster",
+                                           "{examples}/mixed_a100_h100.json", "--global-batch", "8", "--pp", "2",
+                                           "--placement", "random"],
+    "plan what-if not a change": ["plan", "--model", "gpt-tiny", "--cluster", "{examples}/mixed_a100_h100.json",
+                                  "--global-batch", "8", "--what-if", "rank five x2"],
+    "plan what-if rank outside the cluster": ["plan", "--model", "gpt-tiny", "--cluster",
+                                              "{examples}/mixed_a100_h100.json", "--global-batch", "8",
+                                              "--what-if", "rank 16 x1.5"],
+    "plan what-if negative delay": ["plan", "--model", "gpt-tiny", "--cluster", "{examples}/mixed_a100_h100.json",
+                                    "--global-batch", "8", "--what-if", "link 3-4 +-5ms"],
+    "plan what-if zero factor": ["plan", "--model", "gpt-tiny", "--cluster", "{examples}/mixed_a100_h100.json",
+                                 "--global-batch", "8", "--what-if", "rank 3 x0"],
+    "plan what-if without a cluster": [*PLAN, "--what-if", "rank 1 x2"],
+    "plan cluster with other gpus": ["plan", "--model", "gpt-tiny", "--cluster", "{examples}/mixed_a100_h100.json",
+                                     "--gpus", "8", "--global-batch", "8"],
     # the command itself
     "unknown command": ["nosuch"],
 }
@@ -145,7 +162,8 @@ def paths(inputs: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.Monk
     monkeypatch.chdir(out)  # default outputs (compare.png, profile.json) would land here too
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    return {"out": str(out), "file": str(inputs / "a_file"), "tmp": str(inputs)}
+    examples = pathlib.Path(__file__).resolve().parents[2] / "examples"
+    return {"out": str(out), "file": str(inputs / "a_file"), "tmp": str(inputs), "examples": str(examples)}
 
 
 @pytest.fixture()

@@ -104,3 +104,24 @@ def test_a_profiled_plan_names_the_train_command_of_the_profiled_model(tmp_path:
     assert main(["plan", "--profile", str(profile), "--gpus", "2", "--global-batch", "8", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "-m evenpipe train --model gpt-tiny " in out and "--stages 2" in out and "note:" not in out
+
+
+def test_estimate_and_plan_with_a_cluster_reach_the_same_estimate_and_search(
+        tmp_path: pathlib.Path, spies: dict[str, list[str]], capsys: pytest.CaptureFixture[str]) -> None:
+    """``--cluster`` (issue 35) is one more source, per pipeline rank, under the one estimate and the one search."""
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"links": {"intra_node": {"latency_s": 5e-6}, "inter_node": {"latency_s": 1e-5}},
+                                   "nodes": [{"device": "a100-80gb", "ranks": [0, 1]},
+                                             {"device": "h100-80gb", "ranks": [2, 3]}]}))
+    where = ["--model", "gpt-1.7b", "--cluster", str(cluster)]
+    assert main(["estimate", *where, "--pp", "2", "--microbatch-size", "2", "--global-batch", "16", "--json",
+                 "--placement", "fast-first"]) == 0
+    assert spies["estimate"] == ["RankSources"]
+    est = json.loads(capsys.readouterr().out)
+    assert est["num_microbatches"] == 4 and len(est["peak_bytes"]) == 2  # dp 2 from the cluster's 4 ranks
+    spies["estimate"].clear()
+    assert main(["plan", *where, "--global-batch", "16", "--max-microbatch-size", "4", "--top", "2",
+                 "--what-if", "rank 1 x2"]) == 0
+    assert spies["search"] and set(spies["search"]) == {"RankSources"}
+    assert spies["estimate"] and set(spies["estimate"]) == {"RankSources"}
+    assert "what if 'rank 1 x2'" in capsys.readouterr().out

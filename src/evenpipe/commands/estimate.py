@@ -52,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "lowest balanced peak the pairing allows, ⌈(p+1)/2⌉ for 1F1B)")
     p.add_argument("--layout", metavar="LIST", help="layers per stage (per virtual chunk), e.g. 7,8,8,7 (default: "
                    "even, or one layer fewer on the end stages when the layers do not divide)")
+    p.add_argument("--cluster", metavar="FILE", help="cluster description (docs/cluster.md): each rank's device, "
+                   "memory and speed and the links between ranks (instead of --gpu)")
+    p.add_argument("--placement", default="rank-order", metavar="ORDER",
+                   help="with --cluster, which devices run each pipeline rank: rank-order (the runtime's order), "
+                        "fast-first or slow-first (devices sorted by speed; default rank-order)")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--out", metavar="DIR", help="write memory_per_stage.png (stacked bars per rank) into DIR")
@@ -82,12 +87,17 @@ def run(args: argparse.Namespace) -> int:
     from evenpipe.commands.output_paths import check_output_dir
     check_output_dir(args.out, "--out")
     conventions = conventions_from_args(args)
-    source = with_conventions(source_from_args(args, "estimate"), conventions)
+    header = None
+    if args.cluster:
+        from evenpipe.commands.cluster_plan import estimate_source
+        cfg, source, header = estimate_source(args, _config_from_args, conventions)
+    else:
+        source = with_conventions(source_from_args(args, "estimate"), conventions)
+        cfg = _config_from_args(args, shards_optimizer=conventions.shards_optimizer)
     model, hw = source.model, source.hardware
-    cfg = _config_from_args(args, shards_optimizer=conventions.shards_optimizer)
     from evenpipe.commands.limits import check_schedule_fits
     check_schedule_fits(num_ranks=cfg.pp, num_chunks=cfg.chunks, num_microbatches=cfg.num_microbatches)
-    source.check(cfg, num_gpus=args.gpus)
+    source.check(cfg, num_gpus=cfg.num_gpus if args.cluster else args.gpus)
     est = estimate_with(source, cfg)
     picture = None
     if args.out:
@@ -106,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
             out["memory_picture"] = str(picture)
         print(json.dumps(out, indent=2))
     else:
+        if header is not None:
+            print(header)
         print(format_estimate(est) if hw is not None else format_measured(est))
         if picture is not None:
             print(f"wrote {picture}")

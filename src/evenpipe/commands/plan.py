@@ -32,7 +32,12 @@ _EXPLAIN_TOPICS = ("bpipe", "memory")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--gpu", metavar="PRESET", help="GPU preset, e.g. a100-80gb, h100-80gb")
-    parser.add_argument("--gpus", type=int, required=True, metavar="N", help="total number of GPUs")
+    parser.add_argument("--gpus", type=int, metavar="N", help="total number of GPUs (required without --cluster)")
+    parser.add_argument("--cluster", metavar="FILE", help="cluster description (docs/cluster.md): plan for its "
+                        "devices and links, heterogeneity-aware, beside the best plan that treats them alike")
+    parser.add_argument("--what-if", action="append", metavar="CHANGE", help="with --cluster: what a change costs "
+                        "the best plan and the best response, e.g. 'rank 5 x1.5' (5 computes 1.5x slower) or "
+                        "'link 3-4 +5ms' (repeatable)")
     add_gpus_per_node_argument(parser)
     parser.add_argument("--global-batch", type=int, required=True, metavar="B", help="sequences per step")
     parser.add_argument("--top", type=int, default=10, metavar="K", help="configurations to list (default 10)")
@@ -128,6 +133,13 @@ def _profile_space(args: argparse.Namespace, space: SearchSpace) -> SearchSpace:
 def run(args: argparse.Namespace) -> int:
     if args.explain is not None and args.explain not in _EXPLAIN_TOPICS:
         raise choice_error("--explain topic", args.explain, _EXPLAIN_TOPICS)
+    if args.cluster:
+        from evenpipe.commands.cluster_plan import run_plan
+        return run_plan(args, _space_from_args(args))
+    if args.what_if:
+        raise ConfigError("--what-if needs --cluster FILE (the devices and links it changes)")
+    if args.gpus is None:
+        raise ConfigError("plan needs --gpus N (or --cluster FILE)")
     from evenpipe.cost.category_memory import with_conventions
     source = with_conventions(source_from_args(args, "plan"), conventions_from_args(args))
     model, hw = source.model, source.hardware

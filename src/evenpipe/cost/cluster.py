@@ -25,7 +25,7 @@ import enum
 import json
 import math
 import pathlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from evenpipe.cost.hardware import HARDWARE_PRESETS, Hardware, load_hardware
@@ -78,6 +78,8 @@ class Cluster:
 
     ranks: tuple[RankDevice, ...]
     links: Mapping[LinkClass, LinkSpec]
+    link_delays: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    """Extra seconds of latency on the link between two ranks ``(a, b)``, a < b (a what-if: ``link 3-4 +5ms``)."""
 
     @property
     def num_ranks(self) -> int:
@@ -90,7 +92,32 @@ class Cluster:
         return LinkClass.INTRA_NODE if ra.node == rb.node else LinkClass.INTER_NODE
 
     def link(self, a: int, b: int) -> LinkSpec:
-        return self.links[self.link_class(a, b)]
+        spec = self.links[self.link_class(a, b)]
+        delay = self.link_delays.get((min(a, b), max(a, b)), 0.0)
+        return replace(spec, latency_s=spec.latency_s + delay) if delay else spec
+
+    def nodes(self) -> tuple[str, ...]:
+        """Each rank's node, rank order (a node name is unique within its datacenter)."""
+        return tuple(f"{r.datacenter}/{r.node}" for r in self.ranks)
+
+    def slowed(self, rank: int, factor: float) -> "Cluster":
+        """This cluster with ``rank`` computing ``factor`` times slower."""
+        r = self.ranks[rank]
+        ranks = self.ranks[:rank] + (replace(r, speed=r.speed / factor),) + self.ranks[rank + 1:]
+        return replace(self, ranks=ranks)
+
+    def delayed(self, a: int, b: int, delay_s: float) -> "Cluster":
+        """This cluster with ``delay_s`` more latency on the link between ranks ``a`` and ``b``."""
+        key = (min(a, b), max(a, b))
+        return replace(self, link_delays={**self.link_delays, key: self.link_delays.get(key, 0.0) + delay_s})
+
+    def without(self, rank: int) -> "Cluster":
+        """This cluster with ``rank`` left out (the ranks after it renumbered one down; link delays kept)."""
+        ranks = tuple(replace(r, rank=i) for i, r in enumerate(self.ranks[:rank] + self.ranks[rank + 1:]))
+        def moved(k: int) -> int:
+            return k - 1 if k > rank else k
+        delays = {(moved(a), moved(b)): d for (a, b), d in self.link_delays.items() if rank not in (a, b)}
+        return replace(self, ranks=ranks, link_delays=delays)
 
     def speed(self, rank: int) -> float:
         """Compute speed of ``rank`` relative to a rank with the first rank's device at factor 1."""

@@ -2,7 +2,8 @@
 
 Every rank answers its layer times and bytes, model-state bytes, optimizer and reduction times, memory budget and
 peak FLOP rate from its source; a stage's costs are those of the rank that runs it; the link between two ranks is
-the slower of the two sources' links between them. The sources must describe one model and agree on the step's
+the slower of the two sources' links between them, unless the links are given (a cluster's:
+:mod:`evenpipe.cost.cluster_source`). The sources must describe one model and agree on the step's
 conventions (whether the optimizer waits for all ranks, whether outputs are held until sent, the overlap of the
 reduction); the fixed per-step cost is the largest.
 """
@@ -10,7 +11,7 @@ reduction); the fixed per-step cost is the largest.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from evenpipe.errors import ConfigError
 from evenpipe.sim.costs import Link, SimCosts
@@ -31,6 +32,8 @@ class RankSources:
 
     sources: tuple[CostSource, ...]
     """One source per pipeline rank, in rank order."""
+    pipeline_links: Mapping[tuple[int, int], Link] | None = None
+    """The link from pipeline rank ``a`` to ``b`` when known (a cluster's); None: the slower of the two sources'."""
     _costs: dict[tuple[Any, ...], SimCosts] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +125,8 @@ class RankSources:
         return self._of(rank).reduce_time(cfg, rank, held)
 
     def link(self, cfg: ParallelConfig, rank_a: int, rank_b: int) -> Link:
+        if self.pipeline_links is not None:
+            return self.pipeline_links[(rank_a, rank_b)]
         a, b = self._of(rank_a).link(cfg, rank_a, rank_b), self._of(rank_b).link(cfg, rank_a, rank_b)
         probe = 1 << 20  # the slower link for a MiB message
         return a if a.transfer_time(probe) >= b.transfer_time(probe) else b

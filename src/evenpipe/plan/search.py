@@ -291,7 +291,7 @@ def enumerate_configs(model: ModelSpec, hw: Hardware | None, *, num_gpus: int, g
     ``space.bpipe_schedules`` with the transform) needs pp >= 3 to have a partner to evict to.
     """
     max_tp = space.max_tp if space.max_tp is not None else hw.gpus_per_node if hw is not None else 1
-    per_node = hw.gpus_per_node if hw is not None else 1
+    per_node = hw.gpus_per_node if hw is not None else max_tp  # mixed devices: the space's max_tp is a node's
     for tp in _divisors(num_gpus):
         if tp > max_tp or model.num_heads % tp or per_node % tp:
             continue

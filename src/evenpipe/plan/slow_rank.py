@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 from evenpipe.errors import ConfigError
 
-__all__ = ["DetectorConfig", "SlowRankAlarm", "SlowRankDetector", "replan_layout", "rank_blocks"]
+__all__ = ["DetectorConfig", "SlowRankAlarm", "SlowRankDetector", "replan_layout", "rank_blocks", "balanced_blocks"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,13 +166,23 @@ def replan_layout(layout: Sequence[int], rank_of_stage: Sequence[int], rank_comp
     possible, earlier stages first."""
     num_ranks = len(rank_compute_s)
     held = rank_blocks(layout, rank_of_stage, num_ranks)
-    stages_of = [[s for s in range(len(layout)) if rank_of_stage[s] == r] for r in range(num_ranks)]
     per_block = [rank_compute_s[r] / held[r] if held[r] else 0.0 for r in range(num_ranks)]
+    return balanced_blocks(sum(layout), rank_of_stage, per_block)
+
+
+def balanced_blocks(num_blocks: int, rank_of_stage: Sequence[int], per_block: Sequence[float],
+                    fixed: Sequence[float] | None = None) -> tuple[int, ...]:
+    """Blocks per stage minimising the largest rank's ``fixed[r] + blocks·per_block[r]`` seconds: every stage
+    keeps one block, then blocks go one at a time to the rank whose time grows least; a rank's blocks are split
+    over its stages as evenly as possible, earlier stages first."""
+    num_ranks = len(per_block)
+    base = list(fixed) if fixed is not None else [0.0] * num_ranks
+    stages_of = [[s for s in range(len(rank_of_stage)) if rank_of_stage[s] == r] for r in range(num_ranks)]
     counts = [len(stages_of[r]) for r in range(num_ranks)]
-    for _ in range(sum(layout) - sum(counts)):
-        r = min(range(num_ranks), key=lambda k: ((counts[k] + 1) * per_block[k], k))
+    for _ in range(num_blocks - sum(counts)):
+        r = min(range(num_ranks), key=lambda k: (base[k] + (counts[k] + 1) * per_block[k], k))
         counts[r] += 1
-    out = [0] * len(layout)
+    out = [0] * len(rank_of_stage)
     for r, stages in enumerate(stages_of):
         q, extra = divmod(counts[r], len(stages)) if stages else (0, 0)
         for i, s in enumerate(stages):

@@ -1,0 +1,146 @@
+"""``estimate --cluster`` and ``plan --cluster [--what-if ...]``: the one estimate and the one search on a cluster
+of uneven devices (docs/cluster.md). Parsing and printing only; the planning is :mod:`evenpipe.plan.hetero` and
+:mod:`evenpipe.plan.what_if`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import TYPE_CHECKING, Callable
+
+from evenpipe.errors import ConfigError
+
+if TYPE_CHECKING:
+    from evenpipe.cost import ModelSpec, ParallelConfig
+    from evenpipe.cost.cluster import Cluster
+    from evenpipe.cost.rank_sources import RankSources
+    from evenpipe.cost.runtime_memory import RuntimeConventions
+    from evenpipe.plan.hetero import ClusterPlan, PlacedCandidate
+    from evenpipe.plan.search import SearchSpace
+    from evenpipe.plan.what_if import WhatIfAnswer
+
+__all__ = ["load_cluster_args", "estimate_source", "run_plan", "format_placed", "describe_groups"]
+
+
+def load_cluster_args(args: argparse.Namespace, command: str) -> "tuple[ModelSpec, Cluster]":
+    """The model and the ``--cluster`` file, checked against the other options (one-line errors)."""
+    from evenpipe.commands.model_args import model_from_args
+    from evenpipe.cost.cluster import load_cluster
+    if args.gpu is not None or getattr(args, "profile", None):
+        raise ConfigError(f"{command} --cluster takes each rank's device from the cluster file; drop "
+                          f"{'--gpu' if args.gpu is not None else '--profile'}")
+    cluster = load_cluster(args.cluster)
+    if args.gpus is not None and args.gpus != cluster.num_ranks:
+        raise ConfigError(f"--gpus {args.gpus} != the {cluster.num_ranks} ranks of cluster file {args.cluster!r}; "
+                          "allowed: leave --gpus out or give the cluster's rank count")
+    return model_from_args(args), cluster
+
+
+def estimate_source(args: argparse.Namespace, make_config: "Callable[..., ParallelConfig]",
+                    conventions: "RuntimeConventions") -> "tuple[ParallelConfig, RankSources, str]":
+    """``estimate --cluster``: the configuration (``make_config(args)`` with ``--gpus`` defaulting to the cluster's
+    ranks), its source on the cluster under ``--placement``, and a header line naming the placement."""
+    from evenpipe.plan.hetero import DeviceOrder, place, placed_source
+    model, cluster = load_cluster_args(args, "estimate")
+    cfg = make_config(argparse.Namespace(**{**vars(args), "gpus": cluster.num_ranks}),
+                      shards_optimizer=conventions.shards_optimizer)
+    order = DeviceOrder.parse(args.placement)
+    groups = place(cluster, cfg.tp, cfg.pp, cfg.dp, order)
+    if groups is None:
+        raise ConfigError(f"--placement {order.value} splits a tensor-parallel group of {cfg.tp} over two nodes; "
+                          "allowed: another --placement or a tp that divides the nodes")
+    source = placed_source(model, cluster, groups, conventions=conventions)
+    return cfg, source, f"{model.name} on cluster {args.cluster} ({source.name})\n  {order.value}: " \
+        f"{describe_groups(groups)}"
+
+
+def describe_groups(groups: tuple[tuple[int, ...], ...]) -> str:
+    """``pipeline rank 0: ranks 8,9,...`` compactly: ``0<-8-11 1<-12-15``."""
+    def ranks(g: tuple[int, ...]) -> str:
+        return f"{g[0]}-{g[-1]}" if len(g) > 1 and list(g) == list(range(g[0], g[0] + len(g))) else \
+            ",".join(map(str, g))
+    return "pipeline rank <- cluster ranks: " + " ".join(f"{r}<-{ranks(g)}" for r, g in enumerate(groups))
+
+
+def format_placed(p: "PlacedCandidate") -> str:
+    """One plan on a cluster in one line."""
+    from evenpipe.cost.parallel import describe_layout
+    c = p.config
+    chunks = f" v={c.chunks}" if c.chunks > 1 else ""
+    return (f"{p.step_time_s:.3f} s  {c.schedule_name}{chunks} tp={c.tp} pp={c.pp} dp={c.dp} "
+            f"mbs={c.microbatch_size} recompute={c.recompute.value} layers {describe_layout(p.candidate.estimate.layout)}"
+            f"  placement {p.order.value} ({describe_groups(p.groups)})")
+
+
+def run_plan(args: argparse.Namespace, space: "SearchSpace") -> int:
+    """``plan --cluster``: the heterogeneity-aware plan, the best plan that treats the devices alike, and the
+    answers to ``--what-if``."""
+    from evenpipe.commands.model_args import conventions_from_args
+    from evenpipe.plan.hetero import search_cluster
+    from evenpipe.plan.what_if import answer_what_if, parse_what_if
+    if args.explain is not None:
+        raise ConfigError("--explain does not combine with --cluster yet; allowed: --explain with --gpu")
+    model, cluster = load_cluster_args(args, "plan")
+    what_ifs = [parse_what_if(w, cluster.num_ranks) for w in args.what_if or ()]
+    kw = {"global_batch": args.global_batch, "space": space, "conventions": conventions_from_args(args)}
+    t0 = time.perf_counter()
+    aware = search_cluster(model, cluster, top_k=args.top, aware=True, **kw)  # type: ignore[arg-type]
+    alike = search_cluster(model, cluster, top_k=1, aware=False, **kw)  # type: ignore[arg-type]
+    answers = [answer_what_if(model, cluster, aware.best, w, **kw) for w in what_ifs]  # type: ignore[arg-type]
+    elapsed = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"model": model.name, "cluster": args.cluster, "ranks": cluster.num_ranks,
+                          "global_batch": args.global_batch, "candidates": [p.to_dict() for p in aware.candidates],
+                          "alike": alike.best.to_dict(), "speedup": alike.best.step_time_s / aware.best.step_time_s,
+                          "search": {"searches": aware.num_searches + alike.num_searches,
+                                     "estimated": aware.num_estimated + alike.num_estimated, "seconds": elapsed},
+                          "what_if": [a.to_dict() for a in answers]}, indent=2))
+        return 0
+    print("\n".join(_plan_lines(model, args, aware, alike, elapsed)))
+    for a in answers:
+        print()
+        print("\n".join(what_if_lines(a)))
+    return 0
+
+
+def _plan_lines(model: "ModelSpec", args: argparse.Namespace, aware: "ClusterPlan", alike: "ClusterPlan",
+                elapsed: float) -> list[str]:
+    lines = [f"{model.name} on cluster {args.cluster}, global batch {args.global_batch}: the fastest plans "
+             "(step time; schedule, sizes, layers per stage, which devices run each pipeline rank)"]
+    lines += [f"  {i}. {format_placed(p)}" for i, p in enumerate(aware.candidates, 1)]
+    base, best = alike.best, aware.best
+    lines += ["treating all devices alike (rank order, even layers; evaluated on this cluster):",
+              f"     {format_placed(base)}",
+              f"heterogeneity-aware: {base.step_time_s / best.step_time_s:.2f}x faster ({base.step_time_s:.3f} s "
+              f"-> {best.step_time_s:.3f} s)",
+              f"{aware.num_searches + alike.num_searches} searches, {aware.num_estimated + alike.num_estimated} "
+              f"configurations simulated in {elapsed:.2f} s"]
+    return lines
+
+
+def what_if_lines(a: "WhatIfAnswer") -> list[str]:
+    """The printed answer to one ``--what-if``."""
+    before, after = a.before.step_time_s, a.after.step_time_s
+    lines = [f"what if {a.what_if.text!r} ({a.what_if.describe()}):",
+             f"  before: {format_placed(a.before)}",
+             f"  after:  {after:.3f} s, the same plan on the changed cluster ({after / before - 1:+.1%})",
+             "  responses (predicted on the changed cluster):"]
+    for r in a.responses:
+        if r.plan is None:
+            lines.append(f"    {r.name}: nothing fits ({r.note})")
+            continue
+        lines.append(f"    {r.name}: {format_placed(r.plan)}")
+        lines.append(f"      {r.note}; {_recovery(a, r)}")
+    best = a.best
+    lines.append(f"  best response: {best.name} ({best.step_time_s:.3f} s; {_recovery(a, best)})")
+    return lines
+
+
+def _recovery(a: "WhatIfAnswer", r: object) -> str:
+    share = a.recovered(r)  # type: ignore[arg-type]
+    if share != share:  # NaN: the change cost nothing
+        return "the change cost this plan nothing"
+    if share < 0:
+        return "slower than keeping the plan as it is"
+    return f"recovers {share:.0%} of what the change cost"

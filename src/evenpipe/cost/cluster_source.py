@@ -1,0 +1,71 @@
+"""The cost source of a cluster: one analytic source per pipeline rank, sized to the devices that run it.
+
+A pipeline rank is run by ``tp·dp`` devices of the cluster (its *group*: one per tensor rank and data-parallel
+replica). Data-parallel replicas step together, so the group computes at the pace of its slowest device and fits
+in the smallest memory: the rank's source is the analytic source of that device's preset with its peak and memory
+bandwidth scaled by the device's ``speed`` factor and its memory as the cluster gives it. The link from pipeline
+rank ``a`` to ``b`` is the slowest of the cluster links between the devices of the two groups that talk (the
+``i``-th device of each group, replica by replica): the largest latency and the smallest bandwidth.
+
+Approximations: a tensor-parallel group's collectives and the data-parallel reduction are priced by the rank's
+device preset (within a node), not by the cluster's link classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from evenpipe.errors import ConfigError
+from evenpipe.sim.costs import Link
+
+from evenpipe.cost.analytic_source import AnalyticSource
+from evenpipe.cost.cluster import Cluster
+from evenpipe.cost.hardware import Hardware
+from evenpipe.cost.rank_sources import RankSources
+from evenpipe.cost.runtime_memory import RuntimeConventions
+from evenpipe.cost.specs import ModelSpec
+from evenpipe.cost.timing import Efficiency
+
+__all__ = ["cluster_source", "device_hardware", "group_link"]
+
+
+def device_hardware(cluster: Cluster, rank: int) -> Hardware:
+    """The hardware of one cluster rank: its device with peak and memory bandwidth times its speed factor, and
+    its memory."""
+    r = cluster.ranks[rank]
+    hw = r.hardware
+    name = hw.name if r.speed == 1.0 else f"{hw.name} x{r.speed:.3g}"
+    return dataclasses.replace(hw, name=name, peak_tflops=hw.peak_tflops * r.speed,
+                               hbm_bandwidth_gbps=hw.hbm_bandwidth_gbps * r.speed, memory_gib=r.memory_gib)
+
+
+def _slowest(cluster: Cluster, group: Sequence[int]) -> Hardware:
+    """The group's pace-setting device (lowest compute speed), with the group's smallest memory."""
+    slowest = min(group, key=lambda g: (cluster.speed(g), g))
+    memory = min(cluster.ranks[g].memory_gib for g in group)
+    return dataclasses.replace(device_hardware(cluster, slowest), memory_gib=memory)
+
+
+def group_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Link:
+    """The link between two groups: the largest latency and the smallest bandwidth of the pairs that talk."""
+    specs = [cluster.link(x, y) for x, y in zip(a, b)]
+    return Link(latency_s=max(s.latency_s for s in specs),
+                bandwidth_bytes_per_s=min(s.bandwidth_bytes_per_s for s in specs))
+
+
+def cluster_source(model: ModelSpec, cluster: Cluster, groups: Sequence[Sequence[int]], *,
+                   efficiency: Efficiency | None = None,
+                   conventions: RuntimeConventions | None = None) -> RankSources:
+    """The source of a pipeline whose rank ``r`` is run by the cluster ranks ``groups[r]`` (see the module doc)."""
+    used = [g for group in groups for g in group]
+    if sorted(used) != list(range(cluster.num_ranks)):
+        raise ConfigError(f"a placement must use each of the cluster's {cluster.num_ranks} ranks once, got "
+                          f"{sorted(used)}")
+    if len({len(group) for group in groups}) != 1:
+        raise ConfigError("every pipeline rank needs as many devices (tp·dp) as the others")
+    eff = efficiency or Efficiency()
+    sources = tuple(AnalyticSource(model, _slowest(cluster, group), eff, conventions) for group in groups)
+    links = {(a, b): group_link(cluster, groups[a], groups[b])
+             for a in range(len(groups)) for b in range(len(groups)) if a != b}
+    return RankSources(sources, pipeline_links=links)
