@@ -21,9 +21,10 @@ How it stays fast (what it prunes):
   placement is dropped when it would split a tensor-parallel group over two nodes;
 - layouts: not every composition of the layers but the balanced one (:func:`speed_layout`: layers handed out
   one at a time to the group whose compute grows least, the embedding and the head counted as a layer each on
-  the end ranks, each group's pace measured from its source's own layer times), the same pulled halfway toward
-  even (``alpha`` 0.5: when the fast groups run out of memory), and the planner's even split; memory enters
-  through the search's fit check, which drops a layout that overflows a rank;
+  the end ranks, each group's pace measured from its source's own layer times, no group given more layers than
+  its memory holds the model states of), the same pulled halfway toward even (``alpha`` 0.5: room for the
+  activations the fast groups' first stages keep), and the planner's even split; the search's fit check then
+  drops a layout whose activations overflow a rank;
 - each (tp, pp, dp) and placement is one branch-and-bound search of the one planner restricted to that shape,
   so its step-time bound and memory pruning apply inside; a (tp, pp, dp) whose devices are all alike gets only
   the rank-order placement and even layouts (the others coincide with it).
@@ -39,6 +40,7 @@ from typing import Sequence
 from evenpipe.cost import ParallelConfig
 from evenpipe.cost.cluster import Cluster
 from evenpipe.cost.cluster_source import cluster_source
+from evenpipe.cost.hardware import GIB
 from evenpipe.cost.rank_sources import RankSources
 from evenpipe.cost.runtime_memory import RuntimeConventions
 from evenpipe.cost.source import shape_of
@@ -49,7 +51,7 @@ from evenpipe.plan.search import Candidate, Searcher, SearchSpace
 from evenpipe.plan.slow_rank import balanced_blocks
 
 __all__ = ["DeviceOrder", "PlacedCandidate", "ClusterPlan", "place", "speed_layout", "search_cluster",
-           "placed_source", "cluster_shapes", "balanced_layouts", "group_paces", "cluster_space", "LAYOUT_ALPHAS"]
+           "placed_source", "cluster_shapes", "balanced_layouts", "group_paces", "cluster_space", "layer_caps", "LAYOUT_ALPHAS"]
 
 LAYOUT_ALPHAS: tuple[float, ...] = (1.0, 0.5)
 """Exponents on the groups' speeds of the balanced layouts tried (1: fully balanced; 0.5: halfway to even)."""
@@ -128,8 +130,10 @@ def place(cluster: Cluster, tp: int, pp: int, dp: int, order: DeviceOrder) -> tu
 
 
 def speed_layout(num_layers: int, rank_of_stage: Sequence[int], seconds_per_layer: Sequence[float], *,
-                 alpha: float = 1.0, end_layers: float = 1.0) -> tuple[int, ...] | None:
-    """Layers per stage balancing each rank's compute (see the module docstring); None with too few layers.
+                 alpha: float = 1.0, end_layers: float = 1.0,
+                 max_layers: Sequence[int] | None = None) -> tuple[int, ...] | None:
+    """Layers per stage balancing each rank's compute (see the module docstring); None with too few layers, or
+    when ``max_layers`` (per rank, what its memory holds) cannot hold them all.
 
     ``seconds_per_layer[r]``: rank r's time for one layer; ``alpha`` < 1 pulls the ranks' paces toward equal;
     the first and the last stage's ranks carry ``end_layers`` layers' worth of embedding and head."""
@@ -140,7 +144,7 @@ def speed_layout(num_layers: int, rank_of_stage: Sequence[int], seconds_per_laye
     fixed = [0.0] * len(per_layer)
     fixed[rank_of_stage[0]] += end_layers * per_layer[rank_of_stage[0]]
     fixed[rank_of_stage[-1]] += end_layers * per_layer[rank_of_stage[-1]]
-    return balanced_blocks(num_layers, rank_of_stage, per_layer, fixed)
+    return balanced_blocks(num_layers, rank_of_stage, per_layer, fixed, max_layers)
 
 
 def cluster_shapes(model: ModelSpec, cluster: Cluster, global_batch: int,
@@ -187,6 +191,18 @@ def group_paces(source: RankSources, cfg: ParallelConfig) -> list[float]:
     return out
 
 
+def layer_caps(source: RankSources, cfg: ParallelConfig) -> list[int]:
+    """Per pipeline rank, the most layers whose model states (weights, gradients, optimizer state under ``cfg``'s
+    sharding) its memory holds; activations are left to the search's fit check."""
+    per_layer = source.param_counts(cfg).per_layer
+    caps = []
+    for r in range(cfg.pp):
+        budget = source.memory_budget_gib(r)
+        state = per_layer * source.state_bytes(cfg, r).total / GIB
+        caps.append(source.model.num_layers if budget is None or state <= 0 else int(budget // state))
+    return caps
+
+
 def balanced_layouts(source: RankSources, cfg: ParallelConfig) -> list[tuple[int, ...]]:
     """The balanced layouts of ``cfg``'s stages on ``source``'s ranks (see :data:`LAYOUT_ALPHAS`); none when
     every rank keeps the same pace (the planner's own layouts balance those)."""
@@ -195,8 +211,9 @@ def balanced_layouts(source: RankSources, cfg: ParallelConfig) -> list[tuple[int
     if max(paces) == min(paces):
         return out
     rank_of_stage = cfg.schedule.traits.stage_to_rank(cfg.pp, cfg.chunks)
+    caps = layer_caps(source, cfg)
     for alpha in LAYOUT_ALPHAS:
-        layout = speed_layout(source.model.num_layers, rank_of_stage, paces, alpha=alpha)
+        layout = speed_layout(source.model.num_layers, rank_of_stage, paces, alpha=alpha, max_layers=caps)
         if layout is not None and layout not in out:
             out.append(layout)
     return out
@@ -222,7 +239,8 @@ def search_cluster(model: ModelSpec, cluster: Cluster, *, global_batch: int, spa
             searcher = Searcher.over(source)
             layouts: list[tuple[int, ...] | None] = [space.layout]
             if aware and pp > 1 and space.layout is None:
-                layouts += balanced_layouts(source, ParallelConfig(tp=tp, pp=pp, dp=dp, global_batch=global_batch))
+                probe = ParallelConfig(tp=tp, pp=pp, dp=dp, global_batch=global_batch, distributed_optimizer=dp > 1)
+                layouts += balanced_layouts(source, probe)
             for layout in layouts:
                 searches += 1
                 found += [PlacedCandidate(candidate=c, order=order, groups=groups)

@@ -167,20 +167,27 @@ def replan_layout(layout: Sequence[int], rank_of_stage: Sequence[int], rank_comp
     num_ranks = len(rank_compute_s)
     held = rank_blocks(layout, rank_of_stage, num_ranks)
     per_block = [rank_compute_s[r] / held[r] if held[r] else 0.0 for r in range(num_ranks)]
-    return balanced_blocks(sum(layout), rank_of_stage, per_block)
+    out = balanced_blocks(sum(layout), rank_of_stage, per_block)
+    assert out is not None  # no caps
+    return out
 
 
 def balanced_blocks(num_blocks: int, rank_of_stage: Sequence[int], per_block: Sequence[float],
-                    fixed: Sequence[float] | None = None) -> tuple[int, ...]:
+                    fixed: Sequence[float] | None = None, caps: Sequence[int] | None = None) -> tuple[int, ...] | None:
     """Blocks per stage minimising the largest rank's ``fixed[r] + blocks·per_block[r]`` seconds: every stage
-    keeps one block, then blocks go one at a time to the rank whose time grows least; a rank's blocks are split
+    keeps one block, then blocks go one at a time to the rank whose time grows least among those below their
+    ``caps`` (most blocks a rank may hold; None when the caps cannot hold them all); a rank's blocks are split
     over its stages as evenly as possible, earlier stages first."""
     num_ranks = len(per_block)
     base = list(fixed) if fixed is not None else [0.0] * num_ranks
+    room = list(caps) if caps is not None else [num_blocks] * num_ranks
     stages_of = [[s for s in range(len(rank_of_stage)) if rank_of_stage[s] == r] for r in range(num_ranks)]
     counts = [len(stages_of[r]) for r in range(num_ranks)]
     for _ in range(num_blocks - sum(counts)):
-        r = min(range(num_ranks), key=lambda k: (base[k] + (counts[k] + 1) * per_block[k], k))
+        open_ranks = [k for k in range(num_ranks) if counts[k] < room[k]]
+        if not open_ranks:
+            return None
+        r = min(open_ranks, key=lambda k: (base[k] + (counts[k] + 1) * per_block[k], k))
         counts[r] += 1
     out = [0] * len(rank_of_stage)
     for r, stages in enumerate(stages_of):

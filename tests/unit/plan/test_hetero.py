@@ -88,3 +88,21 @@ def test_on_a_cluster_of_alike_devices_the_aware_search_is_the_plain_one() -> No
     alike = search_cluster(model, c, global_batch=16, top_k=3, aware=False)
     assert [p.step_time_s for p in aware.candidates] == [p.step_time_s for p in alike.candidates]
     assert aware.num_searches == alike.num_searches
+
+
+def test_a_rank_gets_no_more_layers_than_its_memory_holds_the_states_of() -> None:
+    assert speed_layout(30, (0, 1), (1.0, 4.0), end_layers=0.0) == (24, 6)
+    assert speed_layout(30, (0, 1), (1.0, 4.0), end_layers=0.0, max_layers=(20, 30)) == (20, 10)
+    assert speed_layout(30, (0, 1), (1.0, 4.0), max_layers=(10, 10)) is None
+    small = parse_cluster({"links": {"intra_node": {"latency_s": 0}, "inter_node": {"latency_s": 0}},
+                           "nodes": [{"device": "h100-80gb", "memory_gib": 10, "ranks": [0]},
+                                     {"device": "a100-80gb", "ranks": [1]}]})
+    model = model_preset("gpt3-1.3b")  # 24 layers of ~0.85 GiB of states each (Megatron's 18 bytes a parameter)
+    src = placed_source(model, small, place(small, 1, 2, 1, DeviceOrder.FAST_FIRST))
+    from evenpipe.cost import ParallelConfig
+    from evenpipe.plan.hetero import balanced_layouts, layer_caps
+    cfg = ParallelConfig(pp=2, global_batch=8)
+    caps = layer_caps(src, cfg)
+    assert caps[0] < 12 < caps[1]
+    layouts = balanced_layouts(src, cfg)
+    assert layouts and all(layout[0] == caps[0] for layout in layouts)  # it would take more; its memory holds fewer
