@@ -17,10 +17,12 @@ if TYPE_CHECKING:
     from evenpipe.cost.rank_sources import RankSources
     from evenpipe.cost.runtime_memory import RuntimeConventions
     from evenpipe.plan.hetero import ClusterPlan, PlacedCandidate
+    from evenpipe.plan.replicas import ReplicaSplit
     from evenpipe.plan.search import SearchSpace
     from evenpipe.plan.what_if import WhatIfAnswer
 
-__all__ = ["load_cluster_args", "estimate_source", "run_plan", "format_placed", "describe_groups"]
+__all__ = ["load_cluster_args", "estimate_source", "run_plan", "format_placed", "describe_groups", "split_lines",
+           "what_if_lines"]
 
 
 def load_cluster_args(args: argparse.Namespace, command: str) -> "tuple[ModelSpec, Cluster]":
@@ -77,7 +79,8 @@ def run_plan(args: argparse.Namespace, space: "SearchSpace") -> int:
     """``plan --cluster``: the heterogeneity-aware plan, the best plan that treats the devices alike, and the
     answers to ``--what-if``."""
     from evenpipe.commands.model_args import conventions_from_args
-    from evenpipe.plan.hetero import search_cluster
+    from evenpipe.plan.hetero import placed_source, search_cluster
+    from evenpipe.plan.replicas import best_split
     from evenpipe.plan.what_if import answer_what_if, parse_what_if
     if args.explain is not None:
         raise ConfigError("--explain does not combine with --cluster yet; allowed: --explain with --gpu")
@@ -88,6 +91,8 @@ def run_plan(args: argparse.Namespace, space: "SearchSpace") -> int:
     aware = search_cluster(model, cluster, top_k=args.top, aware=True, **kw)  # type: ignore[arg-type]
     alike = search_cluster(model, cluster, top_k=1, aware=False, **kw)  # type: ignore[arg-type]
     answers = [answer_what_if(model, cluster, aware.best, w, **kw) for w in what_ifs]  # type: ignore[arg-type]
+    split = best_split(aware, cluster, lambda on, groups: placed_source(model, on, groups,
+                                                                          conventions=kw["conventions"]))  # type: ignore[arg-type]
     elapsed = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"model": model.name, "cluster": args.cluster, "ranks": cluster.num_ranks,
@@ -95,9 +100,11 @@ def run_plan(args: argparse.Namespace, space: "SearchSpace") -> int:
                           "alike": alike.best.to_dict(), "speedup": alike.best.step_time_s / aware.best.step_time_s,
                           "search": {"searches": aware.num_searches + alike.num_searches,
                                      "estimated": aware.num_estimated + alike.num_estimated, "seconds": elapsed},
+                          "replica_split": split.to_dict() if split is not None else None,
                           "what_if": [a.to_dict() for a in answers]}, indent=2))
         return 0
     print("\n".join(_plan_lines(model, args, aware, alike, elapsed)))
+    print("\n".join(split_lines(split, aware.best.step_time_s)))
     for a in answers:
         print()
         print("\n".join(what_if_lines(a)))
@@ -116,6 +123,24 @@ def _plan_lines(model: "ModelSpec", args: argparse.Namespace, aware: "ClusterPla
               f"-> {best.step_time_s:.3f} s)",
               f"{aware.num_searches + alike.num_searches} searches, {aware.num_estimated + alike.num_estimated} "
               f"configurations simulated in {elapsed:.2f} s"]
+    return lines
+
+
+def split_lines(split: "ReplicaSplit | None", best_s: float) -> list[str]:
+    """The work split over unequal data-parallel replicas, beside the best plan."""
+    if split is None:
+        return ["work split over unequal replicas: none applies (no data parallelism near the best, or replicas "
+                "alike)"]
+    c = split.config
+    verdict = "faster" if split.step_time_s < best_s else "not faster"
+    lines = [f"work split over unequal replicas (like devices per replica, micro-batches by speed): "
+             f"{split.step_time_s:.3f} s, {verdict} than the best above ({best_s:.3f} s)",
+             f"     {c.schedule_name} tp={c.tp} pp={c.pp} dp={c.dp} mbs={c.microbatch_size} "
+             f"recompute={c.recompute.value}"]
+    for d, r in enumerate(split.replicas):
+        devices = ",".join(str(g) for group in r.groups for g in group)
+        lines.append(f"     replica {d}: ranks {devices}: {r.num_microbatches} micro-batches, "
+                     f"{r.estimate.step_time_s:.3f} s")
     return lines
 
 

@@ -57,10 +57,11 @@ def group_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Link:
 def cluster_source(model: ModelSpec, cluster: Cluster, groups: Sequence[Sequence[int]], *,
                    efficiency: Efficiency | None = None,
                    conventions: RuntimeConventions | None = None) -> RankSources:
-    """The source of a pipeline whose rank ``r`` is run by the cluster ranks ``groups[r]`` (see the module doc)."""
+    """The source of a pipeline whose rank ``r`` is run by the cluster ranks ``groups[r]`` (see the module doc);
+    the groups may leave ranks out (one replica of several)."""
     used = [g for group in groups for g in group]
-    if sorted(used) != list(range(cluster.num_ranks)):
-        raise ConfigError(f"a placement must use each of the cluster's {cluster.num_ranks} ranks once, got "
+    if len(set(used)) != len(used) or not all(0 <= g < cluster.num_ranks for g in used):
+        raise ConfigError(f"a placement must use distinct ranks of the cluster's {cluster.num_ranks}, got "
                           f"{sorted(used)}")
     if len({len(group) for group in groups}) != 1:
         raise ConfigError("every pipeline rank needs as many devices (tp·dp) as the others")

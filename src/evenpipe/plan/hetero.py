@@ -104,6 +104,8 @@ class ClusterPlan:
     """Searches of the one planner run (one per shape, placement and layout family)."""
     num_estimated: int
     """Configurations simulated over all of them."""
+    best_by_shape: dict[tuple[int, int, int], PlacedCandidate] = dataclasses.field(default_factory=dict)
+    """The fastest plan of each (tp, pp, dp) that has one."""
 
     @property
     def best(self) -> PlacedCandidate:
@@ -251,7 +253,11 @@ def search_cluster(model: ModelSpec, cluster: Cluster, *, global_batch: int, spa
         raise ConfigError(f"no configuration of {model.name} fits on the cluster's {cluster.num_ranks} ranks "
                           f"with global batch {global_batch}")
     found.sort(key=lambda p: p.step_time_s)
-    return ClusterPlan(candidates=tuple(found[:top_k]), num_searches=searches, num_estimated=estimated)
+    by_shape: dict[tuple[int, int, int], PlacedCandidate] = {}
+    for p in found:
+        by_shape.setdefault((p.config.tp, p.config.pp, p.config.dp), p)
+    return ClusterPlan(candidates=tuple(found[:top_k]), num_searches=searches, num_estimated=estimated,
+                       best_by_shape=by_shape)
 
 
 def _search(searcher: Searcher, num_gpus: int, global_batch: int, space: SearchSpace, top_k: int,
