@@ -108,7 +108,12 @@ CASES: dict[str, list[str]] = {
                                     "--global-batch", "8", "--what-if", "link 3-4 +-5ms"],
     "plan what-if zero factor": ["plan", "--model", "gpt-tiny", "--cluster", "{examples}/mixed_a100_h100.json",
                                  "--global-batch", "8", "--what-if", "rank 3 x0"],
-    "plan what-if without a cluster": [*PLAN, "--what-if", "rank 1 x2"],
+    "plan what-if on a profile": ["plan", "--profile", "{tmp}/missing.json", "--gpus", "2", "--global-batch", "8",
+                                  "--what-if", "rank 1 x2"],
+    "plan cluster negative speed": ["plan", "--model", "gpt-tiny", "--cluster", "{tmp}/slow_cluster.json",
+                                    "--global-batch", "8"],
+    "estimate cluster ranks missing": ["estimate", "--model", "gpt-tiny", "--cluster", "{tmp}/gap_cluster.json",
+                                       "--global-batch", "8"],
     "plan cluster with other gpus": ["plan", "--model", "gpt-tiny", "--cluster", "{examples}/mixed_a100_h100.json",
                                      "--gpus", "8", "--global-batch", "8"],
     # the command itself
@@ -132,6 +137,11 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
               "max_position_embeddings": 64, "intermediate_size": 128}
     (tmp / "neox.json").write_text(json.dumps({"model_type": "gpt_neox", **common}))
     (tmp / "bert.json").write_text(json.dumps({"model_type": "bert", **common}))
+    links = {"intra_node": {"latency_s": 5e-6}}
+    (tmp / "slow_cluster.json").write_text(json.dumps({"links": links, "nodes": [
+        {"device": "a100-80gb", "ranks": [0, {"rank": 1, "speed": -0.5}]}]}))
+    (tmp / "gap_cluster.json").write_text(json.dumps({"links": links, "nodes": [
+        {"device": "a100-80gb", "ranks": [0, 2]}]}))
     (tmp / "llama128.json").write_text(json.dumps({"model_type": "llama", **common, "vocab_size": 128}))
     ckpt = tmp / "ckpt"  # as a run of TRAIN --random-tokens --global-batch 4 leaves it (the manifest only)
     from evenpipe.training.checkpoint_manifest import Manifest, write_manifest

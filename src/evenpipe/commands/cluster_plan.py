@@ -26,9 +26,17 @@ __all__ = ["load_cluster_args", "estimate_source", "run_plan", "format_placed", 
 
 
 def load_cluster_args(args: argparse.Namespace, command: str) -> "tuple[ModelSpec, Cluster]":
-    """The model and the ``--cluster`` file, checked against the other options (one-line errors)."""
-    from evenpipe.commands.model_args import model_from_args
+    """The model and the ``--cluster`` file, checked against the other options (one-line errors); without
+    ``--cluster``, ``--gpus`` devices of ``--gpu`` (``plan --gpu --what-if``)."""
+    from evenpipe.commands.model_args import hardware_from_arg, model_from_args, with_gpus_per_node
     from evenpipe.cost.cluster import load_cluster
+    if args.cluster is None:
+        from evenpipe.cost.cluster_source import uniform_cluster
+        if args.gpu is None or getattr(args, "profile", None) or args.gpus is None:
+            raise ConfigError(f"--what-if needs --cluster FILE, or --gpu PRESET and --gpus N (the devices and links "
+                              f"it changes){'; a profile measures no cluster' if getattr(args, 'profile', None) else ''}")
+        hw = with_gpus_per_node(hardware_from_arg(args.gpu), args)
+        return model_from_args(args), uniform_cluster(hw, args.gpus)
     if args.gpu is not None or getattr(args, "profile", None):
         raise ConfigError(f"{command} --cluster takes each rank's device from the cluster file; drop "
                           f"{'--gpu' if args.gpu is not None else '--profile'}")
@@ -76,8 +84,8 @@ def format_placed(p: "PlacedCandidate") -> str:
 
 
 def run_plan(args: argparse.Namespace, space: "SearchSpace") -> int:
-    """``plan --cluster``: the heterogeneity-aware plan, the best plan that treats the devices alike, and the
-    answers to ``--what-if``."""
+    """``plan --cluster`` (or ``--gpu --what-if``): the heterogeneity-aware plan, the best plan that treats the
+    devices alike, and the answers to ``--what-if``."""
     from evenpipe.commands.model_args import conventions_from_args
     from evenpipe.plan.hetero import placed_source, search_cluster
     from evenpipe.plan.replicas import best_split
@@ -89,13 +97,15 @@ def run_plan(args: argparse.Namespace, space: "SearchSpace") -> int:
     kw = {"global_batch": args.global_batch, "space": space, "conventions": conventions_from_args(args)}
     t0 = time.perf_counter()
     aware = search_cluster(model, cluster, top_k=args.top, aware=True, **kw)  # type: ignore[arg-type]
-    alike = search_cluster(model, cluster, top_k=1, aware=False, **kw)  # type: ignore[arg-type]
+    uniform = len({(cluster.speed(g), r.memory_gib) for g, r in enumerate(cluster.ranks)}) == 1
+    alike = aware if uniform else search_cluster(model, cluster, top_k=1, aware=False, **kw)  # type: ignore[arg-type]
     answers = [answer_what_if(model, cluster, aware.best, w, **kw) for w in what_ifs]  # type: ignore[arg-type]
     split = best_split(aware, cluster, lambda on, groups: placed_source(model, on, groups,
                                                                           conventions=kw["conventions"]))  # type: ignore[arg-type]
     elapsed = time.perf_counter() - t0
     if args.json:
-        print(json.dumps({"model": model.name, "cluster": args.cluster, "ranks": cluster.num_ranks,
+        print(json.dumps({"model": model.name, "cluster": args.cluster or f"{cluster.num_ranks} x {args.gpu}",
+                          "ranks": cluster.num_ranks,
                           "global_batch": args.global_batch, "candidates": [p.to_dict() for p in aware.candidates],
                           "alike": alike.best.to_dict(), "speedup": alike.best.step_time_s / aware.best.step_time_s,
                           "search": {"searches": aware.num_searches + alike.num_searches,
@@ -104,7 +114,8 @@ def run_plan(args: argparse.Namespace, space: "SearchSpace") -> int:
                           "what_if": [a.to_dict() for a in answers]}, indent=2))
         return 0
     print("\n".join(_plan_lines(model, args, aware, alike, elapsed)))
-    print("\n".join(split_lines(split, aware.best.step_time_s)))
+    if alike is not aware:
+        print("\n".join(split_lines(split, aware.best.step_time_s)))
     for a in answers:
         print()
         print("\n".join(what_if_lines(a)))
@@ -113,10 +124,14 @@ def run_plan(args: argparse.Namespace, space: "SearchSpace") -> int:
 
 def _plan_lines(model: "ModelSpec", args: argparse.Namespace, aware: "ClusterPlan", alike: "ClusterPlan",
                 elapsed: float) -> list[str]:
-    lines = [f"{model.name} on cluster {args.cluster}, global batch {args.global_batch}: the fastest plans "
+    where = f"cluster {args.cluster}" if args.cluster else f"{args.gpus} x {args.gpu} (alike)"
+    lines = [f"{model.name} on {where}, global batch {args.global_batch}: the fastest plans "
              "(step time; schedule, sizes, layers per stage, which devices run each pipeline rank)"]
     lines += [f"  {i}. {format_placed(p)}" for i, p in enumerate(aware.candidates, 1)]
     base, best = alike.best, aware.best
+    if alike is aware:
+        return lines + [f"{aware.num_searches} searches, {aware.num_estimated} configurations simulated in "
+                        f"{elapsed:.2f} s"]
     lines += ["treating all devices alike (rank order, even layers; evaluated on this cluster):",
               f"     {format_placed(base)}",
               f"heterogeneity-aware: {base.step_time_s / best.step_time_s:.2f}x faster ({base.step_time_s:.3f} s "
@@ -152,10 +167,14 @@ def what_if_lines(a: "WhatIfAnswer") -> list[str]:
              f"  after:  {after:.3f} s, the same plan on the changed cluster ({after / before - 1:+.1%})",
              "  responses (predicted on the changed cluster):"]
     for r in a.responses:
-        if r.plan is None:
+        if r.split is not None:
+            shares = ", ".join(str(x.num_microbatches) for x in r.split.replicas)
+            lines.append(f"    {r.name}: {r.step_time_s:.3f} s  micro-batches per replica {shares}")
+        elif r.plan is not None:
+            lines.append(f"    {r.name}: {format_placed(r.plan)}")
+        else:
             lines.append(f"    {r.name}: nothing fits ({r.note})")
             continue
-        lines.append(f"    {r.name}: {format_placed(r.plan)}")
         lines.append(f"      {r.note}; {_recovery(a, r)}")
     best = a.best
     lines.append(f"  best response: {best.name} ({best.step_time_s:.3f} s; {_recovery(a, best)})")

@@ -35,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, metavar="N", help="total number of GPUs (required without --cluster)")
     parser.add_argument("--cluster", metavar="FILE", help="cluster description (docs/cluster.md): plan for its "
                         "devices and links, heterogeneity-aware, beside the best plan that treats them alike")
-    parser.add_argument("--what-if", action="append", metavar="CHANGE", help="with --cluster: what a change costs "
-                        "the best plan and the best response, e.g. 'rank 5 x1.5' (5 computes 1.5x slower) or "
-                        "'link 3-4 +5ms' (repeatable)")
+    parser.add_argument("--what-if", action="append", metavar="CHANGE", help="what a change costs the best plan and "
+                        "the best response, e.g. 'rank 5 x1.5' (5 computes 1.5x slower) or 'link 3-4 +5ms' "
+                        "(repeatable; on --cluster, or on --gpus devices of --gpu)")
     add_gpus_per_node_argument(parser)
     parser.add_argument("--global-batch", type=int, required=True, metavar="B", help="sequences per step")
     parser.add_argument("--top", type=int, default=10, metavar="K", help="configurations to list (default 10)")
@@ -133,11 +133,9 @@ def _profile_space(args: argparse.Namespace, space: SearchSpace) -> SearchSpace:
 def run(args: argparse.Namespace) -> int:
     if args.explain is not None and args.explain not in _EXPLAIN_TOPICS:
         raise choice_error("--explain topic", args.explain, _EXPLAIN_TOPICS)
-    if args.cluster:
+    if args.cluster or args.what_if:
         from evenpipe.commands.cluster_plan import run_plan
         return run_plan(args, _space_from_args(args))
-    if args.what_if:
-        raise ConfigError("--what-if needs --cluster FILE (the devices and links it changes)")
     if args.gpus is None:
         raise ConfigError("plan needs --gpus N (or --cluster FILE)")
     from evenpipe.cost.category_memory import with_conventions

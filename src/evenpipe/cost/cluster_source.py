@@ -20,14 +20,14 @@ from evenpipe.errors import ConfigError
 from evenpipe.sim.costs import Link
 
 from evenpipe.cost.analytic_source import AnalyticSource
-from evenpipe.cost.cluster import Cluster
+from evenpipe.cost.cluster import Cluster, LinkClass, LinkSpec, RankDevice
 from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.rank_sources import RankSources
 from evenpipe.cost.runtime_memory import RuntimeConventions
 from evenpipe.cost.specs import ModelSpec
 from evenpipe.cost.timing import Efficiency
 
-__all__ = ["cluster_source", "device_hardware", "group_link"]
+__all__ = ["cluster_source", "device_hardware", "group_link", "uniform_cluster"]
 
 
 def device_hardware(cluster: Cluster, rank: int) -> Hardware:
@@ -70,3 +70,18 @@ def cluster_source(model: ModelSpec, cluster: Cluster, groups: Sequence[Sequence
     links = {(a, b): group_link(cluster, groups[a], groups[b])
              for a in range(len(groups)) for b in range(len(groups)) if a != b}
     return RankSources(sources, pipeline_links=links)
+
+
+def uniform_cluster(hw: Hardware, num_ranks: int, efficiency: Efficiency | None = None) -> Cluster:
+    """``num_ranks`` devices of ``hw`` in nodes of ``hw.gpus_per_node``, linked as the analytic source prices
+    pipeline messages (NVLink within a node, the network between nodes, at the efficiency's achieved fractions):
+    what ``plan --gpu --what-if`` changes."""
+    eff = efficiency or Efficiency()
+    per = hw.gpus_per_node
+    ranks = tuple(RankDevice(rank=g, node=f"node-{g // per}", datacenter="default", device=hw.name, hardware=hw,
+                             memory_gib=hw.memory_gib) for g in range(num_ranks))
+    links = {LinkClass.INTRA_NODE: LinkSpec(latency_s=hw.nvlink_latency_s,
+                                            bandwidth_bytes_per_s=hw.nvlink_gbps * 1e9 * eff.nvlink_fraction),
+             LinkClass.INTER_NODE: LinkSpec(latency_s=hw.internode_latency_s,
+                                            bandwidth_bytes_per_s=hw.internode_gbps * 1e9 * eff.network_fraction)}
+    return Cluster(ranks=ranks, links=links)

@@ -28,7 +28,8 @@ from evenpipe.cost.rank_sources import RankSources
 from evenpipe.errors import EvenpipeError
 from evenpipe.plan.hetero import ClusterPlan, DeviceOrder, balanced_layouts, place
 
-__all__ = ["ReplicaShare", "ReplicaSplit", "replica_groups", "split_replicas", "best_split", "SPLIT_WITHIN"]
+__all__ = ["ReplicaShare", "ReplicaSplit", "replica_groups", "split_replicas", "best_split", "SPLIT_WITHIN",
+           "plan_replicas"]
 
 SPLIT_WITHIN = 1.25
 """A (tp, pp, dp) gets a split tried when its best plan is within this factor of the best plan overall."""
@@ -79,10 +80,17 @@ SourceOf = Callable[[Cluster, tuple[tuple[int, ...], ...]], RankSources]
 """The cost source of a placement on a cluster (the model, efficiency and conventions bound)."""
 
 
-def split_replicas(cfg: ParallelConfig, cluster: Cluster, source_of: SourceOf) -> ReplicaSplit | None:
-    """The best split of ``cfg``'s micro-batches over replicas of like devices (see the module docstring); None
-    without unequal replicas, or when some share does not run or fit."""
-    reps = replica_groups(cluster, cfg.tp, cfg.pp, cfg.dp) if cfg.dp > 1 else None
+def plan_replicas(groups: tuple[tuple[int, ...], ...], tp: int, dp: int) -> list[tuple[tuple[int, ...], ...]]:
+    """The replicas of a placement (``groups[r]`` replica-major): replica d's devices of each pipeline rank."""
+    return [tuple(group[d * tp:(d + 1) * tp] for group in groups) for d in range(dp)]
+
+
+def split_replicas(cfg: ParallelConfig, cluster: Cluster, source_of: SourceOf,
+                   replicas: list[tuple[tuple[int, ...], ...]] | None = None) -> ReplicaSplit | None:
+    """The best split of ``cfg``'s micro-batches over ``replicas`` (default: replicas of like devices, see the
+    module docstring); None without unequal replicas, or when some share does not run or fit."""
+    reps = replicas if replicas is not None else replica_groups(cluster, cfg.tp, cfg.pp, cfg.dp) \
+        if cfg.dp > 1 else None
     if reps is None:
         return None
     sources = [source_of(cluster, g) for g in reps]

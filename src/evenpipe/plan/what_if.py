@@ -2,13 +2,15 @@
 
 A what-if (``plan --cluster FILE --what-if "rank 5 x1.5"`` or ``--what-if "link 3-4 +5ms"``) changes the cluster:
 one rank computes ``x`` times slower, or one link between two ranks gets that much more latency per message. The
-answer estimates the plan (the best on the unchanged cluster) before and after the change, and three responses on
+answer estimates the plan (the best on the unchanged cluster) before and after the change, and the responses on
 the changed cluster, each by the one estimate and the one search:
 
 - **re-partition**: the same configuration with its layers re-sized to the changed paces and its devices
   re-placed (every placement of :class:`~evenpipe.plan.hetero.DeviceOrder`, the balanced layouts and the plan's own);
 - **another schedule**: the same devices and layers, any schedule family, micro-batch size and recomputation
   (one search restricted to the plan's tp, pp, dp and layout);
+- **re-splitting the batch** (with data parallelism): the plan's replicas keep their devices and each takes
+  micro-batches in proportion to its speed (:mod:`evenpipe.plan.replicas`);
 - **leaving the rank out**: the heterogeneity-aware search on the cluster without the slowed rank (for a link,
   without its second end).
 
@@ -31,6 +33,7 @@ from evenpipe.cost.timing import Efficiency
 from evenpipe.errors import ConfigError, EvenpipeError
 from evenpipe.plan.hetero import (DeviceOrder, PlacedCandidate, balanced_layouts, cluster_space, place,
                                   placed_source, search_cluster)
+from evenpipe.plan.replicas import ReplicaSplit, plan_replicas, split_replicas
 from evenpipe.plan.search import Candidate, Searcher, SearchSpace
 
 __all__ = ["WhatIf", "Response", "WhatIfAnswer", "parse_what_if", "answer_what_if"]
@@ -116,10 +119,13 @@ class Response:
     name: str
     plan: PlacedCandidate | None
     note: str = ""
+    split: ReplicaSplit | None = None
+    """Instead of ``plan``: the plan's replicas with unequal shares of the batch."""
 
     @property
     def step_time_s(self) -> float:
-        return self.plan.step_time_s if self.plan is not None else math.inf
+        found = self.plan or self.split
+        return found.step_time_s if found is not None else math.inf
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,9 +151,10 @@ class WhatIfAnswer:
     def to_dict(self) -> dict[str, object]:
         return {"what_if": self.what_if.text, "change": self.what_if.describe(),
                 "before": self.before.to_dict(), "after": self.after.to_dict(),
-                "responses": [{"name": r.name, "step_time_s": r.step_time_s if r.plan else None,
+                "responses": [{"name": r.name, "step_time_s": _json_number(r.step_time_s),
                                "recovered": _json_number(self.recovered(r)), "note": r.note,
-                               "plan": r.plan.to_dict() if r.plan else None} for r in self.responses],
+                               "plan": r.plan.to_dict() if r.plan else None,
+                               "split": r.split.to_dict() if r.split else None} for r in self.responses],
                 "best_response": self.best.name}
 
 
@@ -174,7 +181,7 @@ def _on(source_of: SourceOf, cluster: Cluster, plan: PlacedCandidate, groups: tu
 def answer_what_if(model: ModelSpec, cluster: Cluster, plan: PlacedCandidate, what_if: WhatIf, *,
                    global_batch: int, space: SearchSpace | None = None, efficiency: Efficiency | None = None,
                    conventions: RuntimeConventions | None = None) -> WhatIfAnswer:
-    """What ``what_if`` costs ``plan`` on ``cluster`` and the three responses (see the module docstring)."""
+    """What ``what_if`` costs ``plan`` on ``cluster`` and the responses (see the module docstring)."""
     changed = what_if.apply(cluster)
 
     def source_of(on: Cluster, groups: Sequence[Sequence[int]]) -> RankSources:
@@ -189,8 +196,14 @@ def answer_what_if(model: ModelSpec, cluster: Cluster, plan: PlacedCandidate, wh
                                             top_k=1, efficiency=efficiency, conventions=conventions).best)
     except EvenpipeError as e:
         left = Response(name=f"leave rank {rank} out", plan=None, note=str(e).splitlines()[0])
-    return WhatIfAnswer(what_if=what_if, before=plan, after=after, responses=(
-        _repartition(source_of, changed, plan), _reschedule(source_of, changed, plan, global_batch, space), left))
+    responses = [_repartition(source_of, changed, plan), _reschedule(source_of, changed, plan, global_batch, space)]
+    if plan.config.dp > 1:
+        split = split_replicas(dataclasses.replace(plan.config, layout=None), changed, source_of,
+                               plan_replicas(plan.groups, plan.config.tp, plan.config.dp))
+        responses.append(Response(name="re-split the batch", plan=None, split=split,
+                                  note="same devices; each replica's micro-batches sized to its speed"
+                                  if split is not None else "the replicas keep one pace"))
+    return WhatIfAnswer(what_if=what_if, before=plan, after=after, responses=(*responses, left))
 
 
 def _repartition(source_of: SourceOf, changed: Cluster, plan: PlacedCandidate) -> Response:

@@ -75,13 +75,40 @@ def test_a_slower_rank_costs_time_and_re_partitioning_wins_most_of_it_back() -> 
     answer = answer_what_if(model, cluster, best, parse_what_if(f"rank {slow} x1.5", 8), global_batch=32)
     assert answer.after.step_time_s > answer.before.step_time_s  # the slowdown costs time
     names = [r.name for r in answer.responses]
-    assert names == ["re-partition", "another schedule", f"leave rank {slow} out"]
+    assert names == ["re-partition", "another schedule", *(["re-split the batch"] if best.config.dp > 1 else []),
+                     f"leave rank {slow} out"]
     repart = answer.responses[0]
     assert repart.plan is not None and repart.step_time_s < answer.after.step_time_s
     assert answer.best.step_time_s == min(r.step_time_s for r in answer.responses)
     assert 0 < answer.recovered(repart) <= 1
     changed = cluster.slowed(slow, 1.5)
     _check_consistent(MODEL, cluster, answer.to_dict(), best, changed)
+    for r in answer.responses:
+        for share in r.split.replicas if r.split is not None else ():
+            cfg = dataclasses.replace(r.split.config, layout=share.estimate.layout,
+                                      global_batch=share.num_microbatches * best.config.dp * best.config.microbatch_size)
+            again = estimate_with(placed_source(model, changed, share.groups), cfg)
+            assert again.step_time_s == pytest.approx(share.estimate.step_time_s, rel=1e-12)
+
+
+def test_a_slower_replica_takes_fewer_micro_batches_on_alike_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --gpu --what-if``: the plan on alike devices is the plain plan's, and with data parallelism the
+    slowed rank's replica takes a smaller share of the batch."""
+    where = ["plan", "--model", MODEL, "--gpu", "a100-80gb", "--gpus", "8", "--global-batch", "64", "--top", "1",
+             "--json", "--schedules", "1f1b,zb-h1", "--max-microbatch-size", "2"]
+    assert main(where) == 0
+    plain = json.loads(capsys.readouterr().out)["candidates"][0]
+    assert main([*where, "--what-if", "rank 1 x2"]) == 0
+    answer = json.loads(capsys.readouterr().out)["what_if"][0]
+    assert answer["before"]["step_time_s"] == pytest.approx(plain["step_time_s"], rel=1e-9)
+    assert answer["after"]["step_time_s"] > answer["before"]["step_time_s"]
+    split = next((r for r in answer["responses"] if r["name"] == "re-split the batch"), None)
+    assert plain["dp"] > 1  # data parallelism wins on alike devices for this small model
+    assert split is not None and split["split"] is not None
+    replicas = split["split"]["replicas"]
+    slowed = next(r for r in replicas if any(1 in g for g in r["groups"]))
+    assert slowed["num_microbatches"] < max(r["num_microbatches"] for r in replicas)
+    assert split["step_time_s"] < answer["after"]["step_time_s"]
 
 
 def test_a_slower_link_between_pipeline_neighbours_costs_time_and_one_that_no_message_crosses_nothing() -> None:
