@@ -19,7 +19,7 @@ from evenpipe.schedule.semantics import SEMANTICS
 
 from evenpipe.cost.analytic_source import AnalyticSource
 from evenpipe.cost.categories import MEMORY_CATEGORIES
-from evenpipe.cost.memory import build_cost_schedule, rank_activation_peaks
+from evenpipe.cost.memory import build_cost_schedule, rank_activation_peaks, tied_table
 from evenpipe.cost.parallel import ParallelConfig, stage_layers
 from evenpipe.cost.profiled_source import ProfiledSource
 from evenpipe.cost.runtime_memory import Runtime, RuntimeConventions
@@ -71,8 +71,12 @@ def peak_bytes_by_category(source: CostSource, cfg: ParallelConfig) -> tuple[dic
         n += counts.embedding if r == schedule.rank_of(0) else 0.0
         n += counts.head if r == schedule.rank_of(last) else 0.0
         b = source.state_bytes(cfg, r)
+        tied = tied_table(source, cfg, schedule, r)
+        n -= 2 * tied.params  # counted once below, in its own bytes
+        t = tied.params
         sent = source.layer_bytes(cfg, r, shape).sent
-        values = (n * b.parameters, n * b.gradients, n * b.master, n * b.optimizer,
+        values = (n * b.parameters + t * tied.per_param.parameters, n * b.gradients + t * tied.per_param.gradients,
+                  n * b.master + t * tied.per_param.master, n * b.optimizer + t * tied.per_param.optimizer,
                   peak.own_layers + peak.own_extra_embedding + peak.own_extra_head + held, peak.hosted,
                   message_buffer_peak(schedule, r, sent))
         out.append({name: round(v) for name, v in zip(MEMORY_CATEGORIES, values)})

@@ -19,6 +19,7 @@ stage) and head (last stage) activations are counted with their stage's micro-ba
 from __future__ import annotations
 
 import functools
+import dataclasses
 from dataclasses import dataclass
 
 from evenpipe.errors import ConfigError
@@ -32,7 +33,7 @@ from evenpipe.cost.parallel import ParallelConfig, Recompute, ScheduleFamily, st
 from evenpipe.cost.specs import ModelSpec
 from evenpipe.cost.states import (BYTES_GRAD, BYTES_OPTIMIZER, BYTES_WEIGHT, embedding_params_per_rank,
                                   layer_params_per_rank)
-from evenpipe.cost.source import CostSource, shape_of
+from evenpipe.cost.source import CostSource, StateBytes, shape_of
 from evenpipe.cost.timing import Efficiency
 
 PlanDurations = tuple[int, int, int]
@@ -41,7 +42,7 @@ PlanDurations = tuple[int, int, int]
 __all__ = ["StageMemory", "memory_per_stage", "stage_memory", "layer_activation_bytes", "layer_params_per_rank",
            "BYTES_WEIGHT", "embedding_params_per_rank", "layer_states_per_rank_gib", "BYTES_GRAD", "BYTES_OPTIMIZER", "build_cost_schedule", "counting_schedule",
            "ActivationBytes",
-           "activation_bytes", "rank_activation_peaks"]
+           "activation_bytes", "rank_activation_peaks", "TiedTable", "tied_table"]
 
 _TRUNCATE_FACTOR = 2
 """In-flight peaks are counted on a schedule of at most this many times p micro-batches (GPipe excepted)."""
@@ -306,6 +307,29 @@ def memory_per_stage(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, *,
     return stage_memory(AnalyticSource(model, hw, efficiency or Efficiency()), cfg)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TiedTable:
+    """The token table of a tied embedding on a rank that holds both the first and the last stage (the V-shaped
+    placements): one tensor the head reuses, so counted once; under ``--sharding full`` the runtime leaves it out
+    of FSDP (:func:`evenpipe.runtime.sharding.fully_shard_stages`), so it takes replicated bytes."""
+
+    params: float
+    """Its parameters (0 on any other rank, or when the source's head count holds no matrix)."""
+    per_param: StateBytes
+    """Its bytes per parameter by category."""
+
+
+def tied_table(source: CostSource, cfg: ParallelConfig, schedule: Schedule, rank: int) -> TiedTable:
+    """:class:`TiedTable` of ``rank``."""
+    b = source.state_bytes(cfg, rank)
+    last = schedule.num_stages - 1
+    if not (source.model.tied_embeddings and last > 0 and schedule.rank_of(0) == rank == schedule.rank_of(last)):
+        return TiedTable(params=0.0, per_param=b)
+    matrix = max(0.0, source.param_counts(cfg).head - source.model.final_norm_params)
+    whole = source.state_bytes(dataclasses.replace(cfg, dp=1), rank)
+    return TiedTable(params=matrix, per_param=whole if whole.parameters != b.parameters else b)
+
+
 def stage_memory(source: CostSource, cfg: ParallelConfig) -> tuple[StageMemory, ...]:
     """Peak memory of every pipeline rank, by component (GiB). Cheap: builds (a truncated copy of) the
     schedule and counts in program order; no simulation. The source gives the bytes per layer and per
@@ -322,8 +346,10 @@ def stage_memory(source: CostSource, cfg: ParallelConfig) -> tuple[StageMemory, 
         per_param = source.state_bytes(cfg, r)
         n_params = counts.per_layer * sum(layers[s] for s in schedule.stages_of(r))
         state = per_param.parameters + per_param.gradients + (per_param.master + per_param.optimizer)
-        emb_state = counts.embedding * state if r == schedule.rank_of(0) else 0.0
-        head_state = counts.head * state if r == schedule.rank_of(last) else 0.0
+        tied = tied_table(source, cfg, schedule, r)
+        emb_state = ((counts.embedding - tied.params) * state + tied.params * tied.per_param.total
+                     if r == schedule.rank_of(0) else 0.0)
+        head_state = (counts.head - tied.params) * state if r == schedule.rank_of(last) else 0.0
         out.append(StageMemory(
             rank=r,
             weights=n_params * per_param.parameters / GIB,

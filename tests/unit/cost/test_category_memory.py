@@ -100,3 +100,20 @@ def test_plan_takes_the_runtime_options(capsys: pytest.CaptureFixture[str]) -> N
         return json.loads(capsys.readouterr().out)["candidates"]
     assert plans() == plans("--runtime", "megatron")  # plan keeps Megatron's layout unless asked
     assert plans("--runtime", "evenpipe", "--dtype", "bfloat16", "--sharding", "optimizer")
+
+
+@pytest.mark.parametrize("sharding", ["none", "full"])
+def test_a_tied_table_on_one_rank_counts_once_and_stays_whole_under_fsdp(capsys: pytest.CaptureFixture[str],
+                                                                        sharding: str) -> None:
+    """zb-v puts stages 0 and 3 (of gpt-tiny's 4 one-layer stages) on rank 0: the tied token table is one tensor
+    there, and under --sharding full the runtime leaves it out of FSDP (measured by a train run of the same
+    configuration: 482304 and 273920 bytes)."""
+    from evenpipe.cost.specs import MODEL_PRESETS
+    from evenpipe.cost.states import layer_params_per_rank
+    spec = MODEL_PRESETS["gpt-tiny"]
+    table = spec.vocab * spec.hidden
+    rest = 2 * layer_params_per_rank(spec, 1) + spec.position_params + spec.final_norm_params
+    got = _estimate(capsys, "--schedule", "zb-v", "--sharding", sharding)["peak_bytes_by_category"][0]
+    want = 4 * (rest + table) if sharding == "none" else 4 * (rest / 2 + table)
+    assert got["parameters"] == got["gradients"] == want
+    assert got["optimizer_state"] == 2 * want
