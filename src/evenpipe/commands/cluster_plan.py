@@ -60,7 +60,7 @@ def estimate_source(args: argparse.Namespace, make_config: "Callable[..., Parall
     if groups is None:
         raise ConfigError(f"--placement {order.value} splits a tensor-parallel group of {cfg.tp} over two nodes; "
                           "allowed: another --placement or a tp that divides the nodes")
-    source = placed_source(model, cluster, groups, conventions=conventions)
+    source = placed_source(model, cluster, groups, tp=cfg.tp, conventions=conventions)
     return cfg, source, f"{model.name} on cluster {args.cluster} ({source.name})\n  {order.value}: " \
         f"{describe_groups(groups)}"
 
@@ -100,8 +100,8 @@ def run_plan(args: argparse.Namespace, space: "SearchSpace") -> int:
     uniform = len({(cluster.speed(g), r.memory_gib) for g, r in enumerate(cluster.ranks)}) == 1
     alike = aware if uniform else search_cluster(model, cluster, top_k=1, aware=False, **kw)  # type: ignore[arg-type]
     answers = [answer_what_if(model, cluster, aware.best, w, **kw) for w in what_ifs]  # type: ignore[arg-type]
-    split = best_split(aware, cluster, lambda on, groups: placed_source(model, on, groups,
-                                                                          conventions=kw["conventions"]))  # type: ignore[arg-type]
+    split = best_split(aware, cluster, lambda on, groups, tp, peers: placed_source(
+        model, on, groups, tp=tp, peers=peers, conventions=kw["conventions"]))  # type: ignore[arg-type]
     elapsed = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"model": model.name, "cluster": args.cluster or f"{cluster.num_ranks} x {args.gpu}",

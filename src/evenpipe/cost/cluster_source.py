@@ -7,8 +7,9 @@ bandwidth scaled by the device's ``speed`` factor and its memory as the cluster 
 rank ``a`` to ``b`` is the slowest of the cluster links between the devices of the two groups that talk (the
 ``i``-th device of each group, replica by replica): the largest latency and the smallest bandwidth.
 
-Approximations: a tensor-parallel group's collectives and the data-parallel reduction are priced by the rank's
-device preset (within a node), not by the cluster's link classes.
+The data-parallel reduction of a group spanning nodes runs over the slowest cluster link between its replicas
+(the device preset's network is replaced by it); within one node it runs over the preset's NVLink, as do the
+tensor-parallel collectives (a tensor-parallel group never leaves its node).
 """
 
 from __future__ import annotations
@@ -40,11 +41,18 @@ def device_hardware(cluster: Cluster, rank: int) -> Hardware:
                                hbm_bandwidth_gbps=hw.hbm_bandwidth_gbps * r.speed, memory_gib=r.memory_gib)
 
 
-def _slowest(cluster: Cluster, group: Sequence[int]) -> Hardware:
-    """The group's pace-setting device (lowest compute speed), with the group's smallest memory."""
+def _slowest(cluster: Cluster, group: Sequence[int], tp: int, peers: Sequence[int]) -> Hardware:
+    """The group's pace-setting device (lowest compute speed), with the group's smallest memory and, between
+    nodes, the slowest cluster link its data-parallel reduction over ``peers`` crosses (the ``i``-th tensor rank
+    of every replica reduce together)."""
     slowest = min(group, key=lambda g: (cluster.speed(g), g))
-    memory = min(cluster.ranks[g].memory_gib for g in group)
-    return dataclasses.replace(device_hardware(cluster, slowest), memory_gib=memory)
+    hw = dataclasses.replace(device_hardware(cluster, slowest), memory_gib=min(cluster.ranks[g].memory_gib
+                                                                               for g in group))
+    ring = [cluster.link(peers[i], peers[j]) for i in range(len(peers)) for j in range(i + tp, len(peers), tp)]
+    if not ring:
+        return hw
+    return dataclasses.replace(hw, internode_gbps=min(s.bandwidth_bytes_per_s for s in ring) / 1e9,
+                               internode_latency_s=max(s.latency_s for s in ring))
 
 
 def group_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Link:
@@ -54,11 +62,12 @@ def group_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Link:
                 bandwidth_bytes_per_s=min(s.bandwidth_bytes_per_s for s in specs))
 
 
-def cluster_source(model: ModelSpec, cluster: Cluster, groups: Sequence[Sequence[int]], *,
-                   efficiency: Efficiency | None = None,
+def cluster_source(model: ModelSpec, cluster: Cluster, groups: Sequence[Sequence[int]], *, tp: int = 1,
+                   peers: Sequence[Sequence[int]] | None = None, efficiency: Efficiency | None = None,
                    conventions: RuntimeConventions | None = None) -> RankSources:
-    """The source of a pipeline whose rank ``r`` is run by the cluster ranks ``groups[r]`` (see the module doc);
-    the groups may leave ranks out (one replica of several)."""
+    """The source of a pipeline whose rank ``r`` is run by the cluster ranks ``groups[r]``, replica-major with
+    ``tp`` devices a replica (see the module doc); the groups may leave ranks out (one replica of several: then
+    ``peers[r]``, all replicas' devices of pipeline rank r, price its data-parallel reduction)."""
     used = [g for group in groups for g in group]
     if len(set(used)) != len(used) or not all(0 <= g < cluster.num_ranks for g in used):
         raise ConfigError(f"a placement must use distinct ranks of the cluster's {cluster.num_ranks}, got "
@@ -66,7 +75,9 @@ def cluster_source(model: ModelSpec, cluster: Cluster, groups: Sequence[Sequence
     if len({len(group) for group in groups}) != 1:
         raise ConfigError("every pipeline rank needs as many devices (tp·dp) as the others")
     eff = efficiency or Efficiency()
-    sources = tuple(AnalyticSource(model, _slowest(cluster, group), eff, conventions) for group in groups)
+    rings = peers if peers is not None else groups
+    sources = tuple(AnalyticSource(model, _slowest(cluster, group, tp, ring), eff, conventions)
+                    for group, ring in zip(groups, rings))
     links = {(a, b): group_link(cluster, groups[a], groups[b])
              for a in range(len(groups)) for b in range(len(groups)) if a != b}
     return RankSources(sources, pipeline_links=links)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from evenpipe.cost import ParallelConfig
 from evenpipe.cost.cluster import Cluster
@@ -51,7 +51,7 @@ from evenpipe.plan.search import Candidate, Searcher, SearchSpace
 from evenpipe.plan.slow_rank import balanced_blocks
 
 __all__ = ["DeviceOrder", "PlacedCandidate", "ClusterPlan", "place", "speed_layout", "search_cluster",
-           "placed_source", "cluster_shapes", "balanced_layouts", "group_paces", "cluster_space", "layer_caps", "LAYOUT_ALPHAS"]
+           "placed_source", "SourceOf", "cluster_shapes", "balanced_layouts", "group_paces", "cluster_space", "layer_caps", "LAYOUT_ALPHAS"]
 
 LAYOUT_ALPHAS: tuple[float, ...] = (1.0, 0.5)
 """Exponents on the groups' speeds of the balanced layouts tried (1: fully balanced; 0.5: halfway to even)."""
@@ -176,11 +176,18 @@ def _node_size(cluster: Cluster) -> int:
     return min(nodes.count(name) for name in set(nodes))
 
 
-def placed_source(model: ModelSpec, cluster: Cluster, groups: Sequence[Sequence[int]], *,
-                  efficiency: Efficiency | None = None,
+def placed_source(model: ModelSpec, cluster: Cluster, groups: Sequence[Sequence[int]], *, tp: int,
+                  peers: Sequence[Sequence[int]] | None = None, efficiency: Efficiency | None = None,
                   conventions: RuntimeConventions | None = None) -> RankSources:
-    """The cost source of ``groups`` on ``cluster`` (:func:`~evenpipe.cost.cluster_source.cluster_source`)."""
-    return cluster_source(model, cluster, groups, efficiency=efficiency, conventions=conventions)
+    """The cost source of ``groups`` (``tp`` devices a replica; ``peers``: when the groups are one replica, every
+    replica's) on ``cluster`` (:func:`~evenpipe.cost.cluster_source.cluster_source`)."""
+    return cluster_source(model, cluster, groups, tp=tp, peers=peers, efficiency=efficiency,
+                          conventions=conventions)
+
+
+SourceOf = Callable[[Cluster, Sequence[Sequence[int]], int, "Sequence[Sequence[int]] | None"], RankSources]
+"""The cost source of a placement (groups, ``tp`` devices a replica, the peers of one replica's groups) on a
+cluster, the model, efficiency and conventions bound."""
 
 
 def group_paces(source: RankSources, cfg: ParallelConfig) -> list[float]:
@@ -237,7 +244,7 @@ def search_cluster(model: ModelSpec, cluster: Cluster, *, global_batch: int, spa
             if groups is None or groups in seen:
                 continue
             seen.add(groups)
-            source = placed_source(model, cluster, groups, efficiency=efficiency, conventions=conventions)
+            source = placed_source(model, cluster, groups, tp=tp, efficiency=efficiency, conventions=conventions)
             searcher = Searcher.over(source)
             layouts: list[tuple[int, ...] | None] = [space.layout]
             if aware and pp > 1 and space.layout is None:

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from evenpipe.cost import ParallelConfig
 from evenpipe.cost.cluster import Cluster
 from evenpipe.cost.estimate import Estimate, estimate_with
-from evenpipe.cost.rank_sources import RankSources
 from evenpipe.errors import EvenpipeError
-from evenpipe.plan.hetero import ClusterPlan, DeviceOrder, balanced_layouts, place
+from evenpipe.plan.hetero import ClusterPlan, DeviceOrder, SourceOf, balanced_layouts, place
 
 __all__ = ["ReplicaShare", "ReplicaSplit", "replica_groups", "split_replicas", "best_split", "SPLIT_WITHIN",
-           "plan_replicas"]
+           "plan_replicas", "peers_of"]
 
 SPLIT_WITHIN = 1.25
 """A (tp, pp, dp) gets a split tried when its best plan is within this factor of the best plan overall."""
@@ -76,13 +75,14 @@ def replica_groups(cluster: Cluster, tp: int, pp: int, dp: int) -> list[tuple[tu
     return [whole[d * pp:(d + 1) * pp] for d in range(dp)]
 
 
-SourceOf = Callable[[Cluster, tuple[tuple[int, ...], ...]], RankSources]
-"""The cost source of a placement on a cluster (the model, efficiency and conventions bound)."""
-
-
 def plan_replicas(groups: tuple[tuple[int, ...], ...], tp: int, dp: int) -> list[tuple[tuple[int, ...], ...]]:
     """The replicas of a placement (``groups[r]`` replica-major): replica d's devices of each pipeline rank."""
     return [tuple(group[d * tp:(d + 1) * tp] for group in groups) for d in range(dp)]
+
+
+def peers_of(replicas: Sequence[tuple[tuple[int, ...], ...]]) -> list[tuple[int, ...]]:
+    """Per pipeline rank, every replica's devices, replica-major: what its data-parallel reduction spans."""
+    return [tuple(g for rep in replicas for g in rep[r]) for r in range(len(replicas[0]))]
 
 
 def split_replicas(cfg: ParallelConfig, cluster: Cluster, source_of: SourceOf,
@@ -93,7 +93,8 @@ def split_replicas(cfg: ParallelConfig, cluster: Cluster, source_of: SourceOf,
         if cfg.dp > 1 else None
     if reps is None:
         return None
-    sources = [source_of(cluster, g) for g in reps]
+    peers = peers_of(reps)
+    sources = [source_of(cluster, g, cfg.tp, peers) for g in reps]
     layouts: list[tuple[int, ...] | None] = [[*balanced_layouts(s, cfg), cfg.layout][0] for s in sources]
     total = cfg.global_batch // cfg.microbatch_size
     memo: dict[tuple[int, int], Estimate | None] = {}

@@ -23,7 +23,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from evenpipe.cost.cluster import Cluster
 from evenpipe.cost.rank_sources import RankSources
@@ -31,8 +31,8 @@ from evenpipe.cost.runtime_memory import RuntimeConventions
 from evenpipe.cost.specs import ModelSpec
 from evenpipe.cost.timing import Efficiency
 from evenpipe.errors import ConfigError, EvenpipeError
-from evenpipe.plan.hetero import (DeviceOrder, PlacedCandidate, balanced_layouts, cluster_space, place,
-                                  placed_source, search_cluster)
+from evenpipe.plan.hetero import (DeviceOrder, PlacedCandidate, SourceOf, balanced_layouts, cluster_space,
+                                  place, placed_source, search_cluster)
 from evenpipe.plan.replicas import ReplicaSplit, plan_replicas, split_replicas
 from evenpipe.plan.search import Candidate, Searcher, SearchSpace
 
@@ -162,16 +162,12 @@ def _json_number(x: float) -> float | None:
     return None if math.isnan(x) or math.isinf(x) else x
 
 
-SourceOf = Callable[[Cluster, Sequence[Sequence[int]]], RankSources]
-"""The cost source of a placement on a cluster (the model, efficiency and conventions bound)."""
-
-
 def _on(source_of: SourceOf, cluster: Cluster, plan: PlacedCandidate, groups: tuple[tuple[int, ...], ...],
         order: DeviceOrder, layout: tuple[int, ...] | None) -> PlacedCandidate | None:
     """``plan``'s configuration (with ``layout``) on ``groups`` of ``cluster``; None when it does not fit."""
     cfg = dataclasses.replace(plan.config, layout=layout)
     try:
-        est = Searcher.over(source_of(cluster, groups)).estimate(cfg)
+        est = Searcher.over(source_of(cluster, groups, cfg.tp, None)).estimate(cfg)
     except EvenpipeError:
         return None
     return PlacedCandidate(candidate=Candidate(config=cfg, estimate=est), order=order, groups=groups) \
@@ -184,8 +180,9 @@ def answer_what_if(model: ModelSpec, cluster: Cluster, plan: PlacedCandidate, wh
     """What ``what_if`` costs ``plan`` on ``cluster`` and the responses (see the module docstring)."""
     changed = what_if.apply(cluster)
 
-    def source_of(on: Cluster, groups: Sequence[Sequence[int]]) -> RankSources:
-        return placed_source(model, on, groups, efficiency=efficiency, conventions=conventions)
+    def source_of(on: Cluster, groups: Sequence[Sequence[int]], tp: int,
+                  peers: Sequence[Sequence[int]] | None) -> RankSources:
+        return placed_source(model, on, groups, tp=tp, peers=peers, efficiency=efficiency, conventions=conventions)
     after = _on(source_of, changed, plan, plan.groups, plan.order, plan.candidate.estimate.layout)
     if after is None:  # the same plan always fits: a change of speed or latency moves no bytes
         raise ConfigError(f"the plan does not run on the cluster where {what_if.describe()}")
@@ -213,7 +210,7 @@ def _repartition(source_of: SourceOf, changed: Cluster, plan: PlacedCandidate) -
         groups = place(changed, cfg.tp, cfg.pp, cfg.dp, order)
         if groups is None:
             continue
-        for layout in [plan.candidate.estimate.layout, *balanced_layouts(source_of(changed, groups), cfg)]:
+        for layout in [plan.candidate.estimate.layout, *balanced_layouts(source_of(changed, groups, cfg.tp, None), cfg)]:
             found = _on(source_of, changed, plan, groups, order, layout)
             if found is not None:
                 options.append(found)
@@ -227,7 +224,7 @@ def _reschedule(source_of: SourceOf, changed: Cluster, plan: PlacedCandidate, gl
     restricted = dataclasses.replace(cluster_space(space, changed), layout=plan.candidate.estimate.layout)
     shape = (cfg.tp, cfg.pp, cfg.dp)
     try:
-        result = Searcher.over(source_of(changed, plan.groups)).search(
+        result = Searcher.over(source_of(changed, plan.groups, cfg.tp, None)).search(
             num_gpus=changed.num_ranks, global_batch=global_batch, space=restricted, top_k=1,
             where=lambda c: (c.tp, c.pp, c.dp) == shape)
     except EvenpipeError:

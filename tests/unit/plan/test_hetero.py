@@ -57,13 +57,13 @@ def test_speed_layout_balances_compute_with_the_ends_counted() -> None:
 def test_the_source_of_a_placement_paces_each_rank_by_its_slowest_device_and_links_by_class() -> None:
     c = _two_nodes()
     model = model_preset("gpt3-1.3b")
-    src = placed_source(model, c, place(c, 1, 4, 2, DeviceOrder.RANK_ORDER))  # every group mixes a100 and h100
+    src = placed_source(model, c, place(c, 1, 4, 2, DeviceOrder.RANK_ORDER), tp=1)  # every group mixes a100 and h100
     assert {s.hardware.name for s in src.sources} == {"a100-80gb"}
-    fast = placed_source(model, c, place(c, 1, 4, 2, DeviceOrder.FAST_FIRST))
+    fast = placed_source(model, c, place(c, 1, 4, 2, DeviceOrder.FAST_FIRST), tp=1)
     assert [s.hardware.name for s in fast.sources] == ["h100-80gb", "h100-80gb", "a100-80gb", "a100-80gb"]
     cfg = __import__("evenpipe.cost", fromlist=["ParallelConfig"]).ParallelConfig(pp=4, dp=2, global_batch=16)
     assert fast.link(cfg, 0, 1).latency_s == 5e-6 and fast.link(cfg, 1, 2).latency_s == 1e-5
-    slowed = placed_source(model, c.slowed(5, 2.0), place(c, 1, 4, 2, DeviceOrder.FAST_FIRST))
+    slowed = placed_source(model, c.slowed(5, 2.0), place(c, 1, 4, 2, DeviceOrder.FAST_FIRST), tp=1)
     assert slowed.sources[0].hardware.name == "h100-80gb x0.5"
 
 
@@ -76,7 +76,7 @@ def test_heterogeneity_aware_plan_is_at_least_1_2x_the_best_that_treats_devices_
     assert alike.step_time_s / aware.step_time_s >= 1.2
     # the figures are the one estimate's on the cluster, as `estimate --cluster` recomputes them
     for p in (aware, alike):
-        again = estimate_with(placed_source(model, cluster, p.groups), p.config)
+        again = estimate_with(placed_source(model, cluster, p.groups, tp=p.config.tp), p.config)
         assert again.step_time_s == pytest.approx(p.step_time_s, rel=1e-12) and again.fits
 
 
@@ -98,7 +98,7 @@ def test_a_rank_gets_no_more_layers_than_its_memory_holds_the_states_of() -> Non
                            "nodes": [{"device": "h100-80gb", "memory_gib": 10, "ranks": [0]},
                                      {"device": "a100-80gb", "ranks": [1]}]})
     model = model_preset("gpt3-1.3b")  # 24 layers of ~0.85 GiB of states each (Megatron's 18 bytes a parameter)
-    src = placed_source(model, small, place(small, 1, 2, 1, DeviceOrder.FAST_FIRST))
+    src = placed_source(model, small, place(small, 1, 2, 1, DeviceOrder.FAST_FIRST), tp=1)
     from evenpipe.cost import ParallelConfig
     from evenpipe.plan.hetero import balanced_layouts, layer_caps
     cfg = ParallelConfig(pp=2, global_batch=8)
@@ -106,3 +106,21 @@ def test_a_rank_gets_no_more_layers_than_its_memory_holds_the_states_of() -> Non
     assert caps[0] < 12 < caps[1]
     layouts = balanced_layouts(src, cfg)
     assert layouts and all(layout[0] == caps[0] for layout in layouts)  # it would take more; its memory holds fewer
+
+
+def test_the_data_parallel_reduction_runs_over_the_slowest_link_between_the_replicas() -> None:
+    from evenpipe.cost import ParallelConfig
+    from evenpipe.cost.source import Holding
+    c = parse_cluster({"links": {"intra_node": {"latency_s": 5e-6, "bandwidth_gb_per_s": 300},
+                                 "inter_node": {"latency_s": 1e-5, "bandwidth_gb_per_s": 25}},
+                       "nodes": [{"device": "a100-80gb", "ranks": list(range(8))},
+                                 {"device": "a100-80gb", "ranks": list(range(8, 16))}]})
+    model = model_preset("gpt3-1.3b")
+    cfg = ParallelConfig(pp=8, dp=2, global_batch=16)
+    within = placed_source(model, c, [(2 * r, 2 * r + 1) for r in range(8)], tp=1)  # both replicas in one node
+    across = placed_source(model, c, place(c, 1, 8, 2, DeviceOrder.RANK_ORDER) or (), tp=1)  # r and r + 8
+    held = Holding(layers=3)
+    assert within.reduce_time(cfg, 0, held) < across.reduce_time(cfg, 0, held) / 5  # 300 against 25 GB/s
+    # one replica's source reduces over the links to the other replicas' devices (its peers)
+    one = placed_source(model, c, [(r,) for r in range(8)], tp=1, peers=[(r, r + 8) for r in range(8)])
+    assert one.reduce_time(cfg, 0, held) == across.reduce_time(cfg, 0, held)

@@ -10,7 +10,7 @@ from evenpipe.cost import ParallelConfig, model_preset
 from evenpipe.cost.cluster import parse_cluster
 from evenpipe.cost.estimate import estimate_with
 from evenpipe.plan.hetero import placed_source, search_cluster
-from evenpipe.plan.replicas import best_split, replica_groups, split_replicas
+from evenpipe.plan.replicas import best_split, peers_of, replica_groups, split_replicas
 from evenpipe.schedule import ScheduleFamily
 
 LINKS = {"intra_node": {"latency_s": 5e-6, "bandwidth_gb_per_s": 300},
@@ -18,8 +18,8 @@ LINKS = {"intra_node": {"latency_s": 5e-6, "bandwidth_gb_per_s": 300},
 MODEL = model_preset("gpt3-1.3b")
 
 
-def _source(cluster, groups):  # type: ignore[no-untyped-def]
-    return placed_source(MODEL, cluster, groups)
+def _source(cluster, groups, tp, peers=None):  # type: ignore[no-untyped-def]
+    return placed_source(MODEL, cluster, groups, tp=tp, peers=peers)
 
 
 def test_replicas_of_like_devices_and_the_fast_one_takes_more_micro_batches() -> None:
@@ -34,9 +34,11 @@ def test_replicas_of_like_devices_and_the_fast_one_takes_more_micro_batches() ->
     # each replica's step is the one estimate of its share on its devices
     for r in split.replicas:
         c = dataclasses.replace(cfg, global_batch=r.num_microbatches * 2, layout=r.estimate.layout)
-        assert estimate_with(_source(cluster, r.groups), c).step_time_s == pytest.approx(r.estimate.step_time_s)
+        peers = peers_of([x.groups for x in split.replicas])
+        assert estimate_with(_source(cluster, r.groups, 1, peers), c).step_time_s == pytest.approx(r.estimate.step_time_s)
     # an even split waits for the slow replica
-    even = max(estimate_with(_source(cluster, g), dataclasses.replace(cfg, layout=r.estimate.layout)).step_time_s
+    peers = peers_of([x.groups for x in split.replicas])
+    even = max(estimate_with(_source(cluster, g, 1, peers), dataclasses.replace(cfg, layout=r.estimate.layout)).step_time_s
                for g, r in zip(replica_groups(cluster, 1, 4, 2) or [], split.replicas))
     assert split.step_time_s < 0.8 * even
 

@@ -16,6 +16,7 @@ from evenpipe.cost.cluster import Cluster, parse_cluster
 from evenpipe.cost.estimate import estimate_with
 from evenpipe.errors import ConfigError
 from evenpipe.plan.hetero import PlacedCandidate, placed_source, search_cluster
+from evenpipe.plan.replicas import peers_of
 from evenpipe.plan.what_if import answer_what_if, parse_what_if
 
 DOC = {"links": {"intra_node": {"latency_s": 5e-6, "bandwidth_gb_per_s": 300},
@@ -56,7 +57,7 @@ def _check_consistent(model_name: str, cluster: Cluster, answer_dict: dict, befo
                                   recompute=type(before.config.recompute)(plan["recompute"]),
                                   sequence_parallel=plan["sequence_parallel"], bpipe=False,
                                   offload_ranks=plan["offload_ranks"])
-        return estimate_with(placed_source(model, on, plan["groups"]), cfg).step_time_s
+        return estimate_with(placed_source(model, on, plan["groups"], tp=plan["tp"]), cfg).step_time_s
 
     assert step(answer_dict["before"], cluster) == pytest.approx(answer_dict["before"]["step_time_s"], rel=1e-12)
     assert step(answer_dict["after"], changed) == pytest.approx(answer_dict["after"]["step_time_s"], rel=1e-12)
@@ -87,7 +88,8 @@ def test_a_slower_rank_costs_time_and_re_partitioning_wins_most_of_it_back() -> 
         for share in r.split.replicas if r.split is not None else ():
             cfg = dataclasses.replace(r.split.config, layout=share.estimate.layout,
                                       global_batch=share.num_microbatches * best.config.dp * best.config.microbatch_size)
-            again = estimate_with(placed_source(model, changed, share.groups), cfg)
+            peers = peers_of([x.groups for x in r.split.replicas])
+            again = estimate_with(placed_source(model, changed, share.groups, tp=best.config.tp, peers=peers), cfg)
             assert again.step_time_s == pytest.approx(share.estimate.step_time_s, rel=1e-12)
 
 
