@@ -94,8 +94,10 @@ ZB_FSDP_RECOMPUTE_CASES = [ShardCase(case=Case(family=f, pp=2, microbatches=4, d
                                      sharding="full")
                            for f, v, r in (("zb-h1", 1, True), ("dualpipev", 2, True), ("zb-v", 2, "selective"),
                                            ("v-half", 2, "selective"))]
+ZB_FSDP_RECOMPUTE_CASES.append(ShardCase(case=Case(family="zb-h1", pp=2, microbatches=4, dp=2, bpipe=True),
+                                         sharding="full"))
 """FSDP2 with full and selective recomputation (each family with recomputation alone at P=4:
-test_pipeline_correctness)."""
+test_pipeline_correctness), and with BPipe's evictions."""
 
 
 def _four(rank: int, world: int) -> list[str]:
