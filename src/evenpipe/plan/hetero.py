@@ -26,8 +26,11 @@ How it stays fast (what it prunes):
   activations the fast groups' first stages keep), and the planner's even split; the search's fit check then
   drops a layout whose activations overflow a rank;
 - each (tp, pp, dp) and placement is one branch-and-bound search of the one planner restricted to that shape,
-  so its step-time bound and memory pruning apply inside; a (tp, pp, dp) whose devices are all alike gets only
-  the rank-order placement and even layouts (the others coincide with it).
+  so its step-time bound and memory pruning apply inside; on a cluster of alike devices only the rank-order
+  placement is tried, and a placement whose groups keep one pace gets only the planner's own layouts (the others
+  would coincide with them).
+
+Replicas of unequal speed taking unequal shares of the batch are :mod:`evenpipe.plan.replicas`.
 """
 
 from __future__ import annotations
