@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute
+from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.cost.specs import Arch, ModelSpec
 
 __all__ = ["ActivationBytes", "activation_bytes", "layer_activation_bytes"]
@@ -63,17 +64,20 @@ def layer_activation_bytes(model: ModelSpec, cfg: ParallelConfig) -> float:
     return activation_bytes(model, cfg).layer_saved
 
 
-def activation_bytes(model: ModelSpec, cfg: ParallelConfig) -> ActivationBytes:
-    """All the per-micro-batch activation sizes of ``model`` under ``cfg`` (see the module docstring)."""
+def activation_bytes(model: ModelSpec, cfg: ParallelConfig, shape: MicrobatchShape | None = None) -> ActivationBytes:
+    """All the per-micro-batch activation sizes of ``model`` under ``cfg`` (see the module docstring), for one
+    micro-batch of ``shape`` (default ``b`` full rows of ``seq_len``; documents of varying length: ``s·b`` becomes
+    its tokens and ``s²·b`` its squared lengths)."""
     s, b, h, t = model.seq_len, cfg.microbatch_size, model.hidden, cfg.tp
-    sbh = float(s * b * h)
+    tokens, squares = (s * b, s * s * b) if shape is None or shape.padded else (shape.num_tokens, shape.sum_squares)
+    sbh = float(tokens * h)
     sp_div = t if cfg.sequence_parallel else 1
     dropout = model.has_dropout
     replicated = (8.0 + (2.0 if dropout else 0.0)) * sbh
-    kv = 4.0 * s * b * model.kv_hidden / min(t, model.num_kv_heads)
-    mlp = (6.0 if model.arch is Arch.LLAMA else 4.0) * s * b * model.ffn_hidden
+    kv = 4.0 * tokens * model.kv_hidden / min(t, model.num_kv_heads)
+    mlp = (6.0 if model.arch is Arch.LLAMA else 4.0) * tokens * model.ffn_hidden
     split = 4.0 * sbh + mlp
-    scores = (5.0 if dropout else 2.0) * model.num_heads * s * s * b
+    scores = (5.0 if dropout else 2.0) * model.num_heads * squares
     # the recomputed layer under full recomputation materialises its scores again (eager attention)
     keeps_scores = cfg.recompute is not Recompute.SELECTIVE and cfg.attention is Attention.EAGER
     full = replicated / sp_div + split / t + kv + (scores / t if keeps_scores else 0.0)
@@ -81,9 +85,9 @@ def activation_bytes(model: ModelSpec, cfg: ParallelConfig) -> ActivationBytes:
     saved = layer_input if cfg.recompute is Recompute.FULL else full
     # GEMM inputs (needed for weight gradients): norm outputs feeding QKV and MLP, projection and MLP-out inputs.
     gemm_inputs = 4.0 * sbh / sp_div + 2.0 * sbh / t + (
-        (4.0 if model.arch is Arch.LLAMA else 2.0) * s * b * model.ffn_hidden / t)
+        (4.0 if model.arch is Arch.LLAMA else 2.0) * tokens * model.ffn_hidden / t)
     weight_grad = min(saved, gemm_inputs)
     embedding = (sbh if dropout else 0.0) / sp_div
-    head = 4.0 * sbh / sp_div + 4.0 * s * b * model.vocab / t
+    head = 4.0 * sbh / sp_div + 4.0 * tokens * model.vocab / t
     return ActivationBytes(layer_full=full, layer_saved=saved, layer_weight_grad=weight_grad,
                            embedding=embedding, head=head, sent=2.0 * sbh / t)

@@ -24,9 +24,11 @@ from evenpipe.cost.timing import (Efficiency, LayerTimes, cost_plan_durations, d
 __all__ = ["AnalyticSource"]
 
 
-def _check_shape(model: ModelSpec, shape: MicrobatchShape, cfg: ParallelConfig) -> None:
+def _check_shape(model: ModelSpec, shape: MicrobatchShape, cfg: ParallelConfig) -> MicrobatchShape | None:
+    """``shape`` when its documents vary in length, None for the configuration's padded shape (the fast path)."""
     assert shape.size == cfg.microbatch_size and shape.seq_len == model.seq_len, \
-        "the analytic source has one micro-batch shape per configuration"
+        "the analytic source takes micro-batches of the configuration's rows and row length"
+    return None if shape.padded else shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,23 +82,22 @@ class AnalyticSource:
         return self.hw.peak_tflops * 1e12
 
     def layer_times(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> LayerTimes:
-        _check_shape(self.model, shape, cfg)
-        return layer_times(self.model, self.hw, cfg, self.efficiency)
+        return layer_times(self.model, self.hw, cfg, self.efficiency, _check_shape(self.model, shape, cfg))
 
     def layer_flop_rate(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> float:
         compute = self.layer_times(cfg, rank, shape).forward_compute
-        flops = layer_forward_flops(self.model, tp=cfg.tp, microbatch_size=shape.size)
+        flops = layer_forward_flops(self.model, tp=cfg.tp, microbatch_size=shape.size,
+                                    shape=_check_shape(self.model, shape, cfg))
         return flops / compute if compute > 0 else 0.0
 
     def layer_bytes(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> ActivationBytes:
-        _check_shape(self.model, shape, cfg)
-        act = activation_bytes(self.model, cfg)  # 2-byte elements (Korthikanti et al.)
+        act = activation_bytes(self.model, cfg, _check_shape(self.model, shape, cfg))  # 2-byte elements (Korthikanti)
         c = self.conventions
         if c is None or c.runtime is Runtime.MEGATRON:
             return act
         # evenpipe: the training dtype's elements; every tensor-parallel rank sends the whole hidden state, or its
         # 1/tp slice of the sequence under sequence parallelism
-        sent = float(shape.size * shape.seq_len * self.model.hidden * c.dtype.element_bytes)
+        sent = float(shape.num_tokens * self.model.hidden * c.dtype.element_bytes)
         sent /= cfg.tp if cfg.sequence_parallel else 1
         return dataclasses.replace(scaled(act, c.dtype.element_bytes / 2), sent=sent)
 
@@ -128,8 +129,7 @@ class AnalyticSource:
         return pipeline_link(rank_a, rank_b, cfg, self.hw, self.efficiency)
 
     def stage_costs(self, cfg: ParallelConfig, shape: MicrobatchShape) -> SimCosts:
-        _check_shape(self.model, shape, cfg)
-        return stage_sim_costs(self.model, self.hw, cfg, self.efficiency)
+        return stage_sim_costs(self.model, self.hw, cfg, self.efficiency, _check_shape(self.model, shape, cfg))
 
     def plan_durations(self, cfg: ParallelConfig) -> tuple[int, int, int] | None:
         return cost_plan_durations(self.model, self.hw, cfg, self.efficiency)

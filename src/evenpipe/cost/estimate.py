@@ -28,6 +28,7 @@ from evenpipe.sim import SimCosts, Trace, simulate
 from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step
 from evenpipe.cost.hardware import GIB, Hardware
 from evenpipe.cost.memory import StageMemory, build_cost_schedule, cost_schedule_key, stage_memory
+from evenpipe.cost.microbatch_costs import config_sim_costs
 from evenpipe.cost.parallel import ParallelConfig, stage_layers
 from evenpipe.cost.source import CostSource, Holding, ParamCounts, shape_of
 from evenpipe.cost.specs import ModelSpec
@@ -204,7 +205,7 @@ def _simulated(source: CostSource, cfg: ParallelConfig) -> _Pipeline:
     differ only in data parallelism or the optimizer's sharding share both (the sources return the same stage
     costs object), so their pipelines run alike."""
     durations = source.plan_durations(cfg)
-    costs = source.stage_costs(cfg, shape_of(source.model, cfg))
+    costs = config_sim_costs(source, cfg)
 
     def run() -> tuple[SimCosts, _Pipeline]:
         return costs, _pipeline(simulate(build_cost_schedule(cfg, durations), costs), stage_layers(source.model, cfg))

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from evenpipe.cost.parallel import ParallelConfig, Recompute
+from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.cost.specs import Arch, ModelSpec
 
 __all__ = ["Gemm", "layer_gemms", "attention_core_flops", "head_gemm", "model_flops_per_step",
@@ -46,9 +47,10 @@ def _kv_shards(model: ModelSpec, tp: int) -> int:
     return min(tp, model.num_kv_heads)
 
 
-def layer_gemms(model: ModelSpec, *, tp: int, microbatch_size: int) -> tuple[Gemm, ...]:
-    """The weight GEMMs of one layer's forward on one tensor-parallel rank (QKV, output, MLP in, MLP out)."""
-    tokens = microbatch_size * model.seq_len
+def layer_gemms(model: ModelSpec, *, tp: int, microbatch_size: int, tokens: int | None = None) -> tuple[Gemm, ...]:
+    """The weight GEMMs of one layer's forward on one tensor-parallel rank (QKV, output, MLP in, MLP out), over
+    ``tokens`` rows (default ``microbatch_size * seq_len``)."""
+    tokens = microbatch_size * model.seq_len if tokens is None else tokens
     h, t = model.hidden, tp
     qkv_cols = h // t + 2 * model.kv_hidden // _kv_shards(model, t)
     mlp_in = (2 if model.arch is Arch.LLAMA else 1) * model.ffn_hidden // t  # SwiGLU: gate and up fused
@@ -60,20 +62,29 @@ def layer_gemms(model: ModelSpec, *, tp: int, microbatch_size: int) -> tuple[Gem
     )
 
 
-def attention_core_flops(model: ModelSpec, *, tp: int, microbatch_size: int) -> float:
-    """Forward FLOPs of scores (Q·Kᵀ) and weighted values (P·V) on one rank: 4·b·s²·h/t (full s×s)."""
+def attention_core_flops(model: ModelSpec, *, tp: int, microbatch_size: int, squares: int | None = None) -> float:
+    """Forward FLOPs of scores (Q·Kᵀ) and weighted values (P·V) on one rank: 4·b·s²·h/t (full s×s), or
+    4·squares·h/t for documents whose squared lengths sum to ``squares`` (each attends to itself)."""
+    if squares is not None:
+        return 4.0 * squares * model.hidden / tp
     return 4.0 * microbatch_size * model.seq_len ** 2 * model.hidden / tp
 
 
-def head_gemm(model: ModelSpec, *, tp: int, microbatch_size: int) -> Gemm:
-    """The output projection to the (vocab-parallel) logits on one rank."""
-    return Gemm(m=microbatch_size * model.seq_len, n=-(-model.vocab // tp), k=model.hidden)
+def head_gemm(model: ModelSpec, *, tp: int, microbatch_size: int, tokens: int | None = None) -> Gemm:
+    """The output projection to the (vocab-parallel) logits on one rank, over ``tokens`` rows (default b·s)."""
+    return Gemm(m=microbatch_size * model.seq_len if tokens is None else tokens, n=-(-model.vocab // tp),
+                k=model.hidden)
 
 
-def layer_forward_flops(model: ModelSpec, *, tp: int = 1, microbatch_size: int = 1) -> float:
-    """Forward FLOPs of one layer on one tensor-parallel rank (weight GEMMs plus attention core)."""
-    gemms = sum(g.flops for g in layer_gemms(model, tp=tp, microbatch_size=microbatch_size))
-    return gemms + attention_core_flops(model, tp=tp, microbatch_size=microbatch_size)
+def layer_forward_flops(model: ModelSpec, *, tp: int = 1, microbatch_size: int = 1,
+                        shape: MicrobatchShape | None = None) -> float:
+    """Forward FLOPs of one layer on one tensor-parallel rank (weight GEMMs plus attention core), for ``b`` full
+    rows or a micro-batch of documents of varying length (``shape``)."""
+    varied = shape is not None and not shape.padded
+    tokens = shape.num_tokens if shape is not None and varied else None
+    squares = shape.sum_squares if shape is not None and varied else None
+    gemms = sum(g.flops for g in layer_gemms(model, tp=tp, microbatch_size=microbatch_size, tokens=tokens))
+    return gemms + attention_core_flops(model, tp=tp, microbatch_size=microbatch_size, squares=squares)
 
 
 def _forward_flops_per_sequence(model: ModelSpec) -> tuple[float, float, float]:

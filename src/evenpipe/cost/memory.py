@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
 
 from evenpipe.errors import ConfigError
 from evenpipe.schedule import ActionKind, Schedule, add_offload, bpipe_transform, build_schedule, compute_order
@@ -119,7 +120,7 @@ def counting_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None 
     BPipe on another family (``--bpipe``) keeps 3·p: which chunk it evicts at the peak settles one round later."""
     m = cfg.num_microbatches
     keep = (_TRUNCATE_FACTOR + (1 if cfg.bpipe else 0)) * cfg.pp
-    if cfg.schedule.traits.memory_saturates and m > keep:
+    if cfg.schedule.traits.memory_saturates and m > keep and cfg.microbatch_shapes is None:
         m = keep
     return _cached_counting_schedule(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.bpipe_budget, cfg.uses_bpipe,
                                      plan_durations, cfg.offload_ranks)
@@ -144,17 +145,32 @@ class ActivationPeak:
     hosted: float
 
 
-def _peak_activations(schedule: Schedule, rank: int, unit: list[float], extra_first: float, extra_last: float,
-                      weight_grad_unit: list[float], transient: float, head_weight_grad: float = 0.0
-                      ) -> ActivationPeak:
-    """Walk one rank's actions; return the components at the moment of its largest total (bytes)."""
+@dataclass(frozen=True, slots=True)
+class _Units:
+    """The bytes one micro-batch's actions add or free in the walk (bytes)."""
+
+    unit: list[float]
+    """Per stage, the saved activations of one forward (its layers, and any boundary input)."""
+    weight_grad: list[float]
+    """Per stage, what stays between ``I`` and ``W``."""
+    first: float
+    """The first stage's extra (embedding)."""
+    last: float
+    """The last stage's extra (head and logits)."""
+    transient: float
+    """One layer's full activations while it is recomputed or back-propagated (full recomputation)."""
+    head_weight_grad: float = 0.0
+    """Of ``last``, what the last stage keeps between ``I`` and ``W``."""
+
+
+def _peak_activations(schedule: Schedule, rank: int, units: Sequence[_Units]) -> ActivationPeak:
+    """Walk one rank's actions; return the components at the moment of its largest total (bytes). ``units`` holds
+    one entry for every micro-batch alike, or one per micro-batch (unequal micro-batches)."""
     last = schedule.num_stages - 1
     own = emb = head = hosted = 0.0
     best = ActivationPeak(0.0, 0.0, 0.0, 0.0)
     best_total = -1.0
-
-    def extras(stage: int, sign: float) -> tuple[float, float]:
-        return (sign * extra_first if stage == 0 else 0.0, sign * extra_last if stage == last else 0.0)
+    alike = len(units) == 1
 
     def record(spike: float) -> None:
         nonlocal best, best_total
@@ -166,20 +182,29 @@ def _peak_activations(schedule: Schedule, rank: int, unit: list[float], extra_fi
     for a in schedule.actions[rank]:
         step, s = _WALK[a.kind.code], a.stage
         assert step is not None
+        u = units[0] if alike else units[a.microbatch]
         if step.transient:
-            record(transient)  # the micro-batch's activations plus the layer being recomputed/back-propagated
+            record(u.transient)  # the micro-batch's activations plus the layer being recomputed/back-propagated
         if step.own:
-            own += step.own * unit[s] - (step.own * weight_grad_unit[s] if step.keeps_weight_grad else 0.0)
-            de, dh = extras(s, float(step.own))
-            kept_head = step.own * head_weight_grad if step.keeps_weight_grad and s == last else 0.0
+            own += step.own * u.unit[s] - (step.own * u.weight_grad[s] if step.keeps_weight_grad else 0.0)
+            de = step.own * u.first if s == 0 else 0.0
+            dh = step.own * u.last if s == last else 0.0
+            kept_head = step.own * u.head_weight_grad if step.keeps_weight_grad and s == last else 0.0
             emb, head = emb + de, head + dh - kept_head
         elif step.weight_grad:
-            own -= weight_grad_unit[s]
-            head -= head_weight_grad if s == last else 0.0
+            own -= u.weight_grad[s]
+            head -= u.head_weight_grad if s == last else 0.0
         elif step.hosted:
-            hosted += step.hosted * unit[s]
+            hosted += step.hosted * u.unit[s]
         record(0.0)
     return best
+
+
+def _units(act: ActivationBytes, layers: tuple[int, ...], transient: float) -> _Units:
+    """The walk's bytes of one micro-batch from its per-layer bytes ``act``."""
+    return _Units([n * act.layer_saved + (act.boundary if s else 0.0) for s, n in enumerate(layers)],
+                  [n * act.layer_weight_grad for n in layers], act.embedding, act.head, transient,
+                  act.head_weight_grad)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,9 +300,7 @@ def _rank_peak(schedule: Schedule, rank: int, layers: tuple[int, ...], act: Acti
     rank's counted states when every sum the walk makes is exact in floating point (then the order of the
     additions cannot matter and the states say it all); by the walk itself otherwise."""
     if act.boundary or act.head_weight_grad:  # per-stage terms: not counts of layers, walk the bytes
-        return _peak_activations(schedule, rank, [n * act.layer_saved + (act.boundary if s else 0.0)
-                                                  for s, n in enumerate(layers)], act.embedding, act.head,
-                                 [n * act.layer_weight_grad for n in layers], transient, act.head_weight_grad)
+        return _peak_activations(schedule, rank, [_units(act, layers, transient)])
     states, top, nonneg = _rank_states(schedule, rank, layers)
     values = (act.layer_saved, act.layer_weight_grad, act.embedding, act.head, transient)
     ratios = [v.as_integer_ratio() for v in values]
@@ -286,8 +309,7 @@ def _rank_peak(schedule: Schedule, rank: int, layers: tuple[int, ...], act: Acti
     widest = max(layers)
     bound = saved * (top[0] + top[2] + widest) + wg * (top[1] + widest) + emb * top[3] + head * top[4] + spike
     if not nonneg or min(saved, wg, emb, head, spike) < 0 or bound >= _EXACT:
-        return _peak_activations(schedule, rank, [n * act.layer_saved for n in layers], act.embedding, act.head,
-                                 [n * act.layer_weight_grad for n in layers], transient)
+        return _peak_activations(schedule, rank, [_units(act, layers, transient)])
     best: _State | None = None
     best_total = -1
     for state in states:
@@ -369,13 +391,22 @@ def rank_activation_peaks(source: CostSource, cfg: ParallelConfig) -> list[tuple
     layers = stage_layers(source.model, cfg)
     schedule = counting_schedule(cfg, source.plan_durations(cfg))
     shape = shape_of(source.model, cfg)
+    shapes = cfg.microbatch_shapes
     last = schedule.num_stages - 1
     out = []
     for r in range(cfg.pp):
         act = source.layer_bytes(cfg, r, shape)
         # Full recomputation: one layer's full activations exist while it is recomputed and back-propagated.
         transient = act.layer_full if cfg.recompute is Recompute.FULL else 0.0
-        held = act.sent if source.holds_sent_output and any(s != last for s in schedule.stages_of(r)) else 0.0
+        sends = source.holds_sent_output and any(s != last for s in schedule.stages_of(r))
+        if shapes is not None and len(set(shapes)) > 1:  # unequal micro-batches: walk each one's bytes
+            acts = {sh: source.layer_bytes(cfg, r, sh) for sh in set(shapes)}
+            full = cfg.recompute is Recompute.FULL
+            units = [_units(acts[sh], layers, acts[sh].layer_full if full else 0.0) for sh in shapes]
+            held = max(a.sent for a in acts.values()) if sends else 0.0
+            out.append((_peak_activations(schedule, r, units), held))
+            continue
+        held = act.sent if sends else 0.0
         out.append((_rank_peak(schedule, r, layers, act, transient), held))
     return out
 

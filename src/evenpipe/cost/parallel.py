@@ -15,6 +15,7 @@ from evenpipe.errors import ConfigError, parse_choice
 from evenpipe.schedule.family import ScheduleFamily, Transform
 
 from evenpipe.cost.hardware import Hardware
+from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.cost.specs import ModelSpec
 
 __all__ = ["Recompute", "Attention", "ParallelConfig", "check_config", "check_pipeline", "ScheduleFamily", "check_layout",
@@ -89,6 +90,9 @@ class ParallelConfig:
     layout: tuple[int, ...] | None = None
     """Transformer layers of each stage in pipeline order (one entry per virtual chunk), e.g. Llama 3 405B's
     (7, 8, ..., 8, 7); ``None`` is :func:`stage_layers`' default (even, or lighter end stages)."""
+    microbatch_shapes: tuple[MicrobatchShape, ...] | None = None
+    """Each micro-batch's shape in the order one replica runs them (documents of varying length, issue 34):
+    ``num_microbatches`` of them, each of ``microbatch_size`` rows; ``None``: every micro-batch full rows."""
 
     def __post_init__(self) -> None:
         if self.layout is not None:
@@ -105,6 +109,12 @@ class ParallelConfig:
             raise ConfigError(f"offload_ranks must be between 0 and pp = {self.pp}, got {self.offload_ranks!r}")
         if self.bpipe_budget is not None and self.bpipe_budget < 1:
             raise ConfigError(f"bpipe_budget must be >= 1, got {self.bpipe_budget}")
+        shapes = self.microbatch_shapes
+        if shapes is not None and (len(shapes) != self.num_microbatches
+                                   or any(sh.size != self.microbatch_size for sh in shapes)):
+            raise ConfigError(f"microbatch_shapes: need {self.num_microbatches} shapes (one per micro-batch) of "
+                              f"{self.microbatch_size} rows each, got {len(shapes)} of sizes "
+                              f"{sorted({sh.size for sh in shapes})}")
 
     @property
     def uses_bpipe(self) -> bool:

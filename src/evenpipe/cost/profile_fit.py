@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from evenpipe.cost.profile import QUANTITIES, LayerKind, LayerSample, Profile, ProfileError
+from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.schedule.ir import ActionKind, Schedule
 from evenpipe.sim.costs import Link, SimCosts, StageCosts
 from evenpipe.sim.dispatch import simulate
@@ -148,6 +149,11 @@ class ProfileModel:
     def _row(self, b: int, s: int) -> tuple[float, ...]:
         return (1.0, float(b * s), float(b * s * s)) if self.multi_seq else (1.0, float(b))
 
+    def _shape_row(self, shape: MicrobatchShape, seq_len: int) -> tuple[float, ...]:
+        if self.multi_seq:
+            return (1.0, float(shape.num_tokens), float(shape.sum_squares))
+        return (1.0, shape.num_tokens / seq_len)
+
     def check_seq_len(self, seq_len: int) -> None:
         """ProfileError unless ``seq_len`` can be predicted (profiled, or several lengths profiled)."""
         self._seq(seq_len)
@@ -160,13 +166,17 @@ class ProfileModel:
                                f"not {seq_len}; profile with --seq-len {seq_len} (or several lengths)")
         return seq_len
 
-    def predict(self, kind: LayerKind, microbatch_size: int, seq_len: int | None = None) -> LayerSample:
+    def predict(self, kind: LayerKind, microbatch_size: int, seq_len: int | None = None, *,
+                shape: MicrobatchShape | None = None) -> LayerSample:
         """Every quantity of ``kind`` at ``microbatch_size`` (and ``seq_len``) from the fits, clipped at 0 (a
-        :class:`LayerSample` as if measured; ``forward_flops`` is not predicted and stays 0)."""
+        :class:`LayerSample` as if measured; ``forward_flops`` is not predicted and stays 0). ``shape``: a
+        micro-batch of documents of varying length, predicted at its tokens and squared lengths in place of
+        ``b*s`` and ``b*s^2`` (a profile of one length fits ``b`` alone, so there its tokens count as
+        ``tokens / s`` rows and attention's quadratic share is not told apart)."""
         if microbatch_size < 1:
             raise ProfileError(f"micro-batch size must be >= 1, got {microbatch_size}")
         s = self._seq(seq_len)
-        row = self._row(microbatch_size, s)
+        row = self._row(microbatch_size, s) if shape is None or shape.padded else self._shape_row(shape, s)
         values = {q: max(0.0, self.fits[(kind, q)].predict_features(row)) for q in QUANTITIES}
         return LayerSample(microbatch_size=microbatch_size, seq_len=s, **values)
 
@@ -195,18 +205,19 @@ class ProfileModel:
     # -- stages -------------------------------------------------------------------------------------------
     def stage_costs(self, *, blocks: int, first: bool, last: bool, microbatch_size: int, split_backward: bool,
                     seq_len: int | None = None, action_overhead_s: float = 0.0,
-                    alternating: bool = False) -> StageCosts:
+                    alternating: bool = False, shape: MicrobatchShape | None = None) -> StageCosts:
         """Costs of one stage holding ``blocks`` transformer blocks (plus the embedding / head).
 
         ``split_backward``: the schedule runs ``I`` and ``W`` (zero-bubble), so the backward is their two
         measured parts (on the first stage, whose input needs no gradient, ``I`` is empty and ``W`` the full
         backward, as the runtime runs them); otherwise ``B`` is the measured full backward (``backward_weight``
         0). ``alternating``: the stage's rank holds other stages too, so its blocks take the profile's
-        alternation factors times their times."""
+        alternation factors times their times. ``shape``: a micro-batch of documents of varying length
+        (:meth:`predict`)."""
         b = microbatch_size
-        block = self.predict(LayerKind.BLOCK, b, seq_len)
-        layers = ([self.predict(LayerKind.EMBEDDING, b, seq_len)] if first else []) + [block] * blocks \
-            + ([self.predict(LayerKind.HEAD, b, seq_len)] if last else [])
+        block = self.predict(LayerKind.BLOCK, b, seq_len, shape=shape)
+        layers = ([self.predict(LayerKind.EMBEDDING, b, seq_len, shape=shape)] if first else []) + [block] * blocks \
+            + ([self.predict(LayerKind.HEAD, b, seq_len, shape=shape)] if last else [])
         held_input = 0.0 if first else block.output_bytes
         unit = held_input + sum(lc.saved_bytes for lc in layers) + sum(lc.input_saved_bytes for lc in layers[1:])
         if first:

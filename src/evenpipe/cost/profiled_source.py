@@ -117,7 +117,7 @@ class ProfiledSource:
         return None
 
     def _block(self, shape: MicrobatchShape) -> LayerSample:
-        return self.fits.predict(LayerKind.BLOCK, shape.size, shape.seq_len)
+        return self.fits.predict(LayerKind.BLOCK, shape.size, shape.seq_len, shape=shape)
 
     def layer_times(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> LayerTimes:
         """The block's times as the stage costs take them (alternation factors where ranks hold several stages;
@@ -140,8 +140,10 @@ class ProfiledSource:
         """The attention core's share of a block's forward (by FLOPs, :mod:`evenpipe.cost.flops`): what selective
         recomputation runs again in the backward, as a fraction of the profiled forward."""
         model = replace_spec(self._model, seq_len=shape.seq_len)
-        core = attention_core_flops(model, tp=1, microbatch_size=shape.size)
-        return core / layer_forward_flops(model, tp=1, microbatch_size=shape.size)
+        varied = None if shape.padded else shape
+        core = attention_core_flops(model, tp=1, microbatch_size=shape.size,
+                                    squares=None if varied is None else varied.sum_squares)
+        return core / layer_forward_flops(model, tp=1, microbatch_size=shape.size, shape=varied)
 
     def layer_flop_rate(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> float:
         return self.fits.efficiency([shape.size])[0].predicted_flops_per_s
@@ -149,8 +151,8 @@ class ProfiledSource:
     def layer_bytes(self, cfg: ParallelConfig, rank: int, shape: MicrobatchShape) -> ActivationBytes:
         b, s = shape.size, shape.seq_len
         block = self._block(shape)
-        emb = self.fits.predict(LayerKind.EMBEDDING, b, s)
-        head = self.fits.predict(LayerKind.HEAD, b, s)
+        emb = self.fits.predict(LayerKind.EMBEDDING, b, s, shape=shape)
+        head = self.fits.predict(LayerKind.HEAD, b, s, shape=shape)
         whole = block.saved_bytes + block.input_saved_bytes
         # Selective recomputation keeps what a block without it keeps: the profiled blocks run the fused kernel
         # (SDPA), which saves no score matrix, only its softmax statistics (4·a·s·b bytes), which selective
@@ -208,7 +210,8 @@ class ProfiledSource:
             n = len(layout)
             stages = [self.fits.stage_costs(blocks=layout[s], first=s == 0, last=s == n - 1,
                                             microbatch_size=shape.size, split_backward=split,
-                                            seq_len=shape.seq_len, alternating=alternating) for s in range(n)]
+                                            seq_len=shape.seq_len, alternating=alternating, shape=shape)
+                      for s in range(n)]
             if selective:  # each block's attention core runs again in the input-gradient part of the backward
                 core = self.layer_times(cfg, 0, shape).selective_recompute
                 stages = [dataclasses.replace(st, backward_input=st.backward_input + blocks * core)

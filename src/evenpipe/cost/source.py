@@ -10,8 +10,10 @@ the bounds and the search read costs only through it.
 Two sources: :class:`~evenpipe.cost.analytic_source.AnalyticSource` (GPU presets and the fitted model) and
 :class:`~evenpipe.cost.profiled_source.ProfiledSource` (a profile measured by ``evenpipe profile``). Every
 method takes the ``rank`` (pipeline rank) and, where costs depend on the micro-batch, its :class:`MicrobatchShape`,
-so a source per rank (mixed devices) or costs per micro-batch (variable lengths) fit these signatures; today's
-sources are uniform over ranks and the planner asks for the configuration's one shape.
+so a source per rank (mixed devices) or costs per micro-batch (variable lengths) fit these signatures. A shape of
+documents of varying length carries its tokens and squared lengths (:mod:`evenpipe.cost.shape`); a configuration
+with ``microbatch_shapes`` is priced per (stage, micro-batch) by :mod:`evenpipe.cost.microbatch_costs`, one padded
+shape otherwise (the fast path).
 """
 
 from __future__ import annotations
@@ -24,20 +26,11 @@ from evenpipe.sim.costs import Link, SimCosts
 from evenpipe.cost.activations import ActivationBytes
 from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.parallel import ParallelConfig
+from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.cost.specs import ModelSpec
 from evenpipe.cost.timing import LayerTimes
 
 __all__ = ["CostSource", "MicrobatchShape", "StateBytes", "ParamCounts", "Holding", "shape_of"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MicrobatchShape:
-    """The shape of one micro-batch."""
-
-    size: int
-    """Sequences per micro-batch (b)."""
-    seq_len: int
-    """Tokens per sequence (s)."""
 
 
 def shape_of(model: ModelSpec, cfg: ParallelConfig) -> MicrobatchShape:

@@ -32,6 +32,7 @@ from evenpipe.cost.flops import attention_core_flops, head_gemm, layer_gemms, Ge
 from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.activations import activation_bytes
 from evenpipe.cost.parallel import Attention, ParallelConfig, Recompute, stage_layers
+from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.cost.specs import Arch, ModelSpec
 
 __all__ = ["Efficiency", "LayerTimes", "layer_times", "stage_sim_costs", "cost_plan_durations", "plan_durations_of", "pipeline_link", "allreduce_time",
@@ -129,25 +130,36 @@ class LayerTimes:
         return self.backward_input_compute + self.tp_backward + self.selective_recompute
 
 
-def layer_times(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency) -> LayerTimes:
-    """Per-layer durations (see the module docstring)."""
+def layer_times(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency,
+                shape: MicrobatchShape | None = None) -> LayerTimes:
+    """Per-layer durations (see the module docstring) of one micro-batch of ``shape`` (default: ``b`` full rows
+    of ``seq_len``). Documents of varying length: the matrices and element-wise work take its tokens, attention
+    its squared lengths, and an eager score GEMM runs at the efficiency of the length-weighted mean document."""
     s, b, h, t = model.seq_len, cfg.microbatch_size, model.hidden, cfg.tp
-    sbh = float(s * b * h)
+    tokens, squares = (s * b, s * s * b) if shape is None or shape.padded else (shape.num_tokens, shape.sum_squares)
+    sbh = float(tokens * h)
     hbm = hw.hbm_bandwidth_gbps * 1e9 * eff.hbm_fraction
-    gemms = layer_gemms(model, tp=t, microbatch_size=b)
+    gemms = layer_gemms(model, tp=t, microbatch_size=b, tokens=tokens)
     gemm_fwd = sum(_gemm_time(g, hw, eff) for g in gemms)
-    core_flops = attention_core_flops(model, tp=t, microbatch_size=b)
+    core_flops = attention_core_flops(model, tp=t, microbatch_size=b,
+                                      squares=None if shape is None or shape.padded else squares)
     heads_per_rank = model.num_heads // t
     if cfg.attention is Attention.FLASH:
         # causal kernels skip the blocks above the diagonal: half of the full s×s work is executed
         attn_fwd = 0.5 * core_flops / (hw.peak_tflops * 1e12 * eff.flash_fraction)
         attn_bwd = 2.5 * attn_fwd
     else:
-        score = Gemm(m=s, n=s, k=model.head_dim, count=2 * b * heads_per_rank)
-        gemm_part = score.flops / (hw.peak_tflops * 1e12 * gemm_efficiency(score, eff))
+        if shape is None or shape.padded:
+            score = Gemm(m=s, n=s, k=model.head_dim, count=2 * b * heads_per_rank)
+            gemm_part = score.flops / (hw.peak_tflops * 1e12 * gemm_efficiency(score, eff))
+        else:  # per document: its n x n scores; efficiency of the length-weighted mean document
+            mean_len = max(1, round(squares / tokens))
+            typical = Gemm(m=mean_len, n=mean_len, k=model.head_dim)
+            flops = 2.0 * squares * model.head_dim * 2 * heads_per_rank
+            gemm_part = flops / (hw.peak_tflops * 1e12 * gemm_efficiency(typical, eff))
         # Fused scale-mask-softmax reads and writes the a·s²·b/t scores (2 + 2 bytes each); dropout reads 2, writes
         # 2 and a 1-byte mask. Backward: softmax reads output and gradient, writes the gradient (6); dropout 5.
-        elements = float(heads_per_rank * s * s * b)
+        elements = float(heads_per_rank * squares)
         fwd_bytes, bwd_bytes = (9.0, 11.0) if model.arch is Arch.GPT else (4.0, 6.0)
         attn_fwd = gemm_part + fwd_bytes * elements / hbm
         attn_bwd = 2.0 * gemm_part + bwd_bytes * elements / hbm
@@ -155,7 +167,7 @@ def layer_times(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Effici
     # Element-wise traffic: two norms (read+write 4·sbh each) and two residual adds/dropouts (~7·sbh each) on the
     # replicated (or sequence-split) stream, activation function on the f-wide split stream.
     act_passes = 8.0 if model.arch is Arch.LLAMA else 4.0  # SwiGLU reads two f-wide inputs and writes one
-    elementwise = (22.0 * sbh / sp_div + act_passes * s * b * model.ffn_hidden / t) / hbm
+    elementwise = (22.0 * sbh / sp_div + act_passes * tokens * model.ffn_hidden / t) / hbm
     fwd_compute = gemm_fwd + attn_fwd + elementwise
     bwd_input = gemm_fwd + attn_bwd + 2.0 * elementwise
     bwd_weight = gemm_fwd
@@ -168,9 +180,11 @@ def layer_times(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Effici
                       selective_recompute=selective)
 
 
-def _head_times(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency) -> tuple[float, float]:
+def _head_times(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency,
+                shape: MicrobatchShape | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of the output layer and loss on the last stage, one micro-batch."""
-    g = head_gemm(model, tp=cfg.tp, microbatch_size=cfg.microbatch_size)
+    g = head_gemm(model, tp=cfg.tp, microbatch_size=cfg.microbatch_size,
+                  tokens=None if shape is None or shape.padded else shape.num_tokens)
     fwd = _gemm_time(g, hw, eff)
     logits_bytes = 4.0 * g.m * g.n  # fp32 softmax cross-entropy: read + write
     hbm = hw.hbm_bandwidth_gbps * 1e9 * eff.hbm_fraction
@@ -196,25 +210,29 @@ _sim_costs: Memo[SimCosts] = Memo(_SIM_COSTS_LIMIT)
 
 
 def stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig,
-                    efficiency: Efficiency | None = None) -> SimCosts:
-    """Per-stage durations and bytes (one tensor-parallel rank's share) and the links, for the simulator.
+                    efficiency: Efficiency | None = None, shape: MicrobatchShape | None = None) -> SimCosts:
+    """Per-stage durations and bytes (one tensor-parallel rank's share) and the links, for the simulator, of one
+    micro-batch of ``shape`` (default: ``b`` full rows of ``seq_len``).
 
     Remembered on the fields they depend on (configurations differing in data parallelism, the optimizer's
     sharding or the schedule's order share one)."""
     eff = efficiency or Efficiency()
+    shape = None if shape is None or shape.padded else shape
     key = (model, hw, eff, cfg.pp, cfg.chunks, cfg.layout, cfg.microbatch_size, cfg.tp, cfg.sequence_parallel,
-           cfg.attention, cfg.recompute, cfg.uses_bpipe, cfg.offload_ranks)
-    return _sim_costs.get(key, lambda: _stage_sim_costs(model, hw, cfg, eff))
+           cfg.attention, cfg.recompute, cfg.uses_bpipe, cfg.offload_ranks, shape)
+    return _sim_costs.get(key, lambda: _stage_sim_costs(model, hw, cfg, eff, shape))
 
 
-def _stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency) -> SimCosts:
+def _stage_sim_costs(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, eff: Efficiency,
+                     shape: MicrobatchShape | None) -> SimCosts:
     num_stages = cfg.pp * cfg.chunks
     layers_of = stage_layers(model, cfg)
-    lt = layer_times(model, hw, cfg, eff)
-    act = activation_bytes(model, cfg)
-    head_fwd, head_bwd = _head_times(model, hw, cfg, eff)
+    lt = layer_times(model, hw, cfg, eff, shape)
+    act = activation_bytes(model, cfg, shape)
+    head_fwd, head_bwd = _head_times(model, hw, cfg, eff, shape)
     recompute_on = cfg.recompute is Recompute.FULL
-    output_bytes = 2.0 * model.seq_len * cfg.microbatch_size * model.hidden / cfg.tp
+    output_bytes = 2.0 * model.seq_len * cfg.microbatch_size * model.hidden / cfg.tp if shape is None else \
+        2.0 * shape.num_tokens * model.hidden / cfg.tp
     stages = []
     made: dict[tuple[float | None, ...], StageCosts] = {}  # equal stages share one object (built and checked once)
     for s in range(num_stages):

@@ -114,6 +114,15 @@ class SimCosts:
     """Link used for every rank pair not in ``links``."""
     links: Mapping[tuple[int, int], Link] = field(default_factory=dict)
     """Directed rank-pair overrides (e.g. inter-node pairs)."""
+    microbatch_stages: tuple[tuple[StageCosts, ...], ...] | None = None
+    """Unequal micro-batches (variable lengths): ``microbatch_stages[m][s]`` is stage ``s``'s cost for micro-batch
+    ``m``; ``stages`` then holds each stage's largest (what one activation unit means). None: every micro-batch
+    costs ``stages`` (the fast path)."""
+
+    def cost_of(self, stage: int, microbatch: int) -> StageCosts:
+        """Stage ``stage``'s costs for micro-batch ``microbatch``."""
+        per = self.microbatch_stages
+        return self.stages[stage] if per is None else per[microbatch][stage]
 
     def link(self, src: int, dst: int) -> Link:
         return self.links.get((src, dst), self.default_link)
@@ -125,9 +134,10 @@ class SimCosts:
 
     @property
     def event_engine_only(self) -> bool:
-        """Whether a link has a term only the event engine models: CPU time taken from its endpoints
-        (``Link.cpu_s_per_byte``) or a cost for receives posted late (``Link.late_receive_s``)."""
-        return self.charges_cpu or self.default_link.late_receive_s > 0 or \
+        """Whether the costs have a term only the event engine models: unequal micro-batches
+        (``microbatch_stages``), or a link's CPU time taken from its endpoints (``Link.cpu_s_per_byte``) or cost
+        for receives posted late (``Link.late_receive_s``)."""
+        return self.microbatch_stages is not None or self.charges_cpu or self.default_link.late_receive_s > 0 or \
             any(k.late_receive_s > 0 for k in self.links.values())
 
     @classmethod
@@ -153,3 +163,29 @@ class SimCosts:
     def from_stages(cls, stages: Sequence[StageCosts], *, default_link: Link = FREE_LINK,
                     links: Mapping[tuple[int, int], Link] | None = None) -> "SimCosts":
         return cls(stages=tuple(stages), default_link=default_link, links=dict(links or {}))
+
+    @classmethod
+    def per_microbatch(cls, rows: Sequence[Sequence[StageCosts]], *, default_link: Link = FREE_LINK,
+                       links: Mapping[tuple[int, int], Link] | None = None) -> "SimCosts":
+        """Costs of unequal micro-batches: ``rows[m][s]`` is stage ``s``'s cost for micro-batch ``m``. When every
+        row is the same, the plain per-stage costs (the fast path); else ``stages`` takes each stage's largest
+        bytes and times, field by field. ConfigError for no rows or rows of different lengths."""
+        if not rows or any(len(row) != len(rows[0]) for row in rows):
+            raise ConfigError(f"per-micro-batch costs need one row per micro-batch, every row one StageCosts per "
+                              f"stage; got rows of lengths {sorted({len(row) for row in rows})}")
+        first = tuple(rows[0])
+        if all(tuple(row) == first for row in rows):
+            return cls.from_stages(first, default_link=default_link, links=links)
+        widest = tuple(_largest(column) for column in zip(*rows))
+        return cls(stages=widest, default_link=default_link, links=dict(links or {}),
+                   microbatch_stages=tuple(tuple(row) for row in rows))
+
+
+def _largest(costs: Sequence[StageCosts]) -> StageCosts:
+    """Field by field, the largest of ``costs`` (one stage over every micro-batch)."""
+    names = ("forward", "backward_input", "backward_weight", "activation_bytes", "checkpoint_bytes",
+             "weight_grad_bytes", "output_bytes")
+    largest = {name: max(getattr(c, name) for c in costs) for name in names}
+    recomputes = [c.recompute for c in costs]
+    return StageCosts(**largest, recompute=None if all(r is None for r in recomputes)
+                      else max(c.recompute_time for c in costs))

@@ -50,7 +50,7 @@ from typing import Hashable
 
 from evenpipe.errors import ConfigError, ScheduleValidationError
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
-from evenpipe.sim.costs import SimCosts
+from evenpipe.sim.costs import SimCosts, StageCosts
 from evenpipe.sim.kernel import PARKED, gc_paused, wait_or_park
 from evenpipe.sim.result import by_end, make_trace
 from evenpipe.sim.rules import (ALLOCS, EVENT, FREES, HOST, HOST_SIDE, KACCEPT, KB, KEVICT, KF, KI, KINDS, KLOAD,
@@ -120,6 +120,11 @@ def check_costs(schedule: Schedule, costs: SimCosts) -> None:
     if len(costs.stages) != schedule.num_stages:
         raise ConfigError(f"costs describe {len(costs.stages)} stages but schedule {schedule.name!r} has "
                           f"{schedule.num_stages}; pass one StageCosts per stage")
+    per = costs.microbatch_stages
+    if per is not None and (len(per) != schedule.num_microbatches or len(per[0]) != schedule.num_stages):
+        raise ConfigError(f"per-micro-batch costs describe {len(per)} micro-batches of {len(per[0])} stages but "
+                          f"schedule {schedule.name!r} has {schedule.num_microbatches} of {schedule.num_stages}; "
+                          "pass one row per micro-batch")
 
 
 def _stuck_grid(schedule: Schedule, pcs: list[int], width: int = 4) -> str:
@@ -133,6 +138,19 @@ def _stuck_grid(schedule: Schedule, pcs: list[int], width: int = 4) -> str:
             tokens.append("(done)")
         lines.append(f"  rank {r}: {'... ' if lo else ''}{' '.join(tokens)}{' ...' if hi < len(acts) else ''}")
     return "\n".join(lines)
+
+
+def _microbatch_durations(schedule: Schedule, codes: list[list[int]],
+                          per_mb: tuple[tuple[StageCosts, ...], ...]) -> dict[tuple[int, int], float]:
+    """Per (rank, action index), a compute's duration from its own micro-batch's costs."""
+    out: dict[tuple[int, int], float] = {}
+    for r, acts in enumerate(schedule.actions):
+        for i, (a, c) in enumerate(zip(acts, codes[r])):
+            if c < SEND:
+                st = per_mb[a.microbatch][a.stage]
+                out[(r, i)] = (st.forward, st.backward, st.backward_input, st.backward_weight,
+                               st.recompute_time)[c]
+    return out
 
 
 class _RankMoves:
@@ -204,7 +222,7 @@ class _Engine:
 
     # -- preparation --------------------------------------------------------------------------------------
     def _bytes_moved(self, stage: int, mb: int) -> float:
-        st = self.costs.stages[stage]
+        st = self.costs.cost_of(stage, mb)
         return st.checkpoint_bytes if (stage, mb) in self.recomputed else st.activation_bytes
 
     def _new_xfer(self, src: int, dst: int, kind: ActionKind, stage: int, mb: int, num_bytes: float,
@@ -247,6 +265,9 @@ class _Engine:
                          [st.recompute_time for st in stages]]
         code = EVENT
         self.codes = [[code[a.kind.code] for a in acts] for acts in sched.actions]  # type: ignore[misc]
+        per_mb = self.costs.microbatch_stages
+        if per_mb is not None and self.per_action is None:  # unequal micro-batches: each compute its own time
+            self.per_action = _microbatch_durations(sched, self.codes, per_mb)
         self.recomputed = {a.key for acts, codes in zip(sched.actions, self.codes) if R in codes
                            for a, c in zip(acts, codes) if c == R}
         self.xfer_at = [[-1] * len(acts) for acts in sched.actions]
@@ -281,7 +302,7 @@ class _Engine:
                     recv_pos = (-1 - recv_pos[0], recv_pos[1])
                     send = sched.actions[send_pos[0]][send_pos[1]]
                     if self.codes[send_pos[0]][send_pos[1]] == SEND:  # activation/gradient: boundary output
-                        num_bytes = stages[min(send.stage, key[3])].output_bytes
+                        num_bytes = (stages if per_mb is None else per_mb[key[4]])[min(send.stage, key[3])].output_bytes
                     else:
                         num_bytes = self._bytes_moved(key[3], key[4])
                     self._new_xfer(key[0], key[1], send.kind, send.stage, key[4], num_bytes, send_pos, recv_pos,
@@ -399,7 +420,7 @@ class _Engine:
                 tid = self.xfer_at[r][j]
                 return [(tid, 0.0, tid)]
             # No receive in the schedule (e.g. compute-only CSV): an implicit, unserialised transfer.
-            num_bytes = self.costs.stages[min(s, src_stage)].output_bytes
+            num_bytes = self.costs.cost_of(min(s, src_stage), m).output_bytes
             self.needed.add((signal, src_stage, m))
             return [((signal, src_stage, m), self.costs.link(q, r).transfer_time(num_bytes), -1)]
         if (signal, src_stage, m) in done:
@@ -585,7 +606,8 @@ class _Engine:
         key = (stage, a.microbatch)
         held = self.held[r]
         if c == F:
-            st = self.costs.stages[stage]
+            st = self.costs.stages[stage] if self.costs.microbatch_stages is None else \
+                self.costs.microbatch_stages[a.microbatch][stage]
             num_bytes = st.checkpoint_bytes if key in self.recomputed else st.activation_bytes
             if num_bytes:
                 held[key] = held.get(key, 0.0) + num_bytes
@@ -595,9 +617,10 @@ class _Engine:
             if num_bytes:
                 self.mem[r].append((end, -num_bytes))
         elif c == I:
-            self._free(r, key, end, max(0.0, held.get(key, 0.0) - self.costs.stages[stage].weight_grad_bytes))
+            self._free(r, key, end, max(0.0, held.get(key, 0.0)
+                                        - self.costs.cost_of(stage, a.microbatch).weight_grad_bytes))
         else:  # recompute
-            st = self.costs.stages[stage]
+            st = self.costs.cost_of(stage, a.microbatch)
             self._alloc(r, key, start, max(0.0, st.activation_bytes - st.checkpoint_bytes))
         self.starts[r][i] = start
         self.ends[r][i] = end

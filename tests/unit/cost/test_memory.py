@@ -9,7 +9,7 @@ import pytest
 
 from evenpipe.cost import (GIB, Arch, Attention, ModelSpec, ParallelConfig, Recompute, ScheduleFamily,
                            activation_bytes, hardware_preset, memory_per_stage, model_preset)
-from evenpipe.cost.memory import ActivationBytes, _peak_activations, _rank_peak, counting_schedule
+from evenpipe.cost.memory import ActivationBytes, _Units, _peak_activations, _rank_peak, counting_schedule
 from evenpipe.schedule import bpipe_transform, compute_order
 
 A100 = hardware_preset("a100-80gb")
@@ -138,8 +138,8 @@ def test_truncated_counting_matches_the_full_schedule(family: ScheduleFamily, v:
     unit = [1.0] * (p * v)
     wg = [0.25] * (p * v)
     for r in range(p):
-        assert _peak_activations(short, r, unit, 0.1, 0.2, wg, 0.05) == \
-            _peak_activations(full, r, unit, 0.1, 0.2, wg, 0.05)
+        units = [_Units(unit, wg, 0.1, 0.2, 0.05)]
+        assert _peak_activations(short, r, units) == _peak_activations(full, r, units)
 
 
 def test_gpt_model_with_gqa_is_allowed() -> None:
@@ -225,6 +225,7 @@ def test_counted_peak_is_the_walk_exactly(family: ScheduleFamily, v: int, bpipe:
                                   embedding=draw(), head=draw())
             transient = draw() if trial % 2 else 0.0
             for r in range(p):
-                walked = _peak_activations(sched, r, [n * act.layer_saved for n in layers], act.embedding, act.head,
-                                           [n * act.layer_weight_grad for n in layers], transient)
+                walked = _peak_activations(sched, r, [_Units([n * act.layer_saved for n in layers],
+                                                             [n * act.layer_weight_grad for n in layers],
+                                                             act.embedding, act.head, transient)])
                 assert _rank_peak(sched, r, layers, act, transient) == walked, (p, r, trial)
