@@ -1,26 +1,32 @@
-"""Micro-batching policies side by side on a document-length distribution (issue 34): predicted only, pure Python.
+"""Micro-batching policies side by side on a document-length distribution (issue 34): predicted by the simulator.
 
-    .venv/bin/python benchmarks/bench_microbatching.py [--lengths FILE] [--stages 4] [--hidden 4096] [--json]
+    .venv/bin/python benchmarks/bench_microbatching.py [--lengths FILE] [--model llama2-7b] [--gpu h100-80gb]
+        [--setup TP,PP,DP ...] [--rows 4] [--replica-tokens 65536] [--json]
 
-Documents (the shipped ShareGPT-shaped lengths, or ``--lengths FILE``, one length per line) are cut into global
-batches of about ``--batch-tokens`` real tokens in file order; each batch is planned with ``pad``, ``pack`` and
-``balance`` (rows of ``--row-len`` tokens, ``--rows`` per micro-batch). A micro-batch's time is
-``len + len**2 / (12 h)`` per document in units of one token's linear work: per token and layer a decoder does
-about ``24 h**2`` FLOPs in its matrices and ``4 h * len`` in attention, halved by the causal mask (Narayanan et
-al. 2021, eq. 2), so ``c / a = 2 h / (24 h**2)``. The step of a ``P``-stage pipeline is predicted as in
-DynaPipe's simulation (``scripts/simulation/compare_batching_methods.py``): ``(sum of micro-batch times + (P - 1)
-* slowest) / P`` per stage. Tokens per second count real tokens only; the ratios are ``balance/pad`` and
-``balance/pack``. This measures nothing: the runtime does not yet carry per-micro-batch shapes.
+Documents (the shipped ShareGPT-shaped lengths, or ``--lengths FILE``, one length per line, clipped to the row
+length ``--row-len``, default the model's 2048) are cut in file order into global batches of about
+``--replica-tokens`` real tokens per data-parallel replica. Each batch is planned with ``pad``, ``pack`` and
+``balance`` (micro-batches of ``--rows`` rows) and each plan is predicted by
+:func:`evenpipe.plan.varlen_predict.predict_throughput`: every micro-batch priced by the analytic cost source at
+its own tokens and squared document lengths, the schedule simulated with each micro-batch's durations and bytes,
+plus the data-parallel reduction and the optimizer (the estimate of ``evenpipe estimate``). Tokens per second count
+real tokens only; the ratios are ``balance/pad`` and ``balance/pack``. Default setups: P=4 on 4 GPUs
+(``1,4,1``) and 32 GPUs (``1,4,8``), 1F1B, distributed optimizer. This measures nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
+from evenpipe.cost import ParallelConfig, ScheduleFamily, hardware_preset, model_preset
+from evenpipe.cost.analytic_source import AnalyticSource
+from evenpipe.errors import ConfigError
 from evenpipe.plan.lengths import read_lengths, shipped_lengths, shipped_lengths_path
-from evenpipe.plan.microbatch import MicrobatchBudget, MicrobatchCost, MicrobatchPlan, Policy, plan_microbatches
+from evenpipe.plan.microbatch import Policy
+from evenpipe.plan.varlen_predict import predict_throughput
 
 
 def global_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -36,61 +42,73 @@ def global_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return out
 
 
-def predicted_step(plan: MicrobatchPlan, stages: int) -> float:
-    """DynaPipe's estimate per stage: every micro-batch once, the slowest again for each of the ``P - 1`` fill
-    and drain slots; the slowest replica sets the step."""
-    return max((sum(m.time for m in rep) + (stages - 1) * max((m.time for m in rep), default=0.0)) / stages
-               for rep in plan.replicas)
+def parse_setup(text: str) -> tuple[int, int, int]:
+    """``TP,PP,DP`` -> three positive integers (ConfigError, one line, else)."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ConfigError(f"--setup {text!r}: expected TP,PP,DP, three positive integers (e.g. 1,4,8)")
+    tp, pp, dp = (int(p) for p in parts)
+    return tp, pp, dp
 
 
-def run(lengths: list[int], args: argparse.Namespace) -> dict:
-    budget = MicrobatchBudget(row_len=args.row_len, rows=args.rows)
-    cost = MicrobatchCost(per_token=1.0, per_square=1.0 / (12 * args.hidden))
-    lengths = [min(n, args.row_len) for n in lengths]
-    rows = {}
-    for policy in Policy:
-        step = tokens = imbalance = padding = 0.0
-        count = 0
-        batches = global_batches(lengths, args.batch_tokens)
-        for batch in batches:
-            plan = plan_microbatches(batch, policy=policy, budget=budget, cost=cost, num_replicas=args.replicas)
-            step += predicted_step(plan, args.stages)
-            tokens += sum(batch)
-            imbalance += plan.imbalance
-            padding += plan.padding_fraction
-            count += len(plan.microbatches)
-        rows[policy.value] = {"tokens_per_unit_time": tokens / step, "mean_imbalance": imbalance / len(batches),
-                              "mean_padding": padding / len(batches), "microbatches_per_batch": count / len(batches)}
-    tps = {k: v["tokens_per_unit_time"] for k, v in rows.items()}
-    return {"policies": rows, "balance/pad": tps["balance"] / tps["pad"], "balance/pack": tps["balance"] / tps["pack"]}
+def run_setup(lengths: list[int], setup: tuple[int, int, int], args: argparse.Namespace) -> dict:
+    tp, pp, dp = setup
+    model = dataclasses.replace(model_preset(args.model), seq_len=args.row_len)
+    source = AnalyticSource(model, hardware_preset(args.gpu))
+    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, microbatch_size=args.rows, global_batch=args.rows * dp,
+                         schedule=ScheduleFamily.parse(args.schedule), distributed_optimizer=True)
+    batches = global_batches([min(n, args.row_len) for n in lengths], args.replica_tokens * dp)
+    result = predict_throughput(batches, source=source, cfg=cfg)
+    rows = {p.value: {"tokens_per_s": t.tokens_per_s, "mean_step_s": t.step_s / len(t.batches),
+                      "mean_imbalance": t.mean("imbalance"),
+                      "padding": 1.0 - sum(b.real_tokens for b in t.batches) / sum(b.computed_tokens
+                                                                                 for b in t.batches),
+                      "microbatches_per_replica": t.mean("num_microbatches"),
+                      "peak_memory_gib": max(b.peak_memory_gib for b in t.batches), "fits": t.fits}
+            for p, t in result.items()}
+    tps = {p.value: t.tokens_per_s for p, t in result.items()}
+    return {"setup": {"tp": tp, "pp": pp, "dp": dp, "gpus": tp * pp * dp}, "batches": len(batches),
+            "policies": rows, "balance/pad": tps[Policy.BALANCE.value] / tps[Policy.PAD.value],
+            "balance/pack": tps[Policy.BALANCE.value] / tps[Policy.PACK.value]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default=None, metavar="FILE", help="one document length per line (default: shipped)")
-    ap.add_argument("--stages", type=int, default=4, help="pipeline stages P (default 4)")
-    ap.add_argument("--replicas", type=int, default=1, help="data-parallel replicas (default 1)")
-    ap.add_argument("--hidden", type=int, default=4096, help="model width h: attention's share (default 4096)")
+    ap.add_argument("--model", default="llama2-7b", help="model preset (default llama2-7b)")
+    ap.add_argument("--gpu", default="h100-80gb", help="GPU preset (default h100-80gb)")
+    ap.add_argument("--setup", action="append", default=None, metavar="TP,PP,DP",
+                    help="parallelism, repeatable (default: 1,4,1 and 1,4,8)")
+    ap.add_argument("--schedule", default="1f1b", help="pipeline schedule (default 1f1b)")
     ap.add_argument("--row-len", type=int, default=2048, help="tokens per row (default 2048; longer are clipped)")
-    ap.add_argument("--rows", type=int, default=1, help="rows per micro-batch (default 1)")
-    ap.add_argument("--batch-tokens", type=int, default=65536, help="real tokens per global batch (default 65536)")
+    ap.add_argument("--rows", type=int, default=4, help="rows per micro-batch (default 4)")
+    ap.add_argument("--replica-tokens", type=int, default=65536,
+                    help="real tokens per global batch per data-parallel replica (default 65536)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args()
     try:
         lengths = read_lengths(args.lengths) if args.lengths else shipped_lengths()
-    except ValueError as exc:
+        setups = [parse_setup(s) for s in (args.setup or ["1,4,1", "1,4,8"])]
+        results = [run_setup(lengths, s, args) for s in setups]
+    except ConfigError as exc:
         sys.exit(f"bench_microbatching: {exc}")
-    result = {"lengths": args.lengths or str(shipped_lengths_path().name), "documents": len(lengths),
-              "stages": args.stages, "hidden": args.hidden, **run(lengths, args)}
+    head = {"lengths": args.lengths or str(shipped_lengths_path().name), "documents": len(lengths),
+            "model": args.model, "gpu": args.gpu, "rows": args.rows, "row_len": args.row_len}
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps({**head, "setups": results}, indent=2))
         return
-    print(f"{result['documents']} documents from {result['lengths']}, P={args.stages}, h={args.hidden}")
-    print(f"{'policy':8s} {'tokens/unit':>12s} {'max/mean':>9s} {'padding':>8s} {'mbs/batch':>10s}")
-    for name, row in result["policies"].items():
-        print(f"{name:8s} {row['tokens_per_unit_time']:12.4f} {row['mean_imbalance']:9.3f} "
-              f"{row['mean_padding']:8.1%} {row['microbatches_per_batch']:10.1f}")
-    print(f"balance/pad {result['balance/pad']:.2f}x   balance/pack {result['balance/pack']:.3f}x (predicted)")
+    print(f"{head['documents']} documents from {head['lengths']}, {args.model} on {args.gpu}, {args.schedule}, "
+          f"micro-batches of {args.rows} x {args.row_len} tokens (predicted by the simulator)")
+    for res in results:
+        s = res["setup"]
+        print(f"\ntp={s['tp']} pp={s['pp']} dp={s['dp']} ({s['gpus']} GPUs), {res['batches']} global batches")
+        print(f"{'policy':8s} {'tokens/s':>10s} {'step s':>8s} {'max/mean':>9s} {'padding':>8s} {'mbs/rep':>8s} "
+              f"{'peak GiB':>9s}")
+        for name, row in res["policies"].items():
+            print(f"{name:8s} {row['tokens_per_s']:10.0f} {row['mean_step_s']:8.3f} {row['mean_imbalance']:9.3f} "
+                  f"{row['padding']:8.1%} {row['microbatches_per_replica']:8.1f} {row['peak_memory_gib']:9.1f}"
+                  f"{'' if row['fits'] else '  (does not fit)'}")
+        print(f"balance/pad {res['balance/pad']:.2f}x   balance/pack {res['balance/pack']:.3f}x (predicted)")
 
 
 if __name__ == "__main__":

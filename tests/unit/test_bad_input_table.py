@@ -36,6 +36,11 @@ CASES: dict[str, list[str]] = {
     "simulate negative latency": [*SIM, "--link-latency", "-1"],
     "simulate latency inf": [*SIM, "--link-latency", "inf"],
     "simulate zero bandwidth": [*SIM, "--link-bandwidth", "0"],
+    "simulate lengths missing": [*SIM, "--lengths", "{tmp}/missing.txt"],
+    "simulate lengths count": [*SIM, "--lengths", "{tmp}/three_mbs.txt"],
+    "simulate lengths not numbers": [*SIM, "--lengths", "{tmp}/bad_mbs.txt"],
+    "simulate lengths too long": [*SIM, "--model", "gpt-tiny", "--gpu", "a100-80gb", "--lengths",
+                                  "{tmp}/long_doc.txt"],
     "simulate too large to fit": ["simulate", "--schedule", "1f1b", "--stages", "100000", "--microbatches", "100000"],
     "simulate unknown schedule": ["simulate", "--schedule", "nosuch", "--stages", "2", "--microbatches", "4"],
     "simulate zero stages": ["simulate", "--schedule", "1f1b", "--stages", "0", "--microbatches", "4"],
@@ -132,6 +137,9 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     another run's options, a trace."""
     tmp = tmp_path_factory.mktemp("inputs")
     (tmp / "a_file").write_text("not a folder\n")
+    (tmp / "three_mbs.txt").write_text("1 2\n3\n4\n")
+    (tmp / "bad_mbs.txt").write_text("1 2\n3 x\n4\n5\n")
+    (tmp / "long_doc.txt").write_text("1\n2\n100000\n4\n")
     (tmp / "big_ids.bin").write_bytes(array.array("H", [1, 2, 3] * 200 + [300] + [4] * 50).tobytes())
     common = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256,
               "max_position_embeddings": 64, "intermediate_size": 128}

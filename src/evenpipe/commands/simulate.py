@@ -16,9 +16,11 @@ from evenpipe.schedule import LinkPlan, ScheduleFamily, build_schedule
 from evenpipe.schedule.build import plan_durations_for
 from evenpipe.schedule.family import Ordering
 from evenpipe.sim import Link, SimCosts, Trace, simulate
+from evenpipe.sim.costs import StageCosts
 
 if TYPE_CHECKING:
     from evenpipe.cost.cluster import Cluster
+    from evenpipe.cost.shape import MicrobatchShape
 
 __all__ = ["add_arguments", "run", "trace_from_args", "summary_json", "UNIT_COSTS_NOTE"]
 
@@ -62,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="BPipe: activation units of one stage a rank may hold (default: the lowest balanced "
                         "peak the pairing allows; ceil((P+1)/2) for 1F1B)")
     parser.add_argument("--recompute", action="store_true", help="recompute activations before each backward")
+    parser.add_argument("--lengths", default=None, metavar="FILE",
+                        help="unequal micro-batches: one line per micro-batch (M lines), its documents' lengths in "
+                        "tokens separated by spaces or commas; with --model/--gpu or --profile each micro-batch is "
+                        "priced at its tokens and squared lengths (documents attend to themselves), with unit "
+                        "costs it takes the durations and sizes above times its tokens over the mean micro-batch's")
     parser.add_argument("--cluster", default=None, metavar="FILE",
                         help="cluster description (docs/cluster.md): each rank's device and speed scale its "
                         "computes, link classes set every rank pair's latency and bandwidth")
@@ -101,12 +108,16 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
         raise ConfigError(f"--link-bandwidth must be > 0 (inf for free links), got {args.link_bandwidth}")
     profiled = bool(getattr(args, "profile", None))
     cluster = _cluster(args, profiled)
+    lengths = _microbatch_lengths(args)
+    if lengths is not None and cluster is not None:
+        raise ConfigError("--lengths does not combine with --cluster yet; allowed: --lengths with unit costs, "
+                          "--model/--gpu or --profile")
     cap = getattr(args, "activation_cap", None)
     costs, plan = None, None
     if family.traits.ordering is Ordering.LATENCY_AWARE and not profiled:
         build_schedule(family, num_ranks=args.stages, num_microbatches=1, num_chunks=chunks)  # sizes checked first
         layout = family.traits.stage_to_rank(args.stages, chunks)
-        costs = _costs(args, family, chunks, layout, cluster)
+        costs = _costs(args, family, chunks, layout, cluster, lengths)
         plan = link_plan_for(costs, layout, cap=cap)
     elif cap is not None:
         warnings.warn(f"--activation-cap has no effect on schedule {family.value!r} (only latency-aware "
@@ -119,8 +130,50 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
                                                                  args.weight_time), bpipe=args.bpipe,
                                link_plan=plan)
     if profiled:
-        return _profiled(args, sched).trace
-    return simulate(sched, costs or _costs(args, family, chunks, sched.stage_to_rank, cluster))
+        return _profiled(args, sched, lengths).trace
+    return simulate(sched, costs or _costs(args, family, chunks, sched.stage_to_rank, cluster, lengths))
+
+
+def _microbatch_lengths(args: argparse.Namespace) -> list[list[int]] | None:
+    """The documents of each micro-batch from ``--lengths`` (None without it); one line per micro-batch."""
+    path = getattr(args, "lengths", None)
+    if not path:
+        return None
+    from evenpipe.plan.lengths import read_microbatch_lengths
+    lengths = read_microbatch_lengths(path)
+    if len(lengths) != args.microbatches:
+        raise ConfigError(f"--lengths {path} holds {len(lengths)} micro-batches (lines) but --microbatches is "
+                          f"{args.microbatches}; give one line per micro-batch")
+    return lengths
+
+
+def _shapes(lengths: list[list[int]], *, rows: int, seq_len: int, what: str) -> "tuple[MicrobatchShape, ...]":
+    """Each micro-batch's shape: its documents in ``rows`` rows of ``seq_len`` tokens (ConfigError when they
+    cannot fit; ``what`` names where the row length comes from)."""
+    from evenpipe.cost.shape import MicrobatchShape
+    for i, docs in enumerate(lengths, 1):
+        if max(docs) > seq_len:
+            raise ConfigError(f"--lengths line {i}: a document of {max(docs)} tokens is longer than a row of "
+                              f"{seq_len} ({what}); split it")
+        if sum(docs) > rows * seq_len:
+            raise ConfigError(f"--lengths line {i}: {sum(docs)} tokens exceed a micro-batch of {rows} x {seq_len} "
+                              f"(--microbatch-size x {what})")
+    return tuple(MicrobatchShape.of_documents(docs, size=rows, seq_len=seq_len) for docs in lengths)
+
+
+def _scaled_by_tokens(costs: SimCosts, lengths: list[list[int]]) -> SimCosts:
+    """Unit costs per micro-batch: every duration and size times its tokens over the mean micro-batch's."""
+    tokens = [sum(docs) for docs in lengths]
+    mean = sum(tokens) / len(tokens)
+
+    def scaled(st: StageCosts, f: float) -> StageCosts:
+        return StageCosts(forward=st.forward * f, backward_input=st.backward_input * f,
+                          backward_weight=st.backward_weight * f,
+                          recompute=None if st.recompute is None else st.recompute * f,
+                          activation_bytes=st.activation_bytes * f, checkpoint_bytes=st.checkpoint_bytes * f,
+                          weight_grad_bytes=st.weight_grad_bytes * f, output_bytes=st.output_bytes * f)
+    return SimCosts.per_microbatch([[scaled(st, n / mean) for st in costs.stages] for n in tokens],
+                                   default_link=costs.default_link, links=costs.links)
 
 
 def _cluster(args: argparse.Namespace, profiled: bool) -> "Cluster | None":
@@ -139,10 +192,11 @@ def _cluster(args: argparse.Namespace, profiled: bool) -> "Cluster | None":
 
 
 def _costs(args: argparse.Namespace, family: ScheduleFamily, chunks: int, stage_to_rank: tuple[int, ...],
-           cluster: "Cluster | None") -> SimCosts:
-    """The costs the arguments give: from the model, or the durations and sizes; on the cluster, if any."""
+           cluster: "Cluster | None", lengths: list[list[int]] | None = None) -> SimCosts:
+    """The costs the arguments give: from the model, or the durations and sizes (per micro-batch with
+    ``lengths``); on the cluster, if any."""
     if any_model_given(args):
-        costs = _model_costs(args, family, chunks)
+        return _model_costs(args, family, chunks, lengths)
     else:
         costs = SimCosts.uniform(
             num_stages=len(stage_to_rank), num_chunks=chunks, forward=args.forward_time,
@@ -151,6 +205,8 @@ def _costs(args: argparse.Namespace, family: ScheduleFamily, chunks: int, stage_
             checkpoint_bytes=(args.output_bytes if args.checkpoint_bytes is None else args.checkpoint_bytes)
             if args.recompute else None,
             link=Link(latency_s=args.link_latency, bandwidth_bytes_per_s=args.link_bandwidth))
+    if lengths is not None:
+        return _scaled_by_tokens(costs, lengths)
     if cluster is None:
         return costs
     from evenpipe.cost.cluster import cluster_sim_costs
@@ -175,8 +231,9 @@ def link_plan_for(costs: SimCosts, stage_to_rank: tuple[int, ...], *, cap: float
                     slowdown=slowdown)
 
 
-def _profiled(args: argparse.Namespace, sched: Any) -> Any:
-    """The :class:`~evenpipe.cost.profile_fit.StepPrediction` of ``sched`` under ``--profile``."""
+def _profiled(args: argparse.Namespace, sched: Any, lengths: list[list[int]] | None = None) -> Any:
+    """The :class:`~evenpipe.cost.profile_fit.StepPrediction` of ``sched`` under ``--profile`` (each
+    micro-batch at its documents' tokens and squared lengths with ``lengths``)."""
     from evenpipe.cost.profile import load_profile
     from evenpipe.cost.profile_fit import ProfileModel, predict_step
     profile = load_profile(args.profile)
@@ -187,11 +244,16 @@ def _profiled(args: argparse.Namespace, sched: Any) -> Any:
             layout = [int(v) for v in args.layout.split(",")]
         except ValueError:
             raise ConfigError(f"--layout {args.layout!r} must be comma-separated block counts, e.g. 4,4") from None
-    return predict_step(ProfileModel(profile), sched, microbatch_size=b, layout=layout)
+    fits = ProfileModel(profile)
+    shapes = None if lengths is None else _shapes(lengths, rows=b, seq_len=profile.seq_lens[-1],
+                                                  what="the profile's longest sequence")
+    return predict_step(fits, sched, microbatch_size=b, layout=layout, shapes=shapes)
 
 
-def _model_costs(args: argparse.Namespace, family: ScheduleFamily, chunks: int) -> SimCosts:
-    """Stage durations and bytes of a model on a GPU from the cost model (embedding and head on their stages)."""
+def _model_costs(args: argparse.Namespace, family: ScheduleFamily, chunks: int,
+                 lengths: list[list[int]] | None = None) -> SimCosts:
+    """Stage durations and bytes of a model on a GPU from the cost model (embedding and head on their stages),
+    per micro-batch with ``lengths``."""
     from evenpipe.cost import ParallelConfig, Recompute, check_config, stage_sim_costs
     if args.gpu is None:
         raise ConfigError("--model / --hf-config / --arch need --gpu (a preset such as a100-80gb, or FILE.json)")
@@ -202,7 +264,12 @@ def _model_costs(args: argparse.Namespace, family: ScheduleFamily, chunks: int) 
                          recompute=Recompute.FULL if args.recompute else Recompute.NONE,
                          bpipe_budget=args.bpipe_budget, layout=parse_layout(args.layout) if args.layout else None)
     check_config(model, hw, cfg)
-    return stage_sim_costs(model, hw, cfg)
+    if lengths is None:
+        return stage_sim_costs(model, hw, cfg)
+    from evenpipe.cost.analytic_source import AnalyticSource
+    from evenpipe.cost.microbatch_costs import microbatch_sim_costs
+    shapes = _shapes(lengths, rows=b, seq_len=model.seq_len, what="the model's sequence length")
+    return microbatch_sim_costs(AnalyticSource(model, hw), cfg, shapes)
 
 
 def summary_json(trace: Trace) -> dict[str, Any]:
@@ -245,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         sched = build_schedule(family, num_ranks=args.stages, num_microbatches=args.microbatches,
                                num_chunks=chunks, bpipe_budget=args.bpipe_budget, recompute=args.recompute,
                                bpipe=args.bpipe)
-        pred = _profiled(args, sched)
+        pred = _profiled(args, sched, _microbatch_lengths(args))
         trace = pred.trace
     else:
         trace = trace_from_args(args)

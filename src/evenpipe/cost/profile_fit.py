@@ -247,10 +247,11 @@ class ProfileModel:
                           output_bytes=0.0 if last else layers[-1].output_bytes)
 
     def sim_costs(self, schedule: Schedule, *, microbatch_size: int, layout: Sequence[int] | None = None,
-                  seq_len: int | None = None) -> SimCosts:
+                  seq_len: int | None = None, shapes: Sequence[MicrobatchShape] | None = None) -> SimCosts:
         """Per-stage costs of ``schedule`` with ``layout`` blocks per stage (default :func:`even_layout`) and the
         profile's link between every pair of ranks; where a rank holds several stages (interleaved, V-shaped),
-        blocks take the profile's alternation factors."""
+        blocks take the profile's alternation factors. ``shapes``: one per micro-batch (documents of varying
+        length), each priced at its own tokens and squared lengths."""
         n = schedule.num_stages
         counts = list(layout) if layout is not None else even_layout(self.profile.model.num_layers, n)
         if len(counts) != n or sum(counts) != self.profile.model.num_layers or min(counts) < 0:
@@ -258,10 +259,15 @@ class ProfileModel:
                                f"{self.profile.model.num_layers}")
         split = any(a.kind is ActionKind.BACKWARD_INPUT for acts in schedule.actions for a in acts)
         alternating = any(len(schedule.stages_of(r)) > 1 for r in range(schedule.num_ranks))
-        stages = [self.stage_costs(blocks=counts[s], first=s == 0, last=s == n - 1, microbatch_size=microbatch_size,
-                                   split_backward=split, seq_len=seq_len, alternating=alternating)
-                  for s in range(n)]
-        return SimCosts.from_stages(stages, default_link=link_from_profile(self.profile))
+        def row(shape: MicrobatchShape | None) -> list[StageCosts]:
+            return [self.stage_costs(blocks=counts[s], first=s == 0, last=s == n - 1, microbatch_size=microbatch_size,
+                                     split_backward=split, seq_len=seq_len, alternating=alternating, shape=shape)
+                    for s in range(n)]
+        link = link_from_profile(self.profile)
+        if shapes is None:
+            return SimCosts.from_stages(row(None), default_link=link)
+        rows = {sh: row(sh) for sh in set(shapes)}
+        return SimCosts.per_microbatch([rows[sh] for sh in shapes], default_link=link)
 
     def optimizer_s(self, schedule: Schedule, layout: Sequence[int] | None = None) -> tuple[float, ...]:
         """Per rank, the optimizer step's seconds for the parameters of the stages it holds."""
@@ -340,9 +346,11 @@ class StepPrediction:
 
 
 def predict_step(model: ProfileModel, schedule: Schedule, *, microbatch_size: int,
-                 layout: Sequence[int] | None = None, seq_len: int | None = None) -> StepPrediction:
-    """Simulate ``schedule`` with the profile's costs and add the optimizer and fixed per-step time."""
-    costs = model.sim_costs(schedule, microbatch_size=microbatch_size, layout=layout, seq_len=seq_len)
+                 layout: Sequence[int] | None = None, seq_len: int | None = None,
+                 shapes: Sequence[MicrobatchShape] | None = None) -> StepPrediction:
+    """Simulate ``schedule`` with the profile's costs (per micro-batch with ``shapes``) and add the optimizer and
+    fixed per-step time."""
+    costs = model.sim_costs(schedule, microbatch_size=microbatch_size, layout=layout, seq_len=seq_len, shapes=shapes)
     trace = simulate(schedule, costs)
     return StepPrediction(trace=trace, optimizer_s=model.optimizer_s(schedule, layout),
                           overhead_s=model.profile.step_overhead_s, output_bytes=held_output_bytes(schedule, costs))

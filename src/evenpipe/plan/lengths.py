@@ -15,7 +15,7 @@ import sys
 
 from evenpipe.errors import ConfigError
 
-__all__ = ["read_lengths", "shipped_lengths_path", "shipped_lengths", "synthesize_sharegpt_lengths",
+__all__ = ["read_lengths", "read_microbatch_lengths", "shipped_lengths_path", "shipped_lengths", "synthesize_sharegpt_lengths",
            "SHAREGPT_MEAN_PROMPT", "SHAREGPT_MEAN_RESPONSE", "ASSUMED_SIGMA", "MAX_LENGTH"]
 
 SHAREGPT_MEAN_PROMPT = 161.31
@@ -34,23 +34,41 @@ SEED = 34
 """Seed of the shipped file (issue 34)."""
 
 
-def read_lengths(path: "str | pathlib.Path") -> list[int]:
-    """One positive integer length per line (blank lines and ``#`` comments skipped); one-line ConfigError else."""
+def _items(path: "str | pathlib.Path") -> list[tuple[int, str]]:
+    """(line number, text) of every line of ``path`` that is not blank or a ``#`` comment; ConfigError if unreadable."""
     p = pathlib.Path(path)
     try:
         text = p.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read lengths file {str(p)!r}: {exc.strerror}") from None
+    lines = ((i, line.split("#", 1)[0].strip()) for i, line in enumerate(text.splitlines(), 1))
+    return [(i, item) for i, item in lines if item]
+
+
+def read_lengths(path: "str | pathlib.Path") -> list[int]:
+    """One positive integer length per line (blank lines and ``#`` comments skipped); one-line ConfigError else."""
     out = []
-    for i, line in enumerate(text.splitlines(), 1):
-        item = line.split("#", 1)[0].strip()
-        if not item:
-            continue
+    for i, item in _items(path):
         if not item.isdigit() or int(item) < 1:
-            raise ConfigError(f"{p}:{i}: {item!r} is not a document length (one integer >= 1 per line)")
+            raise ConfigError(f"{path}:{i}: {item!r} is not a document length (one integer >= 1 per line)")
         out.append(int(item))
     if not out:
-        raise ConfigError(f"lengths file {str(p)!r} holds no lengths (one integer >= 1 per line)")
+        raise ConfigError(f"lengths file {str(path)!r} holds no lengths (one integer >= 1 per line)")
+    return out
+
+
+def read_microbatch_lengths(path: "str | pathlib.Path") -> list[list[int]]:
+    """One micro-batch per line: its documents' lengths, integers >= 1 separated by spaces or commas (blank lines
+    and ``#`` comments skipped); one-line ConfigError else."""
+    out = []
+    for i, item in _items(path):
+        words = item.replace(",", " ").split()
+        if not all(w.isdigit() and int(w) >= 1 for w in words):
+            raise ConfigError(f"{path}:{i}: {item!r} is not a micro-batch's document lengths (integers >= 1 "
+                              "separated by spaces or commas, one micro-batch per line)")
+        out.append([int(w) for w in words])
+    if not out:
+        raise ConfigError(f"lengths file {str(path)!r} holds no micro-batches (one line of document lengths each)")
     return out
 
 
