@@ -57,6 +57,14 @@ class Case:
     documents: bool = False
     """Packed rows of several documents (attention kept inside each, padding ignored), boundaries carried by the
     stages' activations (``StageModule.packed_forward``)."""
+    varlen: str | None = None
+    """Documents of mixed lengths grouped by this micro-batching policy (pad, pack, balance), each micro-batch
+    as long as its longest row (:func:`varlen_batch`); implies ``documents``."""
+
+    @property
+    def packed(self) -> bool:
+        """Stages carry document boundaries in their activations."""
+        return self.documents or self.varlen is not None
 
     def __str__(self) -> str:
         rec = f" R={self.recompute}" if isinstance(self.recompute, str) else " R" if self.recompute else ""
@@ -64,7 +72,8 @@ class Case:
                          "" if self.free_outputs else " keep-outputs",
                          f" K={self.bpipe_budget}" if self.bpipe_budget else "",
                          f" steps={self.steps}" if self.steps != 2 else "", " adamw" if self.adam else "",
-                         " +bpipe" if self.bpipe else "", " documents" if self.documents else ""])
+                         " +bpipe" if self.bpipe else "",
+                         f" varlen-{self.varlen}" if self.varlen else " documents" if self.documents else ""])
         return f"{self.family} {self.model} P={self.pp} M={self.microbatches} DP={self.dp}{extra}"
 
 
@@ -120,6 +129,8 @@ def reference_loss(model: PipelineModel, tokens: torch.Tensor, targets: torch.Te
                    num_chunks: int = 1) -> torch.Tensor:
     """The un-pipelined loss as the model itself computes it (Hugging Face: its forward with labels); packed
     documents (``tokens`` ``[n, 2, T]``): the mean over the ``num_chunks`` micro-batches of each one's mean."""
+    if isinstance(tokens, list):  # micro-batches of their own lengths: each padded to SEQ, then as above
+        tokens, targets = _padded_to_seq(tokens, targets)
     if tokens.dim() == 3:
         from evenpipe.models.documents import Documents
         return torch.stack([lm_loss(model.module(t[:, 0], Documents(t[:, 1])), y)
@@ -166,8 +177,49 @@ def packed_batch(n: int, vocab: int, step: int) -> tuple[torch.Tensor, torch.Ten
     return batch.tokens, batch.targets
 
 
+VARLEN_MULTIPLE = 4
+"""Micro-batch lengths of the variable-length cases are multiples of this (4, 8, 12 or 16 positions)."""
+
+
+def varlen_batch(case: Case, vocab: int, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Documents of 2 to SEQ + 1 tokens (most short, some a whole row) grouped by ``case.varlen`` into the
+    step's ``dp x M`` micro-batches of :data:`MICROBATCH` rows, each micro-batch as long as its longest row
+    rounded up to :data:`VARLEN_MULTIPLE` (:func:`evenpipe.runtime.document_batches.planned_microbatches`)."""
+    from evenpipe.plan.microbatch import MicrobatchBudget, MicrobatchCost, first_fit_prefix, plan_microbatches
+    from evenpipe.runtime.document_batches import planned_microbatches
+    g = torch.Generator().manual_seed(3000 + step)
+    lengths = [int(min(SEQ + 1, 2 + torch.empty(1).exponential_(1 / 6, generator=g))) for _ in range(200)]
+    count = case.dp * case.microbatches
+    budget = MicrobatchBudget(row_len=SEQ, rows=MICROBATCH)
+    if case.varlen == "pad":
+        take = count * MICROBATCH
+    else:  # odd steps take a third of what fits: part-filled rows, so lengths vary (new ones appear mid-run)
+        take = first_fit_prefix((n - 1 for n in lengths), budget, count)
+        take = max(count, take // 3) if step % 2 else take
+    docs = [torch.randint(0, vocab, (n,), generator=g).numpy() for n in lengths[:take]]
+    plan = plan_microbatches([n - 1 for n in lengths[:take]], policy=case.varlen or "pack", budget=budget,
+                             cost=MicrobatchCost(per_token=1.0, per_square=1.0 / SEQ), num_replicas=case.dp,
+                             num_microbatches=case.microbatches)
+    batch = planned_microbatches(plan, docs, rows=MICROBATCH, seq_len=SEQ, multiple=VARLEN_MULTIPLE)
+    return batch.tokens, batch.targets
+
+
+def _padded_to_seq(tokens: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batches of their own lengths as one ``[n, 2, SEQ]`` batch: each row's tail a padding run of its own
+    (a document id after the row's last), ignored targets."""
+    out_t, out_y = [], []
+    for t, y in zip(tokens, targets):
+        extra = SEQ - t.shape[-1]
+        ids = torch.cat([t[:, 1], (t[:, 1, -1:] + 1).expand(-1, extra)], dim=1)
+        out_t.append(torch.stack([torch.nn.functional.pad(t[:, 0], (0, extra)), ids], dim=1))
+        out_y.append(torch.nn.functional.pad(y, (0, extra), value=-100))
+    return torch.cat(out_t), torch.cat(out_y)
+
+
 def global_batch(case: Case, vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     n = MICROBATCH * case.microbatches * case.dp
+    if case.varlen:
+        return varlen_batch(case, vocab, step)  # type: ignore[return-value]
     if case.documents:
         return packed_batch(n, vocab, step)
     g = torch.Generator().manual_seed(1000 + step)
@@ -197,7 +249,7 @@ def _run(case: Case, groups, stash_factory) -> list[str]:
     mine = schedule.stages_of(groups.pp_rank)
     stages = build_stage_modules(built.parts, num_stages=schedule.num_stages, stages=mine)
     for stage in stages.values():
-        stage.packed = case.documents
+        stage.packed = case.packed
     recompute_selectively(case, stages)
     stash = (stash_factory or ActivationStash)()
     ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=built.loss,

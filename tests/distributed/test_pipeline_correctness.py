@@ -79,13 +79,19 @@ def _trajectory_cases() -> list[Case]:
 
 
 def _document_cases() -> list[Case]:
-    """Packed documents (issue 34): the boundaries ride in the activations through every kind of schedule."""
-    out = [Case(family=f, pp=pp, microbatches=m, dp=dp, chunks=v, model=model, documents=True)
-           for f, pp, m, dp, v, model in (("1f1b", 2, 5, 2, 1, "gpt-tiny"), ("1f1b", 4, 8, 1, 1, "llama-tiny"),
-                                          ("interleaved", 2, 4, 1, 2, "llama-tiny"), ("zb-h1", 2, 4, 2, 1, "gpt-tiny"),
-                                          ("zb-v", 2, 4, 1, 2, "llama-tiny"), ("bpipe", 4, 9, 1, 1, "gpt-tiny"))]
-    out.append(Case(family="1f1b", pp=2, microbatches=4, recompute=True, model="llama-tiny", documents=True))
-    out.append(Case(family="interleaved", pp=2, microbatches=4, chunks=2, bpipe=True, documents=True))
+    """Documents (issue 34): the boundaries ride in the activations through every kind of schedule, and
+    micro-batches of mixed lengths (grouped pad, pack or balance; each as long as its longest row) equal the
+    un-pipelined model on the same documents padded to full rows."""
+    policies = ("pad", "pack", "balance")
+    out = []
+    for i, (family, chunks, pp, dp) in enumerate((f, v, pp, dp) for f, v in (
+            ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("bpipe", 1)) for pp, dp in LAYOUTS):
+        out.append(Case(family=family, pp=pp, microbatches=2 * pp, dp=dp, chunks=chunks, model=MODELS[i % 2],
+                        varlen=policies[i % 3], steps=3 if family == "bpipe" else 2))
+    out.append(Case(family="1f1b", pp=2, microbatches=4, recompute=True, model="llama-tiny", varlen="pad"))
+    out.append(Case(family="zb-h1", pp=4, microbatches=4, recompute="selective", varlen="pack"))
+    out.append(Case(family="interleaved", pp=2, microbatches=4, chunks=2, bpipe=True, varlen="balance", steps=3))
+    out.append(Case(family="1f1b", pp=2, microbatches=5, dp=2, documents=True))  # one shape, one tensor
     return out
 
 

@@ -50,26 +50,28 @@ TP_PP_CASES = ([TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model
                 for m in MODELS]
                + [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v)) for f, v in NEWER_FAMILIES]
                + [TpCase(case=Case(family="interleaved", pp=2, microbatches=4, chunks=2, bpipe=True))]
-               + [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model=m, documents=True))
-                  for f, v, m in (("1f1b", 1, "gpt-tiny"), ("zb-h1", 1, "llama-tiny"))]
+               + [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model=m, varlen=p))
+                  for f, v, m, p in (("1f1b", 1, "gpt-tiny", "pad"), ("zb-h1", 1, "llama-tiny", "balance"))]
                + [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model=m))
                   for f, v in HF_FAMILIES for m in HF_MODELS]
                + [TpCase(case=Case(family=f, pp=2, microbatches=4, model=m, recompute="selective"))  # attention core
                   for f, m in (("zb-h1", "gpt-tiny"), *(("1f1b", m) for m in HF_MODELS))])
-SP_CASES = [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model=m, bpipe=b, documents=d),
-                   sequence_parallel=True)
-            for f, v, m, b, d in (("1f1b", 1, "gpt-tiny", False, False), ("bpipe", 1, "llama-tiny", False, False),
-                                  ("zb-h1", 1, "gpt-tiny", False, False), ("interleaved", 2, "llama-tiny", True, False),
-                                  ("1f1b", 1, "gpt-tiny", False, True))]
+SP_CASES = [TpCase(case=Case(family=f, pp=2, microbatches=4, chunks=v, model=m, bpipe=b, varlen=d,
+                             steps=3 if d else 2), sequence_parallel=True)
+            for f, v, m, b, d in (("1f1b", 1, "gpt-tiny", False, None), ("bpipe", 1, "llama-tiny", False, None),
+                                  ("zb-h1", 1, "gpt-tiny", False, None), ("interleaved", 2, "llama-tiny", True, None),
+                                  ("1f1b", 1, "gpt-tiny", False, "pack"), ("bpipe", 1, "gpt-tiny", False, "pad"))]
 SP_CASES += [TpCase(case=Case(family=f, pp=2, microbatches=4, model=m, recompute=r), sequence_parallel=True)
              for f, m, r in (("zb-h1", "gpt-tiny", "selective"), ("1f1b", "llama-tiny", "full"))]
-"""Sequence parallelism (issue 33): GPT and LLaMA, a split backward, BPipe (plain and as a transform), documents,
-selective and full recomputation."""
+"""Sequence parallelism (issue 33): GPT and LLaMA, a split backward, BPipe (plain and as a transform), documents
+of mixed lengths (each micro-batch's length a multiple of tp), selective and full recomputation."""
 TP_PP_CASES += SP_CASES
 TP_PP_DP_CASES = [TpCase(case=Case(family=f, pp=2, microbatches=2, dp=2, chunks=v, model=m))
                   for f, v in HF_FAMILIES for m in (*MODELS, *HF_MODELS)]
 TP_PP_DP_CASES += [TpCase(case=Case(family=f, pp=2, microbatches=2, dp=2, chunks=v, model=m), sequence_parallel=True)
                    for f, v, m in (("1f1b", 1, "gpt-tiny"), ("interleaved", 2, "llama-tiny"))]
+TP_PP_DP_CASES.append(TpCase(case=Case(family="zb-h1", pp=2, microbatches=2, dp=2, varlen="balance"),
+                             sequence_parallel=True))  # documents of mixed lengths, every replica its own
 
 _SHARD_4 = (("1f1b", 1, 2, "gpt-tiny", "optimizer"), ("1f1b", 1, 2, "gpt-tiny", "full"),
             ("interleaved", 2, 2, "llama-tiny", "full"), ("bpipe", 1, 3, "gpt-tiny", "full"),

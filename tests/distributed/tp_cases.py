@@ -111,7 +111,7 @@ def tp_pipeline(case: Case, groups, *, fully_shard: bool = False, sequence_paral
             grad_sync.append(fully_shard_stages(mine.values(), groups.mesh["dp"]))
     stages, params = build_rank_stages(model.module, model.parts, schedule, groups.pp_rank, prepare=prepare)
     for stage in stages.values():
-        stage.packed = case.documents
+        stage.packed = case.packed
     recompute_selectively(case, stages)
     return TpPipeline(schedule=schedule, model=model, ref=ref, stages=stages, params=params,
                       grad_sync=(grad_sync or [None])[0])

@@ -12,12 +12,15 @@ ids, which are not activations: its unit is empty). The stage output's send is w
 the drop may free the storage being sent.
 
 Wire format, per unit, all on the BPipe group: the meta as ``StashMeta.to_tensor()`` (``int64``), then the flat
-``uint8`` buffer. Sizes are learned on the first step of each micro-batch shape: that step prefixes every unit
-with an ``int64[2]`` header (meta length, flat length); the receiver waits for the header where ACCEPT/LOAD
-stands (a blocking wait, first step only: it is the rendezvous point, see below) and posts the data receives
-right there. Every later step posts the data receives directly where ACCEPT/LOAD stands, with buffers of the
-learned sizes, so the receiver's memory is taken exactly there and the transfer overlaps compute; a unit whose
-size changed is an error. Data is waited just before it is needed (LOAD: before the stage's RECOMPUTE or
+``uint8`` buffer. Sizes are learned per stage and micro-batch input shape (micro-batches of one step may differ in
+length, :mod:`evenpipe.runtime.boundary_shapes`): the first unit of a (stage, shape) pair that was unknown when
+the step began is prefixed with an ``int64[2]`` header (meta length, flat length), as is every other unit of that
+pair in the same step; the receiver waits for the header where ACCEPT/LOAD stands (a blocking wait, at the first
+sight of a shape only: it is the rendezvous point, see below) and posts the data receives right there. Both
+sides hold every micro-batch's shape and learn the same pairs in the same steps, so they agree on which units
+carry a header. A unit of a known pair posts its data receives directly where ACCEPT/LOAD stands, with buffers
+of the learned sizes, so the receiver's memory is taken exactly there and the transfer overlaps compute; a unit
+whose size differs from its pair's is an error. Data is waited just before it is needed (LOAD: before the stage's RECOMPUTE or
 backward; ACCEPT: at RETURN or the next ACCEPT). The sender posts everything at once.
 
 When memory is freed and taken (the simulator's rules, :mod:`evenpipe.sim.engine`). A send's buffer (an
@@ -78,8 +81,9 @@ def loading_key(key: StashKey) -> StashKey:
     return key[0], -1 - key[1]
 
 
-Sizes = dict[int, tuple[int, int]]
-"""Per evicted stage: (meta length in int64 elements, flat length in bytes) of its units."""
+Sizes = dict[tuple[int, tuple[int, ...]], tuple[int, int]]
+"""Per evicted stage and micro-batch input shape: (meta length in int64 elements, flat length in bytes) of its
+units."""
 
 
 @dataclass(slots=True)
@@ -98,10 +102,11 @@ class _Incoming:
 class BpipeOps:
     """BPipe transfers of one step on one rank (the executor's add-on ``"bpipe"``, made for each step)."""
 
-    def __init__(self, ctx: StepContext, sizes: Sizes, learning: bool) -> None:
+    def __init__(self, ctx: StepContext, sizes: Sizes) -> None:
         self.ctx = ctx
         self.sizes = sizes
-        self.learning = learning
+        self.known = frozenset(sizes)
+        """The (stage, shape) pairs whose sizes were known when the step began: their units carry no header."""
         self.incoming: dict[StashKey, _Incoming] = {}
         self.evicts: list[PendingBatch] = []
         """EVICT send batches not waited yet (their works hold the exported buffers)."""
@@ -159,15 +164,16 @@ class BpipeOps:
             self.incoming[key] = inc
             if a.kind is _K.ACCEPT:
                 self.last_accept = key
-            if self.learning:  # first step: the sizes come first (waited here, where rendezvous would block)
+            unit = self._unit(key)
+            if unit not in self.known:  # a new shape: the sizes come first (waited here, where rendezvous blocks)
                 header = torch.zeros(2, dtype=torch.int64, device=ctx.device)
                 post_batch([Transfer(send=False, tensor=header, peer=peer, group=grp, tag=inc.tags[0], what=what)],
                            timeout_s=ctx.groups.timeout_s).wait()
                 n_meta, n_flat = (int(v) for v in header.tolist())
                 if a.kind is _K.ACCEPT:
-                    self.sizes[a.stage] = (n_meta, n_flat)
+                    self.sizes[unit] = (n_meta, n_flat)
             else:
-                n_meta, n_flat = self.sizes[a.stage]
+                n_meta, n_flat = self.sizes[unit]
             made = self._data_transfers(inc, n_meta, n_flat)
             self._charge(key, inc)  # the buffer exists from here on
 
@@ -177,11 +183,11 @@ class BpipeOps:
         if a.kind is _K.EVICT:
             meta, flat = self._evict(key)
             meta_t = meta.to_tensor().to(ctx.device)
-            self._check_size(a.stage, meta_t.numel(), flat.numel())
+            self._check_size(key, meta_t.numel(), flat.numel())
         else:
             meta_t, flat = self._unhost(key)
         parts: tuple[torch.Tensor, ...] = (meta_t, flat)
-        if self.learning:
+        if self._unit(key) not in self.known:
             parts = (torch.tensor([meta_t.numel(), flat.numel()], dtype=torch.int64, device=ctx.device), *parts)
         first = _PARTS - len(parts)
         pending = self.evicts if a.kind is _K.EVICT else self.returns
@@ -192,12 +198,18 @@ class BpipeOps:
                           what=what), keep if i == 0 else None)
                 for i, t in enumerate(parts)]
 
-    def _check_size(self, stage: int, n_meta: int, n_flat: int) -> None:
-        if self.learning:
-            self.sizes[stage] = (n_meta, n_flat)
-        elif self.sizes.get(stage) != (n_meta, n_flat):
-            raise RuntimeError(f"BPipe unit of stage {stage} is {n_flat} bytes ({n_meta} meta), the first step's "
-                               f"was {self.sizes.get(stage)}; units must keep their size between steps")
+    def _unit(self, key: StashKey) -> tuple[int, tuple[int, ...]]:
+        """The (stage, micro-batch input shape) pair whose units share one size."""
+        return key[0], tuple(self.ctx.live.mb_inputs[key[1]].shape)
+
+    def _check_size(self, key: StashKey, n_meta: int, n_flat: int) -> None:
+        unit = self._unit(key)
+        if unit not in self.known:
+            self.sizes[unit] = (n_meta, n_flat)
+        elif self.sizes[unit] != (n_meta, n_flat):
+            raise RuntimeError(f"BPipe unit of stage {key[0]} mb {key[1]} (input {unit[1]}) is {n_flat} bytes "
+                               f"({n_meta} meta), an earlier unit of that shape was {self.sizes[unit]}; units of "
+                               "one shape must keep their size")
 
     def _data_transfers(self, inc: _Incoming, n_meta: int, n_flat: int) -> list[Transfer]:
         dev = self.ctx.device
@@ -263,10 +275,9 @@ def _post(a: Action, ctx: StepContext) -> list[Posting]:
 
 
 def _make_ops(ctx: StepContext, kept: dict[Any, Any]) -> BpipeOps:
-    """This step's :class:`BpipeOps`; unit sizes are learned on the first step of each micro-batch shape."""
-    shape = tuple(ctx.live.mb_inputs[0].shape)
-    learning = shape not in kept
-    return BpipeOps(ctx, kept.setdefault(shape, {}), learning)
+    """This step's :class:`BpipeOps`; unit sizes are learned at the first sight of each (stage, shape) pair and
+    kept across steps."""
+    return BpipeOps(ctx, kept)
 
 
 for _kind in sorted(BPIPE_KINDS, key=lambda k: k.code):

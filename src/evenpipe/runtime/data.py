@@ -24,7 +24,8 @@ import torch
 from evenpipe.errors import ConfigError, parse_choice
 from evenpipe.runtime.token_file import HELD_OUT_FRACTION, TokenFile
 
-__all__ = ["TokenSource", "parse_token_source", "Batch", "TokenBatches", "read_corpus", "shipped_corpus_path"]
+__all__ = ["TokenSource", "parse_token_source", "Batch", "MicroBatches", "TokenBatches", "read_corpus",
+           "shipped_corpus_path"]
 
 BYTE_VOCAB = 256
 """Byte-level tokens: each byte of the text is one token."""
@@ -71,6 +72,34 @@ class Batch:
     """Model input."""
     targets: torch.Tensor
     """``tokens`` shifted left by one position (the next token at each position)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MicroBatches:
+    """A step's micro-batches when they differ in shape: ``dp x M`` of them, replica by replica, each in the
+    order it runs. ``tokens``/``targets`` are the lists :meth:`evenpipe.runtime.executor.PipelineExecutor.step`
+    takes."""
+
+    parts: tuple[Batch, ...]
+
+    @property
+    def tokens(self) -> list[torch.Tensor]:
+        """Each micro-batch's model input."""
+        return [p.tokens for p in self.parts]
+
+    @property
+    def targets(self) -> list[torch.Tensor]:
+        """Each micro-batch's targets."""
+        return [p.targets for p in self.parts]
+
+    @property
+    def computed_tokens(self) -> int:
+        """Positions computed, padding included (the targets' elements)."""
+        return sum(p.targets.numel() for p in self.parts)
+
+    def real_tokens(self, ignore_index: int = -100) -> int:
+        """Positions with a target (padding has ``ignore_index``)."""
+        return sum(int((p.targets != ignore_index).sum()) for p in self.parts)
 
 
 def _generator(seed: int, step: "int | str") -> torch.Generator:

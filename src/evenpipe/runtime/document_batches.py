@@ -1,6 +1,10 @@
 """Training batches of whole documents: every step's rows hold documents (never a piece of one unless the user
 asked to split long ones), attention stays inside each (see :meth:`evenpipe.runtime.stages.StageModule.
-packed_forward`), and every micro-batch of a step has the same shape ``[b, seq_len]``.
+packed_forward`), and each micro-batch is as long as it needs: ``[b, T]`` with ``T`` its longest row rounded up
+to a multiple of ``length_multiple`` (at most ``seq_len``; kernels like multiples of 8, and sequence parallelism
+needs one of ``tp``), so ``pad``'s rows are each its document's length class and packed micro-batches stop where
+their rows do. The executor derives every message's shape from the micro-batch's (see
+:mod:`evenpipe.runtime.boundary_shapes`).
 
 A document of ``L`` tokens gives ``L - 1`` positions (inputs ``d[:-1]``, targets ``d[1:]``). Documents are read in
 a random order per epoch (a pure function of ``(seed, epoch)``), and each step takes the next ones:
@@ -25,11 +29,11 @@ import torch
 
 from evenpipe.dataset import DocumentSet, load_documents
 from evenpipe.errors import ConfigError
-from evenpipe.plan.microbatch import (MicrobatchBudget, MicrobatchCost, Policy, first_fit_prefix, parse_policy,
-                                      plan_microbatches)
-from evenpipe.runtime.data import Batch
+from evenpipe.plan.microbatch import (MicrobatchBudget, MicrobatchCost, MicrobatchPlan, Policy, first_fit_prefix,
+                                      parse_policy, plan_microbatches)
+from evenpipe.runtime.data import Batch, MicroBatches
 
-__all__ = ["DocumentBatches", "IGNORE_INDEX", "pack_rows"]
+__all__ = ["DocumentBatches", "IGNORE_INDEX", "pack_rows", "microbatch_length", "planned_microbatches"]
 
 IGNORE_INDEX = -100
 """Target of a padding position (``torch.nn.functional.cross_entropy``'s default ``ignore_index``)."""
@@ -53,13 +57,36 @@ def pack_rows(rows: list[list[np.ndarray]], seq_len: int) -> Batch:
     return Batch(tokens=tokens, targets=targets)
 
 
+def microbatch_length(rows: list[list[np.ndarray]], *, seq_len: int, multiple: int) -> int:
+    """Positions of a micro-batch of ``rows``: its longest row's (``L - 1`` per document of ``L`` tokens)
+    rounded up to a multiple of ``multiple``, at least ``multiple`` and at most ``seq_len``."""
+    longest = max((sum(len(d) - 1 for d in docs) for docs in rows), default=0)
+    return min(seq_len, max(multiple, -(-longest // multiple) * multiple))
+
+
+def planned_microbatches(plan: MicrobatchPlan, documents: list[np.ndarray], *, rows: int, seq_len: int,
+                         multiple: int) -> MicroBatches:
+    """``plan``'s micro-batches (indices into ``documents``), replica by replica, each of ``rows`` rows (empty
+    ones all padding) and :func:`microbatch_length` positions."""
+    parts = []
+    for mb in plan.microbatches:
+        filled: list[list[np.ndarray]] = [[documents[i] for i in row] for row in mb.rows]
+        filled += [[] for _ in range(rows - len(filled))]
+        parts.append(pack_rows(filled, microbatch_length(filled, seq_len=seq_len, multiple=multiple)))
+    return MicroBatches(parts=tuple(parts))
+
+
 class DocumentBatches:
     """Deterministic packed batches of documents (see the module docstring)."""
 
     def __init__(self, *, path: str, seq_len: int, vocab: int, seed: int, policy: "Policy | str",
                  num_replicas: int, num_microbatches: int, rows_per_microbatch: int, token_dtype: str = "uint16",
-                 tokenizer: str | None = None, split_long: bool = False) -> None:
+                 tokenizer: str | None = None, split_long: bool = False, length_multiple: int = 8) -> None:
         self.policy = parse_policy(policy)
+        if length_multiple < 1:
+            raise ConfigError(f"micro-batch lengths round up to a multiple of an integer >= 1, got {length_multiple}")
+        self.multiple = length_multiple
+        """Each micro-batch's length is a multiple of this (or ``seq_len``)."""
         docs = load_documents(path, token_dtype=token_dtype, tokenizer=tokenizer)
         docs.check_vocab(vocab)
         self.docs: DocumentSet = docs.fit_to(seq_len + 1, split=split_long)
@@ -107,9 +134,9 @@ class DocumentBatches:
         begin, end = self._starts[step], self._starts[step + 1]
         return list(itertools.islice(self._stream(begin), end - begin))
 
-    def batch(self, step: int, batch_size: int) -> Batch:
-        """The global batch of ``step``: ``batch_size`` rows (``dp x M x b``), replica by replica, each
-        replica's micro-batches in the planner's order."""
+    def batch(self, step: int, batch_size: int) -> MicroBatches:
+        """The global batch of ``step``: ``batch_size`` rows (``dp x M x b``) in ``dp x M`` micro-batches,
+        replica by replica, each replica's in the planner's order, each as long as it needs."""
         expected = self.replicas * self.per_replica * self.rows
         if batch_size != expected:
             raise ConfigError(f"packed documents fill dp x microbatches x microbatch-size = {expected} rows a step; "
@@ -117,8 +144,5 @@ class DocumentBatches:
         docs = self.step_documents(step)
         plan = plan_microbatches([int(self._positions[d]) for d in docs], policy=self.policy, budget=self.budget,
                                  cost=self.cost, num_replicas=self.replicas, num_microbatches=self.per_replica)
-        rows: list[list[np.ndarray]] = []
-        for mb in plan.microbatches:
-            filled = [[self.docs.document(docs[i]) for i in row] for row in mb.rows]
-            rows.extend(filled + [[] for _ in range(self.rows - len(filled))])
-        return pack_rows(rows, self.seq_len)
+        return planned_microbatches(plan, [self.docs.document(d) for d in docs], rows=self.rows,
+                                    seq_len=self.seq_len, multiple=self.multiple)

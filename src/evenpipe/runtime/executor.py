@@ -19,10 +19,9 @@ the end of the step). BPipe's sends are waited at the points where the simulator
 guarantees the per-pair posting order matches, so NCCL (which ignores tags) pairs messages right; on gloo every
 message also carries a tag naming it.
 
-Shapes. Tensor shapes between stages are learned by a *shape handshake*, not a hand-written list: the first time
-a micro-batch shape is seen, every stage runs one no-grad forward on placeholder input (under a forked RNG) in
-stage order and sends its output's shape and dtype to the next stage's rank. The result is cached per input
-shape; later steps post receives directly.
+Shapes. Tensor shapes between stages are learned by a *shape handshake*, not a hand-written list, and micro-batches
+of one step may differ in length: every receive's shape follows from its micro-batch's input shape, which every
+rank holds (see :mod:`evenpipe.runtime.boundary_shapes`); receives are posted with no message ahead of them.
 
 Memory. ``free_outputs`` replaces a sent output's ``.data`` with an empty tensor (the send keeps the old storage
 alive until it completes) and runs backward through the autograd engine directly, which skips the shape check
@@ -42,7 +41,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, NoReturn
+from typing import Callable, Iterable, Mapping, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,11 +51,12 @@ import evenpipe.runtime.bpipe  # noqa: F401  (registers BPipe's handlers and add
 import evenpipe.runtime.step_compute  # noqa: F401  (registers the compute and host-move handlers)
 import evenpipe.runtime.step_messages  # noqa: F401  (registers the pipeline-message handlers)
 from evenpipe.errors import ConfigError
-from evenpipe.runtime.comm import ParallelGroups, PeerFailure, Transfer, collective, post_batch, through_flat
+from evenpipe.runtime.boundary_shapes import BoundaryShapes, ShapeMap
+from evenpipe.runtime.comm import ParallelGroups, PeerFailure, Transfer, collective, through_flat
 from evenpipe.runtime.emulation import RankEmulation
 from evenpipe.runtime.mailbox import Mailbox
 from evenpipe.runtime.stash import StashMeta
-from evenpipe.runtime.step_context import (HANDSHAKE_TAG, Handler, LiveTensors, LossFn, Phase, Posting, Stash,
+from evenpipe.runtime.step_context import (Handler, LiveTensors, LossFn, Phase, Posting, Stash,
                                            StashKey, StepContext, addons, handler_table)
 from evenpipe.runtime.tensor_parallel import local_shard, sum_sequence_partial_grads
 from evenpipe.runtime.trace import RankRecorder
@@ -67,7 +67,6 @@ __all__ = ["PipelineExecutor", "StepResult", "LossFn", "Phase"]
 log = logging.getLogger(__name__)
 
 _K = ActionKind
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8)
 
 
 def _dispatch() -> tuple[Handler | None, ...]:
@@ -183,7 +182,8 @@ class PipelineExecutor:
             raise ConfigError(f"schedule has activation moves ({', '.join(moves)}); the executor needs an "
                               "ActivationStash")
         self.last_stage = schedule.num_stages - 1
-        self._shapes: dict[tuple[int, ...], dict[int, tuple[tuple[int, ...], torch.dtype]]] = {}
+        self.boundaries = BoundaryShapes(schedule=schedule, stages=self.stages, groups=groups, device=self.device)
+        """The shapes of the messages between stages, per micro-batch input shape."""
         self._kept: dict[str, dict[object, object]] = {}
         """What each add-on keeps across steps (BPipe: unit sizes learned on the first step of a shape)."""
         self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in self.stages.items()}
@@ -194,18 +194,13 @@ class PipelineExecutor:
                         dist.all_reduce(torch.zeros(1, device=self.device), group=grp)
 
     # ------------------------------------------------------------------------------------------------------
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
-        """Run one global batch (``inputs``/``targets`` hold the whole global batch, identical on all ranks)."""
-        m = self.schedule.num_microbatches
-        dp, d = self.groups.dp, self.groups.dp_rank
-        if inputs.shape[0] % (dp * m):
-            raise ConfigError(f"global batch {inputs.shape[0]} is not divisible by dp x microbatches = "
-                              f"{dp} x {m}")
-        per = inputs.shape[0] // dp
-        # own storage per micro-batch: the stash dedupes (and BPipe moves) by storage
-        mb_inputs = [c.to(self.device).clone() for c in inputs[d * per:(d + 1) * per].chunk(m)]
-        mb_targets = [c.to(self.device).clone() for c in targets[d * per:(d + 1) * per].chunk(m)]
-        shapes = self._boundary_shapes(mb_inputs[0])
+    def step(self, inputs: torch.Tensor | Sequence[torch.Tensor],
+             targets: torch.Tensor | Sequence[torch.Tensor]) -> StepResult:
+        """Run one global batch, identical on all ranks: ``inputs``/``targets`` hold the whole batch (cut into
+        equal micro-batches), or are the ``dp x M`` micro-batches themselves, replica by replica, each of its
+        own shape."""
+        mb_inputs, mb_targets = self._replica_microbatches(inputs, targets)
+        shapes = self.boundaries.for_microbatches(mb_inputs)
         for mod in self.stages.values():
             for p in mod.parameters():
                 p.grad = None
@@ -234,7 +229,27 @@ class PipelineExecutor:
                           peak_comm_bytes=ctx.mail.peak_buffer_bytes, records=ctx.recorder,
                           compute_s=max(0.0, ctx.compute_s - ctx.mail.waited_s))
 
-    def _context(self, live: LiveTensors, shapes: Mapping[int, tuple[tuple[int, ...], torch.dtype]]) -> StepContext:
+    def _replica_microbatches(self, inputs: torch.Tensor | Sequence[torch.Tensor],
+                              targets: torch.Tensor | Sequence[torch.Tensor]
+                              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This replica's micro-batches (inputs, targets), each on the device with its own storage (the stash
+        dedupes, and BPipe moves, by storage)."""
+        m = self.schedule.num_microbatches
+        dp, d = self.groups.dp, self.groups.dp_rank
+        if isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor):
+            if inputs.shape[0] % (dp * m):
+                raise ConfigError(f"global batch {inputs.shape[0]} is not divisible by dp x microbatches = "
+                                  f"{dp} x {m}")
+            per = inputs.shape[0] // dp
+            ins, tgs = inputs[d * per:(d + 1) * per].chunk(m), targets[d * per:(d + 1) * per].chunk(m)
+        else:
+            if len(inputs) != dp * m or len(targets) != dp * m:
+                raise ConfigError(f"{len(inputs)} micro-batches of inputs and {len(targets)} of targets given; "
+                                  f"a step takes dp x microbatches = {dp} x {m}")
+            ins, tgs = tuple(inputs[d * m:(d + 1) * m]), tuple(targets[d * m:(d + 1) * m])
+        return [c.to(self.device).clone() for c in ins], [c.to(self.device).clone() for c in tgs]
+
+    def _context(self, live: LiveTensors, shapes: Sequence[ShapeMap]) -> StepContext:
         """A fresh step context, with every registered add-on's state for this step."""
         recorder = RankRecorder(self.groups.pp_rank) if self.trace else None
         ctx = StepContext(schedule=self.schedule, groups=self.groups, stages=self.stages,
@@ -247,41 +262,6 @@ class PipelineExecutor:
         return ctx
 
     # ------------------------------------------------------------------------------------------------------
-    def _boundary_shapes(self, mb_input: torch.Tensor) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of each stage's output that crosses to another rank (cached per input shape)."""
-        key = tuple(mb_input.shape)
-        if key in self._shapes:
-            return self._shapes[key]
-        g = self.groups
-        shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
-        x: torch.Tensor | None = None
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), torch.no_grad():
-            for s in range(self.schedule.num_stages - 1):
-                here, nxt = self.schedule.rank_of(s), self.schedule.rank_of(s + 1)
-                if here == g.pp_rank:
-                    if x is None or s - 1 not in self.stages:
-                        if s == 0:
-                            x = torch.zeros_like(mb_input)
-                        else:
-                            shape, dtype = shapes[s - 1]
-                            x = torch.zeros(shape, dtype=dtype, device=self.device)
-                    x = self.stages[s](x)
-                    shapes[s] = (tuple(x.shape), x.dtype)
-                    if nxt != here:
-                        header = torch.tensor(_encode_shape(x), dtype=torch.int64, device=self.device)
-                        post_batch([Transfer(send=True, tensor=header, peer=g.global_rank(nxt), group=g.pp_group,
-                                             tag=HANDSHAKE_TAG, what=f"shape of stage {s} output")],
-                                   timeout_s=g.timeout_s).wait()
-                elif nxt == g.pp_rank:
-                    header = torch.zeros(10, dtype=torch.int64, device=self.device)
-                    post_batch([Transfer(send=False, tensor=header, peer=g.global_rank(here), group=g.pp_group,
-                                         tag=HANDSHAKE_TAG, what=f"shape of stage {s} output")],
-                               timeout_s=g.timeout_s).wait()
-                    shapes[s] = _decode_shape(header)
-                    x = None
-        self._shapes[key] = shapes
-        return shapes
-
     def _all_reduce_grads(self) -> None:
         g = self.groups
         if g.dp == 1:
@@ -337,19 +317,6 @@ def _local_grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
             p.grad = torch.zeros_like(p)
         grads.append(local_shard(p.grad))
     return grads
-
-
-def _encode_shape(x: torch.Tensor) -> list[int]:
-    if x.dim() > 8:
-        raise ConfigError(f"stage outputs of more than 8 dimensions are not supported, got {tuple(x.shape)}")
-    return [x.dim(), _DTYPES.index(x.dtype), *x.shape, *([0] * (8 - x.dim()))]
-
-
-def _decode_shape(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-    vals = header.tolist()
-    return tuple(vals[2:2 + vals[0]]), _DTYPES[vals[1]]
-
-
 
 
 @dataclass(frozen=True, slots=True)

@@ -201,8 +201,8 @@ class StepContext:
     """Free a sent output's storage (see :mod:`evenpipe.runtime.executor`)."""
     recompute_stages: frozenset[int]
     """Stages whose forward runs without a graph (the schedule recomputes them)."""
-    shapes: Mapping[int, tuple[tuple[int, ...], torch.dtype]]
-    """Shape and dtype of each stage's output crossing to another rank (receive buffers)."""
+    shapes: Sequence[Mapping[int, tuple[tuple[int, ...], torch.dtype]]]
+    """Per micro-batch: shape and dtype of each stage's output crossing to another rank (receive buffers)."""
     live: LiveTensors
     mail: Mailbox
     recorder: RankRecorder | None = None

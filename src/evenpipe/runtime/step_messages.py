@@ -51,9 +51,10 @@ def _send_input_grad(a: Action, ctx: StepContext) -> list[Posting]:
 
 
 def _receive(a: Action, ctx: StepContext) -> list[Posting]:
-    """``RECV_F``/``RECV_B``: a buffer shaped like the boundary's output, taken by the consuming compute."""
+    """``RECV_F``/``RECV_B``: a buffer shaped like the boundary's output for this micro-batch, taken by the
+    consuming compute."""
     boundary = a.stage - 1 if a.kind is _K.RECV_F else a.stage
-    shape, dtype = ctx.shapes[boundary]
+    shape, dtype = ctx.shapes[a.microbatch][boundary]
     buf = torch.empty(shape, dtype=dtype, device=ctx.device)
 
     def expect(batch: PendingBatch) -> None:

@@ -482,7 +482,8 @@ class TrainConfig:
                                    policy=self.data.microbatching or "pack", num_replicas=dp, num_microbatches=m,
                                    rows_per_microbatch=self.data.global_batch // (m * dp),
                                    token_dtype=self.data.token_dtype, tokenizer=self.data.tokenizer,
-                                   split_long=self.data.split_long_documents)
+                                   split_long=self.data.split_long_documents,
+                                   length_multiple=math.lcm(8, self.runtime.tp))
         from evenpipe.runtime.data import TokenBatches
         return TokenBatches(source=self.data.source, seq_len=self.seq_len, vocab=vocab, seed=self.data.seed,
                             path=self.data.path, token_dtype=self.data.token_dtype,

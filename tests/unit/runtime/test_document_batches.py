@@ -1,5 +1,5 @@
-"""Packed document batches: every step's documents land whole in its rows, the same fixed shape each step, the
-step sequence deterministic; and stages that carry the boundaries in their activations compute what the whole
+"""Packed document batches: every step's documents land whole in its rows, each micro-batch as long as its
+longest row (rounded up), the step sequence deterministic; and stages that carry the boundaries in their activations compute what the whole
 model computes with the boundaries given (loss and every gradient)."""
 
 from __future__ import annotations
@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 
 from evenpipe.errors import ConfigError
 from evenpipe.models import build_model, lm_loss, model_config
 from evenpipe.models.documents import Documents
-from evenpipe.runtime.document_batches import IGNORE_INDEX, DocumentBatches
+from evenpipe.runtime.document_batches import IGNORE_INDEX, DocumentBatches, microbatch_length
 from evenpipe.runtime.stages import build_stage_modules
 
 SEQ = 16
@@ -30,14 +31,15 @@ def _docs_file(tmp: pathlib.Path, count: int = 40, seed: int = 0) -> tuple[pathl
 
 def _batches(path: pathlib.Path, policy: str, **kw) -> DocumentBatches:
     args = {"path": str(path), "seq_len": SEQ, "vocab": 256, "seed": 1, "policy": policy, "num_replicas": 2,
-            "num_microbatches": 2, "rows_per_microbatch": 2, **kw}
+            "num_microbatches": 2, "rows_per_microbatch": 2, "length_multiple": 4, **kw}
     return DocumentBatches(**args)
 
 
 def _rows_as_documents(batch) -> list[list[int]]:
     """Each document of each row, rebuilt as its full token list (inputs plus its last target)."""
     out = []
-    for tokens, ids, targets in zip(batch.tokens[:, 0], batch.tokens[:, 1], batch.targets):
+    rows = [(t, i, y) for part in batch.parts for t, i, y in zip(part.tokens[:, 0], part.tokens[:, 1], part.targets)]
+    for tokens, ids, targets in rows:
         for d in ids.unique().tolist():
             at = (ids == d) & (targets != IGNORE_INDEX)
             if at.any():
@@ -52,13 +54,17 @@ def test_each_step_holds_its_documents_whole(tmp_path: pathlib.Path, policy: str
     seen: list[int] = []
     for step in range(3):
         batch = data.batch(step, 8)
-        assert batch.tokens.shape == (8, 2, SEQ) and batch.targets.shape == (8, SEQ)
+        assert len(batch.parts) == 4  # dp x M micro-batches
+        for part in batch.parts:
+            longest = int((part.targets != IGNORE_INDEX).sum(dim=1).max())  # real positions of the longest row
+            assert part.tokens.shape == (2, 2, part.targets.shape[1]) and part.targets.shape[0] == 2
+            assert part.targets.shape[1] == min(SEQ, max(4, -(-longest // 4) * 4)), (longest, part.targets.shape)
         wanted = sorted(docs[i] for i in data.step_documents(step))
         assert sorted(_rows_as_documents(batch)) == wanted
         seen += data.step_documents(step)
     assert len(set(seen[:40])) == min(40, len(seen))  # no document twice within an epoch
     again = _batches(path, policy)
-    assert torch.equal(again.batch(2, 8).tokens, data.batch(2, 8).tokens)  # planned from step 0, same result
+    assert all(torch.equal(a, b) for a, b in zip(again.batch(2, 8).tokens, data.batch(2, 8).tokens))  # from step 0
     if policy == "pad":
         assert all(len(data.step_documents(s)) == 8 for s in range(3))
     else:
@@ -84,21 +90,38 @@ def test_bad_documents_and_batch_sizes(tmp_path: pathlib.Path) -> None:
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 def test_packed_stages_compute_the_model_with_its_boundaries(tmp_path: pathlib.Path, name: str) -> None:
     path, _ = _docs_file(tmp_path)
-    batch = _batches(path, "balance").batch(0, 8)
-    tokens, ids, targets = batch.tokens[:2, 0], batch.tokens[:2, 1], batch.targets[:2]
+    part = _batches(path, "balance").batch(0, 8).parts[0]
+    tokens, ids, targets = part.tokens[:, 0], part.tokens[:, 1], part.targets
     model = build_model(model_config(name, seq_len=SEQ), seed=4)
     lm_loss(model(tokens, Documents(ids)), targets).backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     stages = build_stage_modules(model.pipeline_parts(), num_stages=3, stages=[0, 1, 2])
-    x = batch.tokens[:2]
+    x = part.tokens
     for s in range(3):
         stages[s].packed = True
         x = stages[s](x)
         if s < 2:
-            assert x.shape == (2, SEQ, model.cfg.hidden + 1)
+            assert x.shape == (2, tokens.shape[1], model.cfg.hidden + 1)
     loss = lm_loss(x, targets)
     loss.backward()
     torch.testing.assert_close(loss, lm_loss(model(tokens, Documents(ids)), targets))
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[n], msg=n)
+
+
+def test_microbatch_lengths_follow_their_rows(tmp_path: pathlib.Path) -> None:
+    """pad with one row a micro-batch: each micro-batch is its document's length class; a multiple of seq_len
+    gives every micro-batch the whole row (the fixed shape)."""
+    path, docs = _docs_file(tmp_path, count=24)
+    data = _batches(path, "pad", rows_per_microbatch=1, num_replicas=1, num_microbatches=4)
+    lengths = [part.targets.shape[1] for s in range(3) for part in data.batch(s, 4).parts]
+    wanted = [min(SEQ, max(4, -(-(len(docs[d]) - 1) // 4) * 4)) for s in range(3)
+              for d in data.step_documents(s)]
+    assert sorted(lengths) == sorted(wanted) and len(set(lengths)) > 1
+    fixed = _batches(path, "pack", length_multiple=SEQ).batch(0, 8)
+    assert {part.tokens.shape for part in fixed.parts} == {(2, 2, SEQ)}
+    one = [np.arange(7), np.arange(3)]
+    assert microbatch_length([one, []], seq_len=SEQ, multiple=8) == 8  # 6 + 2 positions
+    assert microbatch_length([[], []], seq_len=SEQ, multiple=8) == 8
+    assert microbatch_length([[np.arange(17)]], seq_len=SEQ, multiple=5) == SEQ  # capped at the row
