@@ -1,0 +1,238 @@
+"""Micro-batching policies trained side by side on documents of varying length, measured (issue 34 points 4 and 6).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_varlen.py [--lengths FILE] [--repeats 5] [--json]
+
+One gloo world of ``--stages`` processes (P=4) builds one pipeline per policy, each with its own copy of the same
+model and its own documents stream (``evenpipe.runtime.document_batches.DocumentBatches``, exactly what
+``train --documents --microbatching POLICY`` reads): documents of the shipped ShareGPT-shaped lengths
+(``evenpipe/data/sharegpt_lengths.txt``; ``--lengths FILE`` replaces it, one length per line) with random tokens,
+longer ones than a row split. Every micro-batch is as long as its longest row (rounded up to 8), so ``pad``
+computes each document's length class, not the whole row. Policies:
+
+- ``pad``, ``pack``, ``balance``: as in ``train`` (``--microbatching``);
+- ``pad-fixed``: ``pad`` with every micro-batch a whole row (the runtime before micro-batches of their own length).
+
+The policies run in turn, ``--steps`` optimizer steps each, the order rotated every round, for ``--repeats``
+rounds, after one unmeasured step each. A step is timed from a barrier to the end of the optimizer step on every
+rank, the slowest rank's time kept. A policy's figure in a round is its real tokens (padding not counted) over its
+steps' time; the ratios balance/pad, balance/pack and pad/pad-fixed are taken round by round, and their median,
+min and max over rounds reported. Wall-clock figures mean something only on an otherwise idle host: the output
+carries the host's load average (1 minute) before and after.
+
+Predicted tokens/s beside the measured (``--profile FILE``, an ``evenpipe profile`` of the same model at
+``--seq-len`` on this host): each measured step's documents, planned by the same policy, predicted by the simulator
+at each micro-batch's tokens and squared lengths (:func:`evenpipe.plan.varlen_predict.predict_batch`), real tokens
+over the predicted seconds. Without a profile (or for ``pad-fixed``, whose whole rows the planner does not price)
+the JSON's ``predicted_tokens_per_s`` is null.
+
+    .venv/bin/python -m evenpipe profile --model gpt-tiny --seq-len 1024 --microbatch-sizes 1,2 --processes 4 \
+        --out varlen_profile.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_varlen.py --profile varlen_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pipe_probe import answers_or_exit  # noqa: E402
+
+POLICIES = ("pad", "pack", "balance", "pad-fixed")
+RATIOS = (("balance", "pad"), ("balance", "pack"), ("pad", "pad-fixed"))
+LENGTH_MULTIPLE = 8
+
+
+def write_documents(lengths: list[int], directory: pathlib.Path, *, vocab: int, seed: int) -> pathlib.Path:
+    """``docs.bin`` (uint16 random tokens) and ``docs.idx`` (offsets) of documents of ``lengths``."""
+    import numpy as np
+
+    from evenpipe.dataset.documents import write_offsets
+    rng = np.random.default_rng(seed)
+    path = directory / "docs.bin"
+    rng.integers(0, vocab, sum(lengths), dtype=np.uint16).tofile(path)
+    write_offsets(directory / "docs.idx", np.concatenate([[0], np.cumsum(lengths)]))
+    return path
+
+
+def predicted_tokens_per_s(policy: str, steps: list[list[int]], opts: dict[str, Any]) -> float | None:
+    """The simulator's real tokens/s for ``steps`` (each measured step's document lengths, in positions) planned by
+    ``policy`` on the profile's source; None without a profile or for ``pad-fixed``."""
+    if opts["profile"] is None or policy.endswith("-fixed"):
+        return None
+    from evenpipe.cost import ParallelConfig, ScheduleFamily
+    from evenpipe.cost.profile import load_profile
+    from evenpipe.cost.profile_fit import ProfileModel
+    from evenpipe.cost.profiled_source import ProfiledSource
+    from evenpipe.plan.varlen_predict import predict_batch
+    source = ProfiledSource(ProfileModel(load_profile(opts["profile"], model=opts["model"])))
+    b, m = opts["microbatch_size"], opts["microbatches"]
+    cfg = ParallelConfig(pp=opts["stages"], chunks=opts["chunks"] or 1, microbatch_size=b, global_batch=b * m,
+                         schedule=ScheduleFamily.parse(opts["schedule"]))
+    preds = [predict_batch(lengths, source=source, cfg=cfg, policy=policy, num_microbatches=m) for lengths in steps]
+    return sum(p.real_tokens for p in preds) / sum(p.step_s for p in preds)
+
+
+def _pipeline(policy: str, rank: int, world: int, groups: Any, opts: dict[str, Any]) -> dict[str, Any]:
+    """One policy's executor, optimizer and documents (each policy its own copy of the same model)."""
+    import torch
+
+    from evenpipe.models import model_config
+    from evenpipe.models.adapter import reference_model
+    from evenpipe.runtime.document_batches import DocumentBatches
+    from evenpipe.runtime.executor import PipelineExecutor
+    from evenpipe.runtime.stages import build_stage_modules
+    from evenpipe.runtime.stash import ActivationStash
+    from evenpipe.schedule import build_schedule
+
+    cfg = model_config(opts["model"], seq_len=opts["seq_len"])
+    built = reference_model(cfg, seed=0)
+    schedule = build_schedule(opts["schedule"], num_ranks=world, num_microbatches=opts["microbatches"],
+                              num_chunks=opts["chunks"])
+    stages = build_stage_modules(built.parts, num_stages=schedule.num_stages, stages=schedule.stages_of(rank))
+    for s in stages.values():
+        s.packed = True
+    ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=built.loss,
+                          stash=ActivationStash())
+    params = list({id(p): p for s in stages.values() for p in s.parameters()}.values())
+    base = policy.removesuffix("-fixed")
+    data = DocumentBatches(path=opts["path"], seq_len=opts["seq_len"], vocab=cfg.vocab, seed=1, policy=base,
+                           num_replicas=1, num_microbatches=opts["microbatches"],
+                           rows_per_microbatch=opts["microbatch_size"], split_long=True,
+                           length_multiple=opts["seq_len"] if policy.endswith("-fixed") else LENGTH_MULTIPLE)
+    return {"ex": ex, "opt": torch.optim.AdamW(params, lr=1e-4), "data": data, "step": 0}
+
+
+def _timed_step(p: dict[str, Any], opts: dict[str, Any]) -> tuple[float, int, int]:
+    """One optimizer step: (slowest rank's seconds, real tokens, computed positions); its documents' lengths
+    (positions) are kept in ``p["lengths"]``."""
+    import torch
+    import torch.distributed as dist
+    data = p["data"]
+    batch = data.batch(p["step"], opts["microbatches"] * opts["microbatch_size"])
+    p["lengths"] = [int(data._positions[d]) for d in data.step_documents(p["step"])]
+    p["step"] += 1
+    dist.barrier()
+    t0 = time.perf_counter()
+    p["ex"].step(batch.tokens, batch.targets)
+    p["opt"].step()
+    t = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t), batch.real_tokens(), batch.computed_tokens
+
+
+def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from evenpipe.runtime.comm import build_groups
+    torch.set_num_threads(1)
+    groups = build_groups(world, 1)
+    assert groups is not None
+    pipes = {name: _pipeline(name, rank, world, groups, opts) for name in opts["policies"]}
+    for p in pipes.values():  # warm-up: shape handshakes, allocator
+        _timed_step(p, opts)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    names = list(opts["policies"])
+    for r in range(opts["repeats"]):
+        order = names[r % len(names):] + names[:r % len(names)]
+        row: dict[str, dict[str, Any]] = {}
+        for name in order:
+            steps, lengths = [], []
+            for _ in range(opts["steps"]):
+                steps.append(_timed_step(pipes[name], opts))
+                lengths.append(pipes[name]["lengths"])
+            seconds, real, computed = (sum(x[i] for x in steps) for i in range(3))
+            row[name] = {"seconds": seconds, "real_tokens": real, "computed_tokens": computed, "lengths": lengths}
+        rounds.append(row)
+    return {"rounds": rounds}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(rounds: list[dict[str, dict[str, Any]]], opts: dict[str, Any]) -> dict[str, Any]:
+    """Per policy its measured real tokens/s (median over rounds, with min and max) and padding share; the ratios
+    round by round."""
+    policies = {}
+    for name in opts["policies"]:
+        tps = [r[name]["real_tokens"] / r[name]["seconds"] for r in rounds]
+        real = sum(r[name]["real_tokens"] for r in rounds)
+        computed = sum(r[name]["computed_tokens"] for r in rounds)
+        steps = [lengths for r in rounds for lengths in r[name]["lengths"]]
+        policies[name] = {"real_tokens_per_s": _spread(tps), "padding": 1 - real / computed,
+                          "predicted_tokens_per_s": predicted_tokens_per_s(name, steps, opts)}
+    ratios = {}
+    for a, b in RATIOS:
+        if a in opts["policies"] and b in opts["policies"]:
+            ratios[f"{a}/{b}"] = _spread([(r[a]["real_tokens"] / r[a]["seconds"]) / (r[b]["real_tokens"] /
+                                                                                        r[b]["seconds"])
+                                          for r in rounds])
+    return {"policies": policies, "ratios": ratios}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--lengths", default=None, metavar="FILE", help="one document length per line (default: shipped)")
+    ap.add_argument("--stages", type=int, default=4, help="pipeline ranks P (default 4)")
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--chunks", type=int, default=None)
+    ap.add_argument("--model", default="gpt-tiny", help="a reference model preset (default gpt-tiny)")
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="evenpipe profile of the model at --seq-len on this host: predicted tokens/s beside")
+    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per row (longer documents are split)")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--microbatch-size", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2, help="measured steps per policy per round (default 2)")
+    ap.add_argument("--repeats", type=int, default=5, help="rounds (default 5)")
+    ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = ap.parse_args()
+    policies = args.policies.split(",")
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or args.repeats < 1 or args.steps < 1:
+        sys.exit(f"bench_varlen: policies must be among {', '.join(POLICIES)} (got {args.policies!r}); "
+                 "--repeats and --steps >= 1")
+    from evenpipe.errors import ConfigError
+    from evenpipe.plan.lengths import read_lengths, shipped_lengths, shipped_lengths_path
+    try:
+        lengths = read_lengths(args.lengths) if args.lengths else shipped_lengths()
+    except ConfigError as exc:
+        sys.exit(f"bench_varlen: {exc}")
+    with tempfile.TemporaryDirectory(prefix="evenpipe-varlen-") as tmp:
+        path = write_documents(lengths, pathlib.Path(tmp), vocab=256, seed=0)
+        opts = {"path": str(path), "policies": policies, "model": args.model, "profile": args.profile,
+                "stages": args.stages, "seq_len": args.seq_len, "schedule": args.schedule,
+                "chunks": args.chunks, "microbatches": args.microbatches, "microbatch_size": args.microbatch_size,
+                "steps": args.steps, "repeats": args.repeats}
+        load_before = os.getloadavg()[0]
+        ranks = answers_or_exit(args.stages, _worker, opts)
+        load_after = os.getloadavg()[0]
+    result = {"lengths": args.lengths or shipped_lengths_path().name, "documents": len(lengths),
+              **{k: v for k, v in opts.items() if k != "path"},
+              "load_average_1min": [load_before, load_after], **summarize(ranks[0]["rounds"], opts)}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{result['documents']} documents from {result['lengths']}; {args.model}, {args.schedule} P={args.stages} M={args.microbatches} b={args.microbatch_size}, rows of "
+          f"{args.seq_len}; {args.repeats} rounds of {args.steps} steps a policy; load {load_before:.1f} -> "
+          f"{load_after:.1f}")
+    print(f"{'policy':10s} {'real tokens/s (median, min-max)':>32s} {'padding':>8s} {'predicted':>10s}")
+    for name, row in result["policies"].items():
+        t = row["real_tokens_per_s"]
+        pred = row["predicted_tokens_per_s"]
+        print(f"{name:10s} {t['median']:14.0f} ({t['min']:.0f}-{t['max']:.0f}) {row['padding']:8.1%} "
+              f"{'-' if pred is None else f'{pred:.0f}':>10s}")
+    for name, r in result["ratios"].items():
+        print(f"{name:18s} {r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f})")
+
+
+if __name__ == "__main__":
+    main()
