@@ -19,6 +19,7 @@ from evenpipe.schedule.semantics import SEMANTICS
 
 from evenpipe.cost.analytic_source import AnalyticSource
 from evenpipe.cost.categories import MEMORY_CATEGORIES
+from evenpipe.cost.microbatch_costs import bpipe_weights
 from evenpipe.cost.memory import build_cost_schedule, rank_activation_peaks, tied_table
 from evenpipe.cost.parallel import ParallelConfig, stage_layers
 from evenpipe.cost.profiled_source import ProfiledSource
@@ -60,7 +61,7 @@ def message_buffer_peak(schedule: Schedule, rank: int, message_bytes: float) -> 
 
 def peak_bytes_by_category(source: CostSource, cfg: ParallelConfig) -> tuple[dict[str, int], ...]:
     """Per pipeline rank, the predicted peak bytes of every category (see the module docstring)."""
-    schedule = build_cost_schedule(cfg, source.plan_durations(cfg))
+    schedule = build_cost_schedule(cfg, source.plan_durations(cfg), bpipe_weights(source, cfg))
     layers = stage_layers(source.model, cfg)
     counts = source.param_counts(cfg)
     shape = shape_of(source.model, cfg)

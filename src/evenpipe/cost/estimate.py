@@ -28,7 +28,7 @@ from evenpipe.sim import SimCosts, Trace, simulate
 from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step
 from evenpipe.cost.hardware import GIB, Hardware
 from evenpipe.cost.memory import StageMemory, build_cost_schedule, cost_schedule_key, stage_memory
-from evenpipe.cost.microbatch_costs import config_sim_costs
+from evenpipe.cost.microbatch_costs import bpipe_weights, config_sim_costs
 from evenpipe.cost.parallel import ParallelConfig, stage_layers
 from evenpipe.cost.source import CostSource, Holding, ParamCounts, shape_of
 from evenpipe.cost.specs import ModelSpec
@@ -207,9 +207,12 @@ def _simulated(source: CostSource, cfg: ParallelConfig) -> _Pipeline:
     durations = source.plan_durations(cfg)
     costs = config_sim_costs(source, cfg)
 
+    weights = bpipe_weights(source, cfg)
+
     def run() -> tuple[SimCosts, _Pipeline]:
-        return costs, _pipeline(simulate(build_cost_schedule(cfg, durations), costs), stage_layers(source.model, cfg))
-    held, pipeline = _pipelines.get((cost_schedule_key(cfg, durations), id(costs)), run)
+        return costs, _pipeline(simulate(build_cost_schedule(cfg, durations, weights), costs),
+                                stage_layers(source.model, cfg))
+    held, pipeline = _pipelines.get((cost_schedule_key(cfg, durations, weights), id(costs)), run)
     return pipeline if held is costs else run()[1]  # ``is``: an id reused by another object
 
 

@@ -35,8 +35,11 @@ from evenpipe.cost.specs import ModelSpec
 from evenpipe.cost.states import (BYTES_GRAD, BYTES_OPTIMIZER, BYTES_WEIGHT, embedding_params_per_rank,
                                   layer_params_per_rank)
 from evenpipe.cost.source import CostSource, StateBytes, shape_of
+from evenpipe.cost.microbatch_costs import bpipe_weights
 from evenpipe.cost.timing import Efficiency
 
+Weights = tuple[float, ...]
+"""Unequal micro-batches: each one's activation units for BPipe's eviction plan."""
 PlanDurations = tuple[int, int, int]
 """Integer durations of F, I and W (see :func:`evenpipe.schedule.build.plan_durations_for`)."""
 
@@ -85,17 +88,22 @@ class StageMemory:
                 "head": self.head, "total": self.total}
 
 
-def build_cost_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None = None) -> Schedule:
+def build_cost_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None = None,
+                        weights: Weights | None = None) -> Schedule:
     """The complete, validated schedule ``cfg`` runs (cached on its shape). ``plan_durations``: the F, I, W
-    durations a memory-capped family plans its order with (:func:`evenpipe.cost.timing.cost_plan_durations`)."""
-    return _cached_schedule(*cost_schedule_key(cfg, plan_durations))
+    durations a memory-capped family plans its order with (:func:`evenpipe.cost.timing.cost_plan_durations`);
+    ``weights``: unequal micro-batches' activation units for BPipe's eviction plan
+    (:func:`evenpipe.cost.microbatch_costs.bpipe_weights`)."""
+    return _cached_schedule(*cost_schedule_key(cfg, plan_durations, weights))
 
 
-def cost_schedule_key(cfg: ParallelConfig, plan_durations: PlanDurations | None = None
-                      ) -> tuple[ScheduleFamily, int, int, int, int | None, bool, bool, PlanDurations | None, int]:
+def cost_schedule_key(cfg: ParallelConfig, plan_durations: PlanDurations | None = None,
+                      weights: Weights | None = None
+                      ) -> tuple[ScheduleFamily, int, int, int, int | None, bool, bool, PlanDurations | None, int,
+                                 Weights | None]:
     """What :func:`build_cost_schedule` of ``cfg`` depends on: configurations with one key run one schedule."""
     return (cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks, cfg.bpipe_budget, cfg.recompute is Recompute.FULL,
-            cfg.bpipe, plan_durations, cfg.offload_ranks)
+            cfg.bpipe, plan_durations, cfg.offload_ranks, weights)
 
 
 _SCHEDULE_ACTIONS = 1_500_000
@@ -106,13 +114,17 @@ _schedules: RecentMemo[Schedule] = RecentMemo(1, weight=lambda s: sum(map(len, s
 
 
 def _cached_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int | None,
-                     recompute: bool, bpipe: bool, plan_durations: PlanDurations | None, offload: int) -> Schedule:
-    return _schedules.get((family, p, m, v, budget, recompute, bpipe, plan_durations, offload), lambda: build_schedule(
+                     recompute: bool, bpipe: bool, plan_durations: PlanDurations | None, offload: int,
+                     weights: Weights | None = None) -> Schedule:
+    key = (family, p, m, v, budget, recompute, bpipe, plan_durations, offload, weights)
+    return _schedules.get(key, lambda: build_schedule(
         family, num_ranks=p, num_microbatches=m, num_chunks=v, bpipe_budget=budget, recompute=recompute,
-        bpipe=bpipe, plan_durations=plan_durations, offload_ranks=frozenset(range(offload))))
+        bpipe=bpipe, plan_durations=plan_durations, offload_ranks=frozenset(range(offload)),
+        bpipe_weights=weights if bpipe or family is ScheduleFamily.BPIPE else None))
 
 
-def counting_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None = None) -> Schedule:
+def counting_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None = None,
+                      weights: Weights | None = None) -> Schedule:
     """What in-flight counting needs, cheaply: the compute order (plus BPipe's evict/load actions) of at most
     2·p micro-batches (all of them for GPipe and looped BFS, whose peaks grow with m). The other families'
     per-rank peaks saturate by m = 2·p (1F1B: min(p - r, m); interleaved: min(v·p + p - 1, v·m) chunks; ZB-H1
@@ -123,16 +135,17 @@ def counting_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None 
     if cfg.schedule.traits.memory_saturates and m > keep and cfg.microbatch_shapes is None:
         m = keep
     return _cached_counting_schedule(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.bpipe_budget, cfg.uses_bpipe,
-                                     plan_durations, cfg.offload_ranks)
+                                     plan_durations, cfg.offload_ranks, weights)
 
 
 @functools.lru_cache(maxsize=128)
 def _cached_counting_schedule(family: ScheduleFamily, p: int, m: int, v: int, budget: int | None, bpipe: bool,
-                              plan_durations: PlanDurations | None, offload: int = 0) -> Schedule:
+                              plan_durations: PlanDurations | None, offload: int = 0,
+                              weights: Weights | None = None) -> Schedule:
     compute = compute_order(family, num_ranks=p, num_microbatches=m, num_chunks=v, plan_durations=plan_durations)
     if offload:
         compute = add_offload(compute, ranks=set(range(offload)), prefetch=True)
-    return bpipe_transform(compute, budget=budget) if bpipe else compute
+    return bpipe_transform(compute, budget=budget, weights=weights) if bpipe else compute
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,7 +373,7 @@ def stage_memory(source: CostSource, cfg: ParallelConfig) -> tuple[StageMemory, 
     layers = stage_layers(model, cfg)
     if cfg.num_stages > model.num_layers:
         raise ConfigError(f"pp·chunks = {cfg.num_stages} stages exceed the {model.num_layers} layers of {model.name}")
-    schedule = counting_schedule(cfg, source.plan_durations(cfg))
+    schedule = counting_schedule(cfg, source.plan_durations(cfg), bpipe_weights(source, cfg))
     counts = source.param_counts(cfg)
     last = schedule.num_stages - 1
     out: list[StageMemory] = []
@@ -389,7 +402,7 @@ def rank_activation_peaks(source: CostSource, cfg: ParallelConfig) -> list[tuple
     """Per pipeline rank: its activations at the moment of its largest total (bytes), and the stage output it
     holds until the output is sent (0 unless the source's runtime holds it)."""
     layers = stage_layers(source.model, cfg)
-    schedule = counting_schedule(cfg, source.plan_durations(cfg))
+    schedule = counting_schedule(cfg, source.plan_durations(cfg), bpipe_weights(source, cfg))
     shape = shape_of(source.model, cfg)
     shapes = cfg.microbatch_shapes
     last = schedule.num_stages - 1

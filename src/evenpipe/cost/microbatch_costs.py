@@ -16,7 +16,7 @@ from evenpipe.cost.parallel import ParallelConfig
 from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.cost.source import CostSource, shape_of
 
-__all__ = ["microbatch_sim_costs", "config_sim_costs"]
+__all__ = ["microbatch_sim_costs", "config_sim_costs", "bpipe_weights"]
 
 
 def microbatch_sim_costs(source: CostSource, cfg: ParallelConfig, shapes: Sequence[MicrobatchShape]) -> SimCosts:
@@ -34,6 +34,18 @@ def microbatch_sim_costs(source: CostSource, cfg: ParallelConfig, shapes: Sequen
         return first
     return SimCosts.per_microbatch([by_shape[sh].stages for sh in shapes], default_link=first.default_link,
                                    links=first.links)
+
+
+def bpipe_weights(source: CostSource, cfg: ParallelConfig) -> tuple[float, ...] | None:
+    """BPipe's activation units of each micro-batch of ``cfg``: its layer's saved bytes over the largest
+    micro-batch's (so the budget counts units of the largest); None when ``cfg`` evicts nothing or its
+    micro-batches are alike."""
+    shapes = cfg.microbatch_shapes
+    if not cfg.uses_bpipe or shapes is None or len(set(shapes)) == 1:
+        return None
+    saved = {sh: source.layer_bytes(cfg, 0, sh).layer_saved for sh in set(shapes)}
+    top = max(saved.values())
+    return tuple(saved[sh] / top for sh in shapes) if top > 0 else None
 
 
 def config_sim_costs(source: CostSource, cfg: ParallelConfig) -> SimCosts:

@@ -60,20 +60,31 @@ def default_bpipe_budget(num_ranks: int) -> int:
     return math.ceil((num_ranks + 1) / 2)
 
 
-def held_units_trace(actions: tuple[Action, ...]) -> list[int]:
-    """Held units (own plus hosted) after each action of one rank, in program order."""
-    held, out = 0, []
+Weights = tuple[float, ...]
+"""Unequal micro-batches: each micro-batch's activation units (its bytes over one unit's), by micro-batch index."""
+_EPS = 1e-9
+"""Slack for sums of weights against a budget (whole units compare exactly)."""
+
+
+def held_units_trace(actions: tuple[Action, ...], weights: Weights | None = None) -> list[float]:
+    """Held units (own plus hosted) after each action of one rank, in program order; a micro-batch counts its
+    weight when ``weights`` are given."""
+    held: float = 0
+    out: list[float] = []
     units = _UNITS
     for a in actions:
-        held += units[a.kind.code]
+        held += units[a.kind.code] if weights is None else units[a.kind.code] * weights[a.microbatch]
         out.append(held)
     return out
 
 
-def held_units(schedule: Schedule) -> list[int]:
-    """Peak held activation units (own plus hosted) of each rank, counted in program order."""
+def held_units(schedule: Schedule, weights: Weights | None = None) -> list[float]:
+    """Peak held activation units (own plus hosted) of each rank, counted in program order (weighted by
+    micro-batch with ``weights``)."""
     units = _UNITS
-    return [max(accumulate(map(units.__getitem__, kinds)), default=0) for kinds in schedule.columns.kinds]
+    if weights is None:
+        return [max(accumulate(map(units.__getitem__, kinds)), default=0) for kinds in schedule.columns.kinds]
+    return [max(held_units_trace(acts, weights), default=0) for acts in schedule.actions]
 
 
 def bpipe_pairs(compute: Schedule) -> tuple[tuple[int, int], ...]:
@@ -87,21 +98,24 @@ def bpipe_pairs(compute: Schedule) -> tuple[tuple[int, int], ...]:
     return tuple((order[i], order[P - 1 - i]) for i in range(P // 2))
 
 
-def lowest_bpipe_budget(schedule: Schedule) -> int:
+def lowest_bpipe_budget(schedule: Schedule, weights: Weights | None = None) -> int:
     """The lowest balanced peak the pairing of :func:`bpipe_pairs` allows: the smallest budget, from the mean
-    of each pair's peaks up, for which the transform finds a schedule (``ceil((P+1)/2)`` for 1F1B, M >= P)."""
+    of each pair's peaks up, for which the transform finds a schedule (``ceil((P+1)/2)`` for 1F1B, M >= P);
+    whole units, each micro-batch counting its weight when ``weights`` are given."""
     compute = schedule.compute_only()
     timing = witness_timing(compute)
     pairs = bpipe_pairs(compute)
-    peaks = held_units(compute)
+    peaks = held_units(compute, weights)
     paired = {r for pair in pairs for r in pair}
-    start = max([math.ceil((peaks[e] + peaks[a]) / 2) for e, a in pairs]
-                + [peaks[r] for r in range(compute.num_ranks) if r not in paired] + [1])
-    top = max(peaks, default=1)
-    return next((k for k in range(start, top + 1) if _plan(compute, timing, k, pairs) is not None), top)
+    start = max([math.ceil((peaks[e] + peaks[a]) / 2 - _EPS) for e, a in pairs]
+                + [math.ceil(peaks[r] - _EPS) for r in range(compute.num_ranks) if r not in paired] + [1])
+    top = max(math.ceil(max(peaks, default=1) - _EPS), 1)
+    return next((k for k in range(start, top + 1) if _plan(compute, timing, k, pairs, weights=weights) is not None),
+                top)
 
 
-def bpipe_transform(schedule: Schedule, *, budget: int | None = None, balance: bool = True) -> Schedule:
+def bpipe_transform(schedule: Schedule, *, budget: int | None = None, balance: bool = True,
+                    weights: Weights | None = None) -> Schedule:
     """Add BPipe's EVICT/LOAD (and derived ACCEPT/RETURN plus all SEND/RECV) so every rank holds <= ``budget``.
 
     Works on any schedule whose stages do not hand activations to a stage on the same rank (1F1B, GPipe,
@@ -112,11 +126,18 @@ def bpipe_transform(schedule: Schedule, *, budget: int | None = None, balance: b
     one micro-batch anyway, so that every rank peaks at the budget: balanced memory for one extra overlapped
     evict/load per step. A larger budget is slack the caller asked for, and nothing moves that need not.
 
+    ``weights``: unequal micro-batches, each micro-batch's activation units (its bytes over a unit's, e.g. over
+    the largest micro-batch's); held units then add up weights, so the evictor evicts by bytes (a small
+    micro-batch frees less room, a large one more) and the acceptor's check counts what it hosts.
+
     The schedule's transfers are ignored and derived again. Raises ``ConfigError`` naming the smallest budget
     that works when ``budget`` cannot be met.
     """
-    return _TRANSFORMED.get(schedule, (budget, balance),
-                            lambda: _transform(schedule, budget=budget, balance=balance))
+    if weights is not None and (len(weights) != schedule.num_microbatches or not all(w > 0 for w in weights)):
+        raise ConfigError(f"bpipe weights: need {schedule.num_microbatches} micro-batch weights > 0, got "
+                          f"{len(weights)} (smallest {min(weights, default=0)})")
+    return _TRANSFORMED.get(schedule, (budget, balance, weights),
+                            lambda: _transform(schedule, budget=budget, balance=balance, weights=weights))
 
 
 _TRANSFORMED: ObjectMemo[Schedule] = ObjectMemo(4)
@@ -124,7 +145,7 @@ _TRANSFORMED: ObjectMemo[Schedule] = ObjectMemo(4)
 so the same input object gets the same answer (the planner counts memory on the schedule it then estimates)."""
 
 
-def _transform(schedule: Schedule, *, budget: int | None, balance: bool) -> Schedule:
+def _transform(schedule: Schedule, *, budget: int | None, balance: bool, weights: Weights | None) -> Schedule:
     """:func:`bpipe_transform` itself."""
     P = schedule.num_ranks
     local = [s for s in range(schedule.num_stages - 1) if schedule.rank_of(s) == schedule.rank_of(s + 1)]
@@ -135,68 +156,75 @@ def _transform(schedule: Schedule, *, budget: int | None, balance: bool) -> Sche
     if budget is not None and budget < 1:
         raise ConfigError(f"bpipe budget must be >= 1 activation unit, got {budget}")
     compute = schedule.compute_only()
-    default = lowest_bpipe_budget(compute)
+    default = lowest_bpipe_budget(compute, weights)
     K = default if budget is None else budget
     timing = witness_timing(compute)
     pairs = bpipe_pairs(compute)
     meta = {**schedule.meta, "bpipe": True, "budget": K, "pairs": [list(p) for p in pairs]}
-    lists = _plan(compute, timing, K, pairs, balance=balance and K <= default)
+    if weights is not None:
+        meta["weighted"] = True
+    lists = _plan(compute, timing, K, pairs, balance=balance and K <= default, weights=weights)
     if lists is None:
-        no_eviction = max(held_units(compute), default=0)
+        no_eviction = math.ceil(max(held_units(compute, weights), default=0) - _EPS)
         smallest = next((k for k in range(K + 1, no_eviction + 1)
-                         if _plan(compute, timing, k, pairs) is not None), no_eviction)
+                         if _plan(compute, timing, k, pairs, weights=weights) is not None), no_eviction)
         raise ConfigError(f"bpipe budget {K} cannot be met for {P} ranks and {schedule.num_microbatches} "
                           f"micro-batches; the smallest budget that works is {smallest}")
     marked = compute.with_actions(lists)
     reuse_witness(marked, compute)  # the markers change no compute's witness time
     result = derive_communication(marked)
-    assert max(held_units(result), default=0) <= K, "acceptor check disagrees with the derived schedule"
-    assert all(sum(_own_and_hosted_peaks_of_codes(kinds)) <= K for kinds in result.columns.kinds), \
-        "acceptor overlap exceeds budget"
+    assert max(held_units(result, weights), default=0) <= K + _EPS, "acceptor check disagrees with the derived schedule"
+    if weights is None:
+        assert all(sum(_own_and_hosted_peaks_of_codes(kinds)) <= K for kinds in result.columns.kinds), \
+            "acceptor overlap exceeds budget"
+    else:
+        assert all(sum(_own_and_hosted_peaks(acts, weights)) <= K + _EPS for acts in result.actions), \
+            "acceptor overlap exceeds budget"
     return result.renamed(result.name, meta)
 
 
 def _plan(compute: Schedule, timing: WitnessTiming, budget: int, pairs: tuple[tuple[int, int], ...], *,
-          balance: bool = False) -> list[list[Action]] | None:
+          balance: bool = False, weights: Weights | None = None) -> list[list[Action]] | None:
     """Every rank's compute list with EVICT/LOAD markers on evictors, or ``None`` if some rank would exceed
     ``budget``. Acceptors are checked in the program order :func:`derive_communication` will give them.
     With ``balance``, pairs whose acceptor would stay below the budget move one extra micro-batch."""
     lists = [list(acts) for acts in compute.actions]
     paired = {r for pair in pairs for r in pair}
-    if any(max(held_units_trace(compute.actions[r]), default=0) > budget
+    if any(max(held_units_trace(compute.actions[r], weights), default=0) > budget + _EPS
            for r in range(compute.num_ranks) if r not in paired):
         return None
     for r, partner in pairs:
-        planned = _pair_plan(compute, timing, budget, r, partner)
+        planned = _pair_plan(compute, timing, budget, r, partner, weights)
         if planned is None:
             return None
         marked, peak = planned
-        if balance and peak < budget:
-            marked = _balanced(compute, timing, budget, r, partner, peak) or marked
+        if balance and peak < budget - _EPS:
+            marked = _balanced(compute, timing, budget, r, partner, peak, weights) or marked
         lists[r] = marked
     return lists
 
 
-_PAIR_PLANS: ObjectMemo[dict[tuple[int, int, int], "tuple[list[Action], int] | None"]] = ObjectMemo(1)
+_PAIR_PLANS: ObjectMemo[dict[tuple[int, int, int, Weights | None], "tuple[list[Action], float] | None"]] = \
+    ObjectMemo(1)
 """For the last compute order asked about: (budget, evictor, acceptor) -> :func:`_pair_plan`'s answer (the budget
 search and the final transform ask the same questions of one order)."""
 
 
-def _pair_plan(compute: Schedule, timing: WitnessTiming, budget: int, rank: int, partner: int
-               ) -> tuple[list[Action], int] | None:
+def _pair_plan(compute: Schedule, timing: WitnessTiming, budget: int, rank: int, partner: int,
+               weights: Weights | None = None) -> tuple[list[Action], float] | None:
     """The evictor's marked list and the acceptor's peak, or ``None`` when no placement meets ``budget``:
     evictions right after their forwards if the acceptor then fits, else right before the computes that need
     the room. Remembered for the last compute order asked about (callers never mutate the list)."""
     plans = _PAIR_PLANS.get(compute, None, dict)
-    key = (budget, rank, partner)
+    key = (budget, rank, partner, weights)
     if key not in plans:
         answer = None
         for early in (True, False):  # prefer overlapping the eviction with compute; fall back for the acceptor
-            marked = _evict_and_load(compute.actions[rank], budget, partner=partner, early=early)
+            marked = _evict_and_load(compute.actions[rank], budget, partner=partner, early=early, weights=weights)
             if marked is None:
                 break
-            peak = _acceptor_peak(compute.actions[partner], timing, partner, marked, timing.start[rank])
-            if peak <= budget:
+            peak = _acceptor_peak(compute.actions[partner], timing, partner, marked, timing.start[rank], weights)
+            if peak <= budget + _EPS:
                 answer = (marked, peak)
                 break
         plans[key] = answer
@@ -208,7 +236,7 @@ _BALANCE_TRIES = 4
 
 
 def _balanced(compute: Schedule, timing: WitnessTiming, budget: int, rank: int, partner: int,
-              peak: int) -> list[Action] | None:
+              peak: float, weights: Weights | None = None) -> list[Action] | None:
     """The evictor's list with one extra micro-batch moved so that the acceptor also peaks at ``budget``.
 
     Used where the acceptor would stay below the budget (the middle pair of an even ``p``): evicting one
@@ -219,11 +247,11 @@ def _balanced(compute: Schedule, timing: WitnessTiming, budget: int, rank: int, 
     first_backward = next((i for i, a in enumerate(acts) if a.kind is not _F), len(acts))
     forwards = [a.key for a in acts[max(0, first_backward - 1):] if a.kind is _F]
     for key in forwards[:_BALANCE_TRIES]:
-        marked = _evict_and_load(acts, budget, partner=partner, early=True, forced=frozenset({key}))
+        marked = _evict_and_load(acts, budget, partner=partner, early=True, forced=frozenset({key}), weights=weights)
         if marked is None:
             continue
-        moved = _acceptor_peak(compute.actions[partner], timing, partner, marked, timing.start[rank])
-        if peak < moved <= budget:
+        moved = _acceptor_peak(compute.actions[partner], timing, partner, marked, timing.start[rank], weights)
+        if peak < moved <= budget + _EPS:
             return marked
     return None
 
@@ -234,6 +262,18 @@ def _own_and_hosted_peaks_of_codes(codes: list[int]) -> tuple[int, int]:
     own = max(accumulate(map(_OWN_UNITS.__getitem__, codes)), default=0)
     hosted = max(accumulate(map(_HOSTED_UNITS.__getitem__, codes)), default=0)
     return max(own, 0), max(hosted, 0)
+
+
+def _own_and_hosted_peaks(actions: tuple[Action, ...], weights: Weights) -> tuple[float, float]:
+    """:func:`_own_and_hosted_peaks_of_codes` with each micro-batch counting its weight."""
+    own = hosted = own_peak = hosted_peak = 0.0
+    for a in actions:
+        code = a.kind.code
+        w = weights[a.microbatch]
+        own += _OWN_UNITS[code] * w
+        hosted += _HOSTED_UNITS[code] * w
+        own_peak, hosted_peak = max(own_peak, own), max(hosted_peak, hosted)
+    return own_peak, hosted_peak
 
 
 _OWN_UNITS = tuple(0 if hosted else units for units, hosted in zip(_UNITS, _HOSTED))
@@ -258,14 +298,19 @@ def _marker_times(marked: list[Action], compute_starts: tuple[int, ...]) -> list
 
 
 def _acceptor_peak(own: tuple[Action, ...], timing: WitnessTiming, acceptor: int, marked: list[Action],
-                   evictor_starts: tuple[int, ...]) -> int:
+                   evictor_starts: tuple[int, ...], weights: Weights | None = None) -> float:
     """Peak held units of an acceptor: its own computes merged with ACCEPT/RETURN at the evictor's marker
     times, messages first at equal times, and an ACCEPT due while a backward runs (with the messages before
     it) ahead of that backward: the order :func:`derive_communication` produces. At least its own peak plus its
-    hosted peak, since the acceptor's forwards do not wait for its returns to land (:mod:`evenpipe.sim.engine`)."""
+    hosted peak, since the acceptor's forwards do not wait for its returns to land (:mod:`evenpipe.sim.engine`).
+    Each micro-batch counts its weight when ``weights`` are given."""
     events = _marker_times(marked, evictor_starts)
     own_starts, own_finishes = timing.start[acceptor], timing.finish[acceptor]
-    held = peak = j = hosted = hosted_peak = 0
+    j = 0
+    held: float = 0
+    peak: float = 0
+    hosted: float = 0
+    hosted_peak: float = 0
     for i, a in enumerate(own):
         last = j
         while last < len(events) and events[last][0] <= own_starts[i]:
@@ -277,22 +322,29 @@ def _acceptor_peak(own: tuple[Action, ...], timing: WitnessTiming, acceptor: int
                 if events[k][1].kind is ActionKind.EVICT:
                     last = k + 1
         for _, m in events[j:last]:
-            step = 1 if m.kind is ActionKind.EVICT else -1
+            step = _marker_step(m, weights)
             held, hosted = held + step, hosted + step
             peak, hosted_peak = max(peak, held), max(hosted_peak, hosted)
         j = last
-        held += _UNITS[a.kind.code]
+        held += _UNITS[a.kind.code] if weights is None else _UNITS[a.kind.code] * weights[a.microbatch]
         peak = max(peak, held)
     for _, m in events[j:]:
-        step = 1 if m.kind is ActionKind.EVICT else -1
+        step = _marker_step(m, weights)
         held, hosted = held + step, hosted + step
         peak, hosted_peak = max(peak, held), max(hosted_peak, hosted)
-    own_peak = max(held_units_trace(own), default=0)
+    own_peak = max(held_units_trace(own, weights), default=0)
     return max(peak, own_peak + hosted_peak)
 
 
+def _marker_step(m: Action, weights: Weights | None) -> float:
+    """What an acceptor's ACCEPT (+) or RETURN (-) of an evictor's marker ``m`` adds to its held units."""
+    step = 1 if m.kind is ActionKind.EVICT else -1
+    return step if weights is None else step * weights[m.microbatch]
+
+
 def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int, early: bool,
-                    forced: frozenset[tuple[int, int]] = frozenset()) -> list[Action] | None:
+                    forced: frozenset[tuple[int, int]] = frozenset(),
+                    weights: Weights | None = None) -> list[Action] | None:
     """The evictor's compute list with EVICT/LOAD markers inserted, or ``None`` if ``budget`` is unreachable.
 
     Walks the list keeping ``held`` (units in program order). Before a compute that would push ``held`` over
@@ -300,7 +352,8 @@ def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int, earl
     each ``EVICT`` goes right after the victim's own ``F`` (and its send), so the transfer overlaps the computes
     in between, which only lowers ``held`` there; otherwise it goes right before the compute that needs the
     room, which keeps the acceptor's hosting window one slot shorter. Micro-batches in ``forced`` are evicted
-    right after their ``F`` whether or not room is needed.
+    right after their ``F`` whether or not room is needed. ``weights``: each micro-batch counts its weight (held
+    units, the room a victim frees and a load takes).
     """
     kinds = [a.kind for a in acts]
     keys = [(a.stage, a.microbatch) for a in acts]
@@ -311,7 +364,10 @@ def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int, earl
             first_use.setdefault(key, i)
     count = len(acts)
     units = _UNITS
-    held = 0
+
+    def size(ks: list[tuple[int, int]]) -> float:
+        return len(ks) if weights is None else sum(weights[k[1]] for k in ks)
+    held: float = 0
     away: set[tuple[int, int]] = set()
     evictable: set[tuple[int, int]] = set()  # own units forwarded, not yet used, never evicted
     farthest: list[tuple[int, tuple[int, int]]] = []  # max-heap on first use, lazily pruned
@@ -328,15 +384,17 @@ def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int, earl
                 must.append(key)
             j = i + 1
             ahead = [keys[j]] if (j < count and using[j] and keys[j] in away and keys[j] not in must) else []
-            if not forward and held + len(must) + len(ahead) > budget:
+            if not forward and held + size(must) + size(ahead) > budget + _EPS:
                 deferred, ahead = ahead, []
             else:
                 deferred = []
             loads = must + ahead
         else:  # nothing away: nothing to load
             deferred = loads = []
-        need = held + len(loads) + (1 if forward else 0) - budget
-        victims = _pick_victims(farthest, evictable, set(loads) | {key}, need) if need > 0 else []
+        own = 1 if weights is None else weights[key[1]]
+        loading = size(loads)
+        need = held + loading + (own if forward else 0) - budget
+        victims = _pick_victims(farthest, evictable, set(loads) | {key}, need, weights) if need > _EPS else []
         if victims is None:
             return None
         if victims or loads:
@@ -344,24 +402,24 @@ def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int, earl
             if early:
                 evict_after_forward.update(zip(victims, evicts))
                 evicts = []
-            first = max(0, held + len(loads) - budget) if evicts else 0  # these must leave before the loads land
+            first = _leaving_first(victims, held + loading - budget, weights) if evicts else 0
             markers = evicts[:first] + [Action(ActionKind.LOAD, k[0], k[1], partner) for k in loads] + evicts[first:]
             if markers:
                 markers_before[i] = markers
             evictable.difference_update(victims)
             away.update(victims)
             away.difference_update(loads)
-        held += len(loads) - len(victims) + units[kind.code]
+        held += loading - size(victims) + units[kind.code] * own
         if forward and key in forced:
             evict_after_forward[key] = Action(ActionKind.EVICT, key[0], key[1], partner)
             away.add(key)
-            held -= 1
+            held -= own
         elif forward:
             evictable.add(key)
             heapq.heappush(farthest, (-first_use.get(key, count), key))
         elif uses:
             evictable.discard(key)
-        if held > budget:
+        if held > budget + _EPS:
             return None
     out: list[Action] = []
     for i, a in enumerate(acts):
@@ -373,12 +431,29 @@ def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int, earl
     return out
 
 
+def _leaving_first(victims: list[tuple[int, int]], over: float, weights: Weights | None) -> int:
+    """How many of ``victims`` (in order) must leave before the loads land: the fewest that free ``over`` units."""
+    if over <= _EPS:
+        return 0
+    if weights is None:
+        return int(over)
+    freed = 0.0
+    for n, k in enumerate(victims, 1):
+        freed += weights[k[1]]
+        if freed >= over - _EPS:
+            return n
+    return len(victims)
+
+
 def _pick_victims(farthest: list[tuple[int, tuple[int, int]]], evictable: set[tuple[int, int]],
-                  protected: set[tuple[int, int]], count: int) -> list[tuple[int, int]] | None:
-    """Pop ``count`` evictable, unprotected micro-batches whose first backward use is farthest away."""
+                  protected: set[tuple[int, int]], need: float,
+                  weights: Weights | None = None) -> list[tuple[int, int]] | None:
+    """Pop evictable, unprotected micro-batches whose first backward use is farthest away until they free
+    ``need`` units (each one unit, or its weight)."""
     victims: list[tuple[int, int]] = []
     skipped: list[tuple[int, tuple[int, int]]] = []
-    while len(victims) < count and farthest:
+    freed: float = 0
+    while freed < need - _EPS and farthest:
         entry = heapq.heappop(farthest)
         if entry[1] not in evictable:
             continue  # stale: used, freed or already evicted
@@ -386,6 +461,7 @@ def _pick_victims(farthest: list[tuple[int, tuple[int, int]]], evictable: set[tu
             skipped.append(entry)
             continue
         victims.append(entry[1])
+        freed += 1 if weights is None else weights[entry[1][1]]
     for entry in skipped:
         heapq.heappush(farthest, entry)
-    return victims if len(victims) == count else None
+    return victims if freed >= need - _EPS else None

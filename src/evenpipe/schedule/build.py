@@ -29,7 +29,8 @@ __all__ = ["build_schedule", "add_offload", "add_recompute", "compute_order", "p
 def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None,
                    bpipe_budget: int | None = None, recompute: bool | Collection[int] = False,
                    plan_durations: tuple[int, int, int] | None = None, bpipe: bool = False,
-                   link_plan: LinkPlan | None = None, offload_ranks: frozenset[int] = frozenset()) -> Schedule:
+                   link_plan: LinkPlan | None = None, offload_ranks: frozenset[int] = frozenset(),
+                   bpipe_weights: tuple[float, ...] | None = None) -> Schedule:
     """A complete schedule (compute, SEND/RECV, and for bpipe EVICT/ACCEPT/RETURN/LOAD), already validated.
 
     ``num_chunks`` is V, the stages per rank, for ``interleaved`` and ``looped-bfs`` (default 2); the other
@@ -45,7 +46,8 @@ def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbat
     balanced peak the pairing allows. ``link_plan`` is what ``latency-aware`` orders for (times, each link's
     message time, the per-rank activation cap; default: ``plan_durations`` over free links, cap P).
     ``offload_ranks``: ranks that copy their saved activations to host memory (:func:`add_offload`).
-    Bad values raise ``ConfigError``.
+    ``bpipe_weights``: unequal micro-batches, each one's activation units for BPipe's eviction plan
+    (:func:`~evenpipe.schedule.bpipe.bpipe_transform`). Bad values raise ``ConfigError``.
     """
     fam = ScheduleFamily.parse(family)
     num_chunks = fam.traits.chunks.chunks(num_chunks) if num_chunks is None else num_chunks
@@ -55,7 +57,8 @@ def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbat
     with _gc_paused():
         return _build(fam, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks,
                       bpipe_budget=bpipe_budget, recompute=recompute, plan_durations=plan_durations,
-                      bpipe=bpipe or fam is ScheduleFamily.BPIPE, link_plan=link_plan, offload_ranks=offload_ranks)
+                      bpipe=bpipe or fam is ScheduleFamily.BPIPE, link_plan=link_plan, offload_ranks=offload_ranks,
+                      bpipe_weights=bpipe_weights)
 
 
 def plan_durations_for(forward: float, backward_input: float, backward_weight: float) -> tuple[int, int, int]:
@@ -85,7 +88,8 @@ def _gc_paused() -> Iterator[None]:
 
 def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_chunks: int,
            bpipe_budget: int | None, recompute: bool | Collection[int], plan_durations: tuple[int, int, int] | None,
-           bpipe: bool, link_plan: LinkPlan | None = None, offload_ranks: frozenset[int] = frozenset()) -> Schedule:
+           bpipe: bool, link_plan: LinkPlan | None = None, offload_ranks: frozenset[int] = frozenset(),
+           bpipe_weights: tuple[float, ...] | None = None) -> Schedule:
     if bpipe and Transform.BPIPE not in fam.traits.transforms:
         allowed = ", ".join(f.value for f in ScheduleFamily if Transform.BPIPE in f.traits.transforms)
         raise ConfigError(f"--bpipe does not apply to schedule {fam.value!r}; allowed: {allowed}")
@@ -101,7 +105,7 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
     meta: dict[str, object] = {**compute.meta, "family": fam.value, "chunks": num_chunks,
                                "recompute": _recompute_meta(recompute, compute.num_stages)}
     if bpipe:
-        full = bpipe_transform(compute, budget=bpipe_budget)
+        full = bpipe_transform(compute, budget=bpipe_budget, weights=bpipe_weights)
         meta.update(full.meta)
         meta["family"] = fam.value
     elif fam.traits.ordering is Ordering.LATENCY_AWARE:  # receives posted by the planned times, not a witness's

@@ -11,8 +11,8 @@ from evenpipe.cost import ParallelConfig, ScheduleFamily, hardware_preset, model
 from evenpipe.cost.analytic_source import AnalyticSource
 from evenpipe.cost.estimate import estimate_with
 from evenpipe.cost.flops import layer_forward_flops
-from evenpipe.cost.memory import rank_activation_peaks, stage_memory
-from evenpipe.cost.microbatch_costs import microbatch_sim_costs
+from evenpipe.cost.memory import build_cost_schedule, rank_activation_peaks, stage_memory
+from evenpipe.cost.microbatch_costs import bpipe_weights, config_sim_costs, microbatch_sim_costs
 from evenpipe.cost.profile_fit import ProfileModel
 from evenpipe.cost.profiled_source import ProfiledSource
 from evenpipe.cost.shape import MicrobatchShape
@@ -117,3 +117,27 @@ def test_wrong_shapes_are_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match="need 4 shapes") as err:
         ParallelConfig(pp=2, global_batch=4, microbatch_shapes=(_docs(10),))
     assert "\n" not in str(err.value)
+
+
+def test_bpipe_plans_evictions_by_each_micro_batch_bytes() -> None:
+    source = AnalyticSource(LLAMA, H100)
+    short, long_ = _docs(256, 256), _docs(1800)
+    cfg = ParallelConfig(pp=4, global_batch=8, schedule=ScheduleFamily.BPIPE,
+                         microbatch_shapes=tuple([short, long_] * 4))
+    weights = bpipe_weights(source, cfg)
+    assert weights == pytest.approx((512 / 1800, 1.0) * 4)  # flash Llama: saved bytes are linear in tokens
+    assert build_cost_schedule(cfg, source.plan_durations(cfg), weights).meta["weighted"]
+    assert bpipe_weights(source, dataclasses.replace(cfg, schedule=ScheduleFamily.ONE_F_ONE_B)) is None
+    # the budget counts units of the largest micro-batch: every rank's simulated bytes keep to it, with fewer
+    # evictions than counting every micro-batch as a whole unit
+    weighted = build_cost_schedule(cfg, source.plan_durations(cfg), weights)
+    budget = weighted.meta["budget"]
+    unweighted = build_cost_schedule(dataclasses.replace(cfg, bpipe_budget=budget), source.plan_durations(cfg))
+    est = estimate_with(source, cfg)
+    largest = config_sim_costs(source, cfg).stages  # per stage, the largest micro-batch's bytes
+    for r, peak in enumerate(est.activation_peak_simulated_gib):
+        assert peak * 2 ** 30 <= budget * largest[r].activation_bytes * (1 + 1e-9)
+
+    def evictions(schedule) -> int:  # type: ignore[no-untyped-def]
+        return sum(a.kind.name == "EVICT" for acts in schedule.actions for a in acts)
+    assert evictions(weighted) < evictions(unweighted)
