@@ -56,3 +56,4 @@ def test_packed_documents_pipelined_equal_unpipelined(tmp_path: pathlib.Path, po
         assert abs(a - b) / abs(b) < 1e-5, (piped["losses"], single["losses"])
     assert abs(piped["losses"][0] - _reference_first_loss(docs, policy)) < 1e-5
     assert piped["config"]["data"]["microbatching"] == policy
+    assert piped["documents"] == {"documents": 60, "skipped": 1, "cut": 0}  # the empty one skipped, counted

@@ -105,6 +105,11 @@ class DocumentBatches:
         """Documents dropped at load for having fewer than 2 tokens."""
         return self.docs.num_skipped
 
+    def report(self) -> dict[str, int]:
+        """What the run's documents were: kept (pieces counted), skipped at load (fewer than 2 tokens), and how many
+        long ones were cut into pieces."""
+        return {"documents": len(self.docs), "skipped": self.docs.num_skipped, "cut": self.docs.num_split}
+
     def _order(self, epoch: int) -> np.ndarray:
         """The documents' order in ``epoch``, a pure function of ``(seed, epoch)`` (the last two kept)."""
         if epoch not in self._orders:

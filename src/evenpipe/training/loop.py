@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from evenpipe.errors import ConfigError
 from evenpipe.runtime.comm import ParallelGroups, build_groups, collective, init_from_env
+from evenpipe.runtime.data import MicroBatches
 from evenpipe.runtime.mesh import MeshDim
 from evenpipe.training.checkpoint import SaveJob, TrainState, load_checkpoint, newest_complete_checkpoint
 from evenpipe.training.checkpoint_manifest import step_directories
@@ -80,6 +81,8 @@ class _Progress:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    """Tokens trained each step: the rows' positions, or for documents the real ones (padding not counted)."""
     own: int = 0
     hosted: int = 0
     total: int = 0
@@ -196,17 +199,20 @@ def _memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _train_step(job: _Job, step: int) -> tuple[Any, float, float]:
-    """One optimizer step: pipeline, whole-model norm and clipping, AdamW, schedule; (result, lr, norm)."""
+def _train_step(job: _Job, step: int) -> tuple[Any, float, float, int]:
+    """One optimizer step: pipeline, whole-model norm and clipping, AdamW, schedule; (result, lr, norm, tokens
+    trained: padding not counted for documents)."""
     batch = job.data.batch(step, job.config.data.global_batch)
     result = job.executor.step(batch.tokens, batch.targets)
+    tokens = batch.real_tokens() if isinstance(batch, MicroBatches) else job.config.data.global_batch * \
+        job.config.seq_len
     norm = clip_grad_global_norm(job.params, job.groups, job.config.optimizer.clip_grad_norm)
     lr = float(job.optimizer.param_groups[0]["lr"])
     job.optimizer.step()
     job.scheduler.step()
     if job.device.type == "cuda":
         torch.cuda.synchronize(job.device)
-    return result, lr, norm
+    return result, lr, norm, tokens
 
 
 def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSummary:
@@ -216,6 +222,10 @@ def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSumm
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     watch = watchdog or Watchdog(rank=0, timeout_s=config.runtime.initial_timeout_s, status_dir=None)
     job = _build(config)
+    if config.data.source is DataSource.DOCUMENTS and dist.get_rank() == 0:
+        docs = job.data.report()
+        log.info(f"documents: {docs['documents']} from {config.data.path} ({docs['skipped']} skipped, fewer than 2 "
+                 f"tokens; {docs['cut']} cut into pieces)")
     job.slow = SlowRankWatch(config=config, schedule=job.schedule, pp_rank=job.groups.pp_rank, device=job.device)
     watch.rank = dist.get_rank()
     state = _resume(job, watch)
@@ -270,8 +280,9 @@ def _watched_step(job: _Job, watch: Watchdog, step: int, progress: _Progress) ->
     if job.slow is not None:
         job.slow.before_step(job.executor, step)
     t0 = time.perf_counter()
-    result, lr, norm = _train_step(job, step)
+    result, lr, norm, tokens = _train_step(job, step)
     dt = time.perf_counter() - t0
+    progress.tokens.append(tokens)
     if job.slow is not None:
         job.slow.after_step(result.compute_s)
     progress.add(result, dt, norm)
@@ -280,7 +291,7 @@ def _watched_step(job: _Job, watch: Watchdog, step: int, progress: _Progress) ->
     if config.runtime.timeout_s is None:
         watch.timeout_s = timeout_after_step(max(progress.times))
     return StepMetrics(step=step + 1, loss=result.loss, lr=lr, grad_norm=norm, step_time_s=dt,
-                       tokens_per_s=config.data.global_batch * config.seq_len / dt,
+                       tokens_per_s=tokens / dt,
                        peak_activation_bytes=result.peak_activation_bytes, memory_bytes=_memory_bytes(job.device))
 
 
@@ -357,7 +368,9 @@ def _gather_summary(job: _Job, report: RankReport, progress: _Progress, *, first
         summary = summarise([r for r, _ in gathered], progress.losses, progress.grad_norms,
                             eval_losses=progress.eval_losses, num_ranks=job.config.schedule.num_ranks,
                             first_step=first_step,
-                            tokens_per_step=job.config.data.global_batch * job.config.seq_len)
+                            tokens_per_step=job.config.data.global_batch * job.config.seq_len,
+                            tokens_by_step=progress.tokens if job.config.data.source is DataSource.DOCUMENTS
+                            else None)
         log.info("\n" + memory_table(summary, measured=job.measured))
         prediction = _prediction(job, [r for r, _ in gathered], summary.peak_bytes_by_category)
         _write_outputs(job, summary, [rec for _, rec in gathered if rec is not None], prediction)
@@ -412,6 +425,8 @@ def _write_outputs(job: _Job, summary: TrainSummary, recorders: list[Any],
             extra["checkpoints"] = job.writer.report()
         if job.slow is not None and (slow := job.slow.report()) is not None:
             extra["slow_ranks"] = slow
+        if job.config.data.source is DataSource.DOCUMENTS:
+            extra["documents"] = job.data.report()
         with open(out.json_out, "w") as f:
             json.dump({**summary.to_dict(), "model": job.model, "config": job.config.to_dict(), **extra}, f,
                       indent=2)

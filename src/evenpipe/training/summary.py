@@ -56,7 +56,8 @@ class TrainSummary:
     step_time_s: float
     """Median over steps of the slowest rank's step time."""
     tokens_per_s: float
-    """Global tokens per step divided by ``step_time_s``."""
+    """Global tokens per step divided by ``step_time_s``; documents: the steps' real tokens (padding not counted)
+    over their summed times (the slowest rank's)."""
     peak_activation_bytes: tuple[int, ...]
     """Peak own plus hosted activation bytes per pipeline rank."""
     peak_own_bytes: tuple[int, ...]
@@ -81,16 +82,21 @@ class TrainSummary:
 
 def summarise(reports: Sequence[RankReport], losses: Sequence[float], grad_norms: Sequence[float], *,
               eval_losses: Sequence[tuple[int, float]] = (), num_ranks: int, first_step: int,
-              tokens_per_step: int) -> TrainSummary:
-    """Fold every rank's report into the job summary."""
+              tokens_per_step: int, tokens_by_step: Sequence[int] | None = None) -> TrainSummary:
+    """Fold every rank's report into the job summary (``tokens_by_step``: each step's tokens when they differ,
+    documents)."""
     step_times = [max(r.step_times_s[i] for r in reports) for i in range(len(losses))]
     median = statistics.median(step_times) if step_times else float("nan")
+    if tokens_by_step is None:
+        tokens_per_s = tokens_per_step / median if step_times else float("nan")
+    else:
+        tokens_per_s = sum(tokens_by_step) / sum(step_times) if step_times else float("nan")
 
     def per_rank(name: str) -> tuple[int, ...]:
         return tuple(max(getattr(r, name) for r in reports if r.pp_rank == k) for k in range(num_ranks))
     return TrainSummary(losses=tuple(losses), grad_norms=tuple(grad_norms), eval_losses=tuple(eval_losses),
                         first_step=first_step, step_time_s=median,
-                        tokens_per_s=tokens_per_step / median if step_times else float("nan"),
+                        tokens_per_s=tokens_per_s,
                         peak_activation_bytes=per_rank("peak_activation_bytes"),
                         peak_own_bytes=per_rank("peak_own_bytes"), peak_hosted_bytes=per_rank("peak_hosted_bytes"),
                         evicted_bytes_per_step=per_rank("evicted_bytes_per_step"),
