@@ -10,6 +10,12 @@ micro-batch's own durations and bytes (no closed formula). The batch's step is i
 tokens are the documents' (padding excluded). The policies balance with a :class:`MicrobatchCost` read off the
 same source (:func:`microbatch_cost_of`).
 
+What a micro-batch computes: by default its documents only, each attending to itself (a per-document attention
+kernel: tokens = the documents', squared lengths = theirs; a padded row counts its padding). ``row_multiple=m``
+prices it as evenpipe's runtime runs it (:mod:`evenpipe.runtime.document_batches`): ``b`` rows each as long as its
+longest row rounded up to a multiple of ``m`` (at most ``seq_len``), attention over whole rows under a document
+mask (``b·T`` tokens, ``b·T²`` squared lengths).
+
 Public API (for benchmarks and the runtime's measured comparison): :func:`predict_policies` (one batch),
 :func:`predict_throughput` (several batches, summed), :func:`microbatch_shapes` (a plan's shapes) and
 :func:`microbatch_cost_of`.
@@ -25,6 +31,7 @@ from evenpipe.cost.estimate import Estimate, estimate_with
 from evenpipe.cost.parallel import ParallelConfig
 from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.cost.source import CostSource, shape_of
+from evenpipe.errors import ConfigError
 from evenpipe.plan.microbatch import (Microbatch, MicrobatchBudget, MicrobatchCost, MicrobatchPlan, Policy,
                                      parse_policy, plan_microbatches)
 
@@ -100,8 +107,14 @@ def microbatch_cost_of(source: CostSource, cfg: ParallelConfig) -> MicrobatchCos
     return MicrobatchCost(per_token=per_token, per_square=per_square, bytes_per_token=saved / padded.num_tokens)
 
 
-def _shape(mb: Microbatch, lengths: Sequence[int], *, rows: int, seq_len: int, padded: bool) -> MicrobatchShape:
-    """A planned micro-batch's shape: padded rows count their padding; an empty one runs one token."""
+def _shape(mb: Microbatch, lengths: Sequence[int], *, rows: int, seq_len: int, padded: bool,
+           row_multiple: int | None) -> MicrobatchShape:
+    """A planned micro-batch's shape: padded rows count their padding; an empty one runs one token; with
+    ``row_multiple``, whole rows of the longest row's length rounded up (the module docstring)."""
+    if row_multiple is not None:
+        longest = max((sum(lengths[d] for d in row) for row in mb.rows), default=0)
+        width = min(seq_len, max(row_multiple, -(-longest // row_multiple) * row_multiple))
+        return MicrobatchShape.of_documents([width] * rows, size=rows, seq_len=seq_len)
     docs = [lengths[d] for d in mb.documents]
     if not docs:
         return MicrobatchShape(size=rows, seq_len=seq_len, tokens=1, squared_lengths=1)
@@ -111,26 +124,31 @@ def _shape(mb: Microbatch, lengths: Sequence[int], *, rows: int, seq_len: int, p
     return MicrobatchShape.of_documents(docs, size=rows, seq_len=seq_len)
 
 
-def microbatch_shapes(plan: MicrobatchPlan, lengths: Sequence[int], *, rows: int,
-                      seq_len: int) -> tuple[tuple[MicrobatchShape, ...], ...]:
-    """Per replica, its micro-batches' shapes in the order they run."""
+def microbatch_shapes(plan: MicrobatchPlan, lengths: Sequence[int], *, rows: int, seq_len: int,
+                      row_multiple: int | None = None) -> tuple[tuple[MicrobatchShape, ...], ...]:
+    """Per replica, its micro-batches' shapes in the order they run (``row_multiple``: as the runtime computes
+    them, see the module docstring)."""
+    if row_multiple is not None and row_multiple < 1:
+        raise ConfigError(f"row_multiple must be an integer >= 1 (or None), got {row_multiple}")
     padded = plan.policy is Policy.PAD
-    return tuple(tuple(_shape(mb, lengths, rows=rows, seq_len=seq_len, padded=padded) for mb in rep)
-                 for rep in plan.replicas)
+    return tuple(tuple(_shape(mb, lengths, rows=rows, seq_len=seq_len, padded=padded, row_multiple=row_multiple)
+                       for mb in rep) for rep in plan.replicas)
 
 
 def predict_batch(lengths: Sequence[int], *, source: CostSource, cfg: ParallelConfig, policy: "Policy | str",
-                  cost: MicrobatchCost | None = None, num_microbatches: int | None = None) -> BatchPrediction:
+                  cost: MicrobatchCost | None = None, num_microbatches: int | None = None,
+                  row_multiple: int | None = None) -> BatchPrediction:
     """One global batch of documents of ``lengths`` under ``policy`` with ``cfg``'s parallelism and schedule
-    (its ``global_batch`` and shapes are the plan's). Documents longer than the model's ``seq_len`` are refused
-    (ConfigError, one line): split them first."""
+    (its ``global_batch`` and shapes are the plan's; ``num_microbatches`` per replica fixes their count;
+    ``row_multiple``: priced as the runtime computes them, see the module docstring). Documents longer than the
+    model's ``seq_len`` are refused (ConfigError, one line): split them first."""
     policy = parse_policy(policy)
     rows, seq_len = cfg.microbatch_size, source.model.seq_len
     budget = MicrobatchBudget(row_len=seq_len, rows=rows)
     cost = cost or microbatch_cost_of(source, cfg)
     plan = plan_microbatches(lengths, policy=policy, budget=budget, cost=cost, num_replicas=cfg.dp,
                              num_microbatches=num_microbatches)
-    shapes = microbatch_shapes(plan, lengths, rows=rows, seq_len=seq_len)
+    shapes = microbatch_shapes(plan, lengths, rows=rows, seq_len=seq_len, row_multiple=row_multiple)
     count = len(shapes[0])
     estimates: list[Estimate] = []
     for rep in shapes:
@@ -144,19 +162,22 @@ def predict_batch(lengths: Sequence[int], *, source: CostSource, cfg: ParallelCo
 
 
 def predict_policies(lengths: Sequence[int], *, source: CostSource, cfg: ParallelConfig,
-                     policies: Iterable["Policy | str"] = tuple(Policy)) -> dict[Policy, BatchPrediction]:
+                     policies: Iterable["Policy | str"] = tuple(Policy),
+                     row_multiple: int | None = None) -> dict[Policy, BatchPrediction]:
     """:func:`predict_batch` of one global batch under each of ``policies``."""
     cost = microbatch_cost_of(source, cfg)
-    return {parse_policy(p): predict_batch(lengths, source=source, cfg=cfg, policy=p, cost=cost) for p in policies}
+    return {parse_policy(p): predict_batch(lengths, source=source, cfg=cfg, policy=p, cost=cost,
+                                           row_multiple=row_multiple) for p in policies}
 
 
 def predict_throughput(batches: Iterable[Sequence[int]], *, source: CostSource, cfg: ParallelConfig,
-                       policies: Iterable["Policy | str"] = tuple(Policy)) -> dict[Policy, Throughput]:
+                       policies: Iterable["Policy | str"] = tuple(Policy),
+                       row_multiple: int | None = None) -> dict[Policy, Throughput]:
     """:func:`predict_policies` over several global batches, per policy their predictions together."""
     cost = microbatch_cost_of(source, cfg)
     chosen = [parse_policy(p) for p in policies]
     out: dict[Policy, list[BatchPrediction]] = {p: [] for p in chosen}
     for batch in batches:
         for p in chosen:
-            out[p].append(predict_batch(batch, source=source, cfg=cfg, policy=p, cost=cost))
+            out[p].append(predict_batch(batch, source=source, cfg=cfg, policy=p, cost=cost, row_multiple=row_multiple))
     return {p: Throughput(policy=p, batches=tuple(v)) for p, v in out.items()}
