@@ -77,6 +77,12 @@ CASES: dict[str, list[str]] = {
     "train unknown sharding": [*TRAIN, "--sharding", "bogus"],
     "train bad layout": [*TRAIN, "--layout", "1,x"],
     "train unknown model": ["train", "--model", "nosuch"],
+    "train document longer than a row": [*TRAIN, "--documents", "{tmp}/long_docs.jsonl"],
+    "train documents all too short": [*TRAIN, "--documents", "{tmp}/short_docs.jsonl"],
+    "train document offsets mismatch": [*TRAIN, "--documents", "{tmp}/docs.bin"],
+    "train documents missing tokenizer": [*TRAIN, "--documents", "{tmp}/text_docs.jsonl", "--tokenizer",
+                                          "{tmp}/missing/tokenizer.json"],
+    "train documents unknown policy": [*TRAIN, "--documents", "{tmp}/long_docs.jsonl", "--microbatching", "fifo"],
     # estimate
     "estimate out under a file": [*EST, "--out", "{file}/pictures"],
     "estimate unknown hf model type": ["estimate", "--hf-config", "{tmp}/bert.json", "--gpu", "a100-80gb",
@@ -140,6 +146,11 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     (tmp / "three_mbs.txt").write_text("1 2\n3\n4\n")
     (tmp / "bad_mbs.txt").write_text("1 2\n3 x\n4\n5\n")
     (tmp / "long_doc.txt").write_text("1\n2\n100000\n4\n")
+    (tmp / "long_docs.jsonl").write_text(json.dumps({"tokens": [1, 2]}) + "\n" + json.dumps({"tokens": [3] * 40}))
+    (tmp / "short_docs.jsonl").write_text('{"tokens": [5]}\n{"tokens": []}\n')  # skipped, counted: none left
+    (tmp / "text_docs.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    (tmp / "docs.bin").write_bytes(array.array("H", range(10)).tobytes())
+    (tmp / "docs.idx").write_bytes(array.array("q", [0, 4, 12]).tobytes())  # 12 > the 10 tokens
     (tmp / "big_ids.bin").write_bytes(array.array("H", [1, 2, 3] * 200 + [300] + [4] * 50).tobytes())
     common = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256,
               "max_position_embeddings": 64, "intermediate_size": 128}
