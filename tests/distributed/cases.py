@@ -60,6 +60,8 @@ class Case:
     varlen: str | None = None
     """Documents of mixed lengths grouped by this micro-batching policy (pad, pack, balance), each micro-batch
     as long as its longest row (:func:`varlen_batch`); implies ``documents``."""
+    offload: str | None = None
+    """Host offload on these pipeline ranks, as ``train --offload`` takes them (``all``, ``0-1``)."""
 
     @property
     def packed(self) -> bool:
@@ -73,7 +75,8 @@ class Case:
                          f" K={self.bpipe_budget}" if self.bpipe_budget else "",
                          f" steps={self.steps}" if self.steps != 2 else "", " adamw" if self.adam else "",
                          " +bpipe" if self.bpipe else "",
-                         f" varlen-{self.varlen}" if self.varlen else " documents" if self.documents else ""])
+                         f" varlen-{self.varlen}" if self.varlen else " documents" if self.documents else "",
+                         f" offload={self.offload}" if self.offload else ""])
         return f"{self.family} {self.model} P={self.pp} M={self.microbatches} DP={self.dp}{extra}"
 
 
@@ -96,9 +99,11 @@ def schedule_for(case: Case) -> Schedule:
     from evenpipe.schedule import build_schedule
     recompute = case.recompute if isinstance(case.recompute, bool) else [
         s for s, r in enumerate(recompute_modes(case, case.pp * case.chunks)) if r is Recompute.FULL]
+    from evenpipe.schedule.rank_set import parse_rank_set
+    offload = parse_rank_set(case.offload, option="offload", num_ranks=case.pp) if case.offload else frozenset()
     return build_schedule(case.family, num_ranks=case.pp, num_microbatches=case.microbatches,
                           num_chunks=case.chunks, bpipe_budget=case.bpipe_budget, recompute=recompute,
-                          bpipe=case.bpipe)
+                          bpipe=case.bpipe, offload_ranks=offload)
 
 
 def tiny_config(name: str, num_stages: int):

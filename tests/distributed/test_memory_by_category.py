@@ -2,11 +2,12 @@
 the command ``evenpipe train`` runs is what the run measures, per category and pipeline rank.
 
 Parameters, gradients, master weights and optimizer state are exact counts and must agree exactly; own and
-hosted activations and communication buffers within 5%. Activations come from a profile of the model measured
+hosted and offloaded activations and communication buffers within 5%. Activations come from a profile of the model measured
 here (``estimate --profile``, tensor parallelism 1); at tensor parallelism 2 the preset source (``--gpu``)
 predicts the model states and messages (its activation formulas are Megatron's kernels', not this CPU's, and are
 not compared). A representative subset of the full matrix (bfloat16 under FSDP with BPipe's hosting, float32 at tp 2
-interleaved, float32 zb-h1 under selective recomputation); the whole matrix (both dtypes, tp 1 and 2, every sharding mode, four schedules) is run by hand.
+interleaved, float32 zb-h1 under selective recomputation, float32 interleaved with host offload on every rank
+(``--offload all``, issue 31.4: the offloaded bytes leave own_activations for offloaded_activations)); the whole matrix (both dtypes, tp 1 and 2, every sharding mode, four schedules) is run by hand.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from harness import run_train, train_env
 pytestmark = pytest.mark.distributed
 
 STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
-MEASURED = ("own_activations", "hosted_activations", "communication_buffers")
+MEASURED = ("own_activations", "hosted_activations", "offloaded_activations", "communication_buffers")
 TOLERANCE = 0.05
-CASES = (  # (dtype, tp, dp, sharding, schedule, chunks, recompute)
-    ("bfloat16", 1, 2, "full", "bpipe", 1, "none"),
-    ("float32", 2, 1, "none", "interleaved", 2, "none"),
-    ("float32", 1, 1, "none", "zb-h1", 1, "selective"),  # issue 33: the profile's selective figure
+CASES = (  # (dtype, tp, dp, sharding, schedule, chunks, recompute, offload)
+    ("bfloat16", 1, 2, "full", "bpipe", 1, "none", ()),
+    ("float32", 2, 1, "none", "interleaved", 2, "none", ()),
+    ("float32", 1, 1, "none", "zb-h1", 1, "selective", ()),  # issue 33: the profile's selective figure
+    ("float32", 1, 1, "none", "interleaved", 2, "none", ("--offload", "all")),  # issue 31.4
 )
 GLOBAL_BATCH, MICROBATCHES = 8, 4
 
@@ -62,16 +64,17 @@ def _compare(label: str, measured: list[dict[str, int]], predicted: list[dict[st
 
 def test_predicted_categories_match_the_measured_run(tmp_path: pathlib.Path) -> None:
     problems = []
-    for dtype, tp, dp, sharding, schedule, chunks, recompute in CASES:
-        label = f"{dtype} tp{tp} dp{dp} --sharding {sharding} {schedule} --recompute {recompute}"
+    for dtype, tp, dp, sharding, schedule, chunks, recompute, offload in CASES:
+        label = f"{dtype} tp{tp} dp{dp} --sharding {sharding} {schedule} --recompute {recompute} {' '.join(offload)}"
         shape = ["--dp", str(dp), "--tp", str(tp), "--sharding", sharding, "--dtype", dtype, "--schedule", schedule,
-                 "--chunks", str(chunks), "--recompute", recompute]
+                 "--chunks", str(chunks), "--recompute", recompute, *offload]
         run, _ = run_train(["--model", "gpt-tiny", "--stages", "2", "--microbatches", str(MICROBATCHES),
                             "--global-batch", str(GLOBAL_BATCH),
                             "--steps", "2", "--random-tokens", "--timeout", "60", *shape],
                            tmp_path / f"{len(problems)}-{schedule}.json", timeout_s=300)
         measured = run["peak_bytes_by_category"]
         assert len(measured) == 2 and all(m["parameters"] > 0 and m["own_activations"] > 0 for m in measured)
+        assert all((m["offloaded_activations"] > 0) == bool(offload) for m in measured), (label, measured)
         source = ["--profile", str(_profile(tmp_path, dtype))] if tp == 1 else ["--model", "gpt-tiny", "--gpu",
                                                                                   "h100-80gb"]
         b = GLOBAL_BATCH // (MICROBATCHES * dp)

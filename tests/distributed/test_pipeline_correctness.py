@@ -50,6 +50,15 @@ def _schedule_cases() -> list[Case]:
     for family, dp in (("1f1b", 2), ("zb-h1", 1)):
         out.append(Case(family=f"{family}+offload", pp=2, microbatches=4, dp=dp,
                         text=offload_schedule(family, 2, 4).to_text()))
+    # train --offload (issue 31.4): build_schedule's offload_ranks with reloads prefetched, at P=4 on the full
+    # backward, interleaved chunks, the split backward, BPipe's evictions, recomputation and the V placement's
+    # local hand-off (a stage output offloaded before the next stage on its rank read it)
+    out += [Case(family="1f1b", pp=4, microbatches=8, offload="all"),
+            Case(family="interleaved", pp=4, microbatches=8, chunks=2, offload="0-1", model="llama-tiny"),
+            Case(family="zb-h1", pp=4, microbatches=8, offload="all"),
+            Case(family="bpipe", pp=4, microbatches=8, offload="all"),
+            Case(family="1f1b", pp=2, microbatches=4, recompute=True, offload="0"),
+            Case(family="zb-v", pp=2, microbatches=4, chunks=2, offload="all")]
     return out
 
 

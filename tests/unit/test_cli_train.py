@@ -58,6 +58,12 @@ BAD = {
                                                       "cannot split --seq-len 15"),
     "sequence parallelism on a Hugging Face model": (
         ["--hf-config", str(_HF_LLAMA), "--tp", "2", "--sequence-parallel"], "cannot run the Hugging Face model"),
+    "offload on a rank outside the pipeline": (["--stages", "2", "--offload", "0,2"],
+                                               "--offload '0,2': rank 2 is not a pipeline rank of 2"),
+    "offload range backwards": (["--offload", "3-1"], "--offload '3-1': range 3-1 runs backwards"),
+    "offload word other than all": (["--offload", "first"], "--offload 'first': 'first' is not a rank or a range"),
+    "offload empty": (["--offload", ""], "--offload '': '' is not a rank or a range"),
+    "offload negative rank": (["--offload", "-1"], "--offload '-1'"),
 }
 
 
@@ -139,3 +145,42 @@ def test_fsdp_runs_every_split_backward_schedule(schedule: str, no_launch: list[
                  "--microbatches", "4"]) == 0
     (config, _), = no_launch
     assert config.schedule.family.traits.split_backward and config.runtime.sharding.value == "full"
+
+
+@pytest.mark.parametrize("text,ranks", [("all", (0, 1, 2, 3)), ("ALL", (0, 1, 2, 3)), ("0,1", (0, 1)), ("0-1", (0, 1)),
+                                        ("2, 0", (0, 2)), ("0,2-3", (0, 2, 3)), ("1-1", (1,))])
+def test_offload_ranks_reach_the_schedule(text: str, ranks: tuple[int, ...], no_launch: list[object],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--stages", "4", "--offload", text, "--microbatches", "8"]) == 0
+    (config, _), = no_launch
+    assert config.schedule.offload == ranks
+    from evenpipe.schedule import ActionKind
+    built = config.schedule.build()
+    offloading = {r for r, acts in enumerate(built.actions) if any(a.kind is ActionKind.OFFLOAD for a in acts)}
+    assert offloading == set(ranks) - {3}  # 1F1B's last rank runs each backward right after its forward
+    assert "+ offload (" in capsys.readouterr().out.splitlines()[0]
+    from evenpipe.training.config import TrainConfig
+    assert TrainConfig.from_json(config.to_json()).schedule.offload == ranks  # crosses to the workers intact
+
+
+@pytest.mark.parametrize("schedule,chunks,bpipe,stages", [
+    ("interleaved", 2, False, 2), ("zb-h1", 1, False, 2), ("1f1b", 1, True, 4), ("bpipe", 1, False, 4),
+    ("interleaved", 1, True, 4), ("zb-v", 2, False, 2), ("latency-aware", 1, False, 2)])
+def test_offload_composes_with_every_kind_of_schedule(schedule: str, chunks: int, bpipe: bool, stages: int,
+                                                      no_launch: list[object]) -> None:
+    argv = ["train", "--stages", str(stages), "--schedule", schedule, "--chunks", str(chunks), "--microbatches",
+            str(2 * stages), "--offload", "0", "--model", "llama-tiny"]
+    assert main(argv + (["--bpipe"] if bpipe else [])) == 0
+    (config, _), = no_launch
+    from evenpipe.schedule import ActionKind
+    built = config.schedule.build()
+    assert {ActionKind.OFFLOAD, ActionKind.RELOAD} <= {a.kind for a in built.actions[0]}
+    if bpipe or schedule == "bpipe":  # BPipe's evictions and offload share rank 0, never one unit
+        evicted = {a.key for a in built.actions[0] if a.kind is ActionKind.EVICT}
+        offloaded = {a.key for a in built.actions[0] if a.kind is ActionKind.OFFLOAD}
+        assert evicted and not evicted & offloaded
+
+
+def test_offload_on_a_rank_that_offloads_nothing_warns(no_launch: list[object]) -> None:
+    with pytest.warns(UserWarning, match=r"--offload: pipeline rank\(s\) 1 offload nothing in 1f1b"):
+        assert main(["train", "--stages", "2", "--microbatches", "4", "--offload", "1"]) == 0

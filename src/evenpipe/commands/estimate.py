@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "(1f1b, interleaved, gpipe, looped-bfs, zb-h1; --schedule bpipe is 1F1B with it)")
     p.add_argument("--bpipe-budget", type=int, metavar="K", help="BPipe activation units per rank (default: the "
                    "lowest balanced peak the pairing allows, ⌈(p+1)/2⌉ for 1F1B)")
+    p.add_argument("--offload", metavar="RANKS", help="host offload on these pipeline ranks, as `train --offload` "
+                   "takes them: 'all' or the first k ranks, e.g. 0-1 (default none)")
     p.add_argument("--layout", metavar="LIST", help="layers per stage (per virtual chunk), e.g. 7,8,8,7 (default: "
                    "even, or one layer fewer on the end stages when the layers do not divide)")
     p.add_argument("--cluster", metavar="FILE", help="cluster description (docs/cluster.md): each rank's device, "
@@ -80,7 +82,21 @@ def _config_from_args(args: argparse.Namespace, *, shards_optimizer: bool = Fals
                           sequence_parallel=args.sequence_parallel, attention=Attention.parse(args.attention),
                           schedule=family,
                           distributed_optimizer=args.distributed_optimizer or shards_optimizer, bpipe_budget=args.bpipe_budget,
-                          bpipe=args.bpipe, layout=parse_layout(args.layout) if args.layout else None)
+                          bpipe=args.bpipe, layout=parse_layout(args.layout) if args.layout else None,
+                          offload_ranks=_offload_prefix(args.offload, pp))
+
+
+def _offload_prefix(text: str | None, pp: int) -> int:
+    """How many first pipeline ranks ``--offload`` names (the cost model's offload lever); ConfigError for a set
+    that is not the first k ranks."""
+    if text is None:
+        return 0
+    from evenpipe.schedule.rank_set import parse_rank_set, rank_set_text
+    ranks = parse_rank_set(text, option="--offload", num_ranks=pp)
+    if ranks != frozenset(range(len(ranks))):
+        raise ConfigError(f"--offload {text!r}: the estimate prices offload on the first k pipeline ranks; give "
+                          f"'all' or 0-k (ranks {rank_set_text(ranks, pp)} are not the first {len(ranks)})")
+    return len(ranks)
 
 
 def run(args: argparse.Namespace) -> int:

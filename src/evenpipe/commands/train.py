@@ -16,7 +16,7 @@ from evenpipe.errors import ConfigError
 from evenpipe.schedule.family import ScheduleFamily
 
 if TYPE_CHECKING:
-    from evenpipe.training.config import DataSource, TrainConfig
+    from evenpipe.training.config import DataSource, ScheduleOptions, TrainConfig
 
 __all__ = ["add_arguments", "run", "build_config", "check_fits_machine", "header"]
 
@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="free each stage output once sent (default on)")
     p.add_argument("--bpipe-budget", type=int, default=None,
                    help="BPipe: activation units a rank may hold (default ceil((P+1)/2))")
+    p.add_argument("--offload", default=None, metavar="RANKS",
+                   help="host offload: these pipeline ranks copy each micro-batch's saved activations to host memory "
+                        "after its forward and back one forward before its backward; 'all' or a list or ranges, "
+                        "e.g. 0,1 or 0-1 (default none)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--corpus", default=None, help="text file to train on, bytes as tokens (default: the shipped corpus)")
     src.add_argument("--random-tokens", action="store_true", help="train on uniformly random tokens")
@@ -147,8 +151,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     schedule = ScheduleOptions(family=args.schedule, num_ranks=args.stages, num_chunks=args.chunks,
                                num_microbatches=args.microbatches, recompute=args.recompute,
                                free_outputs=bool(args.free_outputs), bpipe_budget=args.bpipe_budget,
-                               bpipe=args.bpipe,
+                               bpipe=args.bpipe, offload=() if args.offload is None else args.offload,
                                layout=_layout(args.layout))
+    _warn_idle_offload(schedule, named=args.offload is not None and args.offload.strip().lower() != "all")
     backend = Backend(args.backend or ("nccl" if torch.cuda.is_available() else "gloo"))
     if backend is Backend.NCCL and not torch.cuda.is_available():
         raise ConfigError("--backend nccl needs a CUDA GPU and none is visible; use --backend gloo")
@@ -194,6 +199,21 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         raise ConfigError(f"world size {os.environ['WORLD_SIZE']} != stages x dp x tp = {args.stages} x {args.dp} "
                           f"x {args.tp} = {config.world_size}")
     return config
+
+
+def _warn_idle_offload(schedule: ScheduleOptions, *, named: bool) -> None:
+    """Warn (the option has no effect there) about an ``--offload`` rank whose schedule runs every backward right
+    after its forward, so nothing is ever offloaded (the last rank of 1F1B, for one): a rank ``named`` on the
+    command line, or every rank of ``all``."""
+    if not schedule.offload:
+        return
+    from evenpipe.schedule import ActionKind
+    built = schedule.build()
+    idle = [r for r in schedule.offload if not any(a.kind is ActionKind.OFFLOAD for a in built.actions[r])]
+    if idle and (named or len(idle) == len(schedule.offload)):
+        import warnings
+        warnings.warn(f"--offload: pipeline rank(s) {', '.join(map(str, idle))} offload nothing in "
+                      f"{schedule.family.value} (each backward follows its forward at once there)", stacklevel=2)
 
 
 def check_output_paths(args: argparse.Namespace) -> None:
@@ -249,7 +269,9 @@ def header(config: TrainConfig) -> str:
     sched, rt = config.schedule, config.runtime
     model = config.model.resolve()
     per_replica = config.data.global_batch // (sched.num_microbatches * rt.dp)
-    schedule = sched.family.value + (" + bpipe" if sched.bpipe else "")
+    from evenpipe.schedule.rank_set import rank_set_text
+    schedule = sched.family.value + (" + bpipe" if sched.bpipe else "") + (
+        f" + offload ({rank_set_text(sched.offload, sched.num_ranks)})" if sched.offload else "")
     return (f"train {config.model.name}: {model.num_params:,} parameters ({config.model.dtype.value}), "
             f"world {config.world_size} = pp {sched.num_ranks} x dp {rt.dp} x tp {rt.tp}"
             + (" (sequence parallel)" if rt.sequence_parallel else "") + f" ({rt.backend.value}), schedule {schedule}\n"

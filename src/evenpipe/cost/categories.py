@@ -12,6 +12,8 @@ PEAK_BYTES_KEY = "peak_bytes_by_category"
 STATE_CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_state")
 """Model states: exact counts of the tensors a rank holds (local shards)."""
 
-MEMORY_CATEGORIES = STATE_CATEGORIES + ("own_activations", "hosted_activations", "communication_buffers")
-"""Every category: model states, the rank's own saved activations, a BPipe partner's hosted activations, and the
-pipeline messages in flight (receive buffers not yet consumed, sends not yet completed)."""
+MEMORY_CATEGORIES = STATE_CATEGORIES + ("own_activations", "hosted_activations", "offloaded_activations",
+                                        "communication_buffers")
+"""Every category: model states, the rank's own saved activations on its device, a BPipe partner's hosted
+activations, the rank's own activations offloaded to host memory (``train --offload``; host memory, not the
+device's), and the pipeline messages in flight (receive buffers not yet consumed, sends not yet completed)."""

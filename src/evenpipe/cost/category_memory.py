@@ -3,7 +3,10 @@
 
 Model states: the rank's parameters (:class:`~evenpipe.cost.source.Holding`) times the source's bytes per
 parameter of each category. Activations: the program-order walk of :func:`~evenpipe.cost.memory.stage_memory`
-(own, with the stage output held until sent, and hosted). Communication buffers: a walk of the rank's whole
+(own, with the stage output held until sent, and hosted). Offloaded activations: the largest sum of the units
+a rank has offloaded to host memory and not yet reloaded, in program order (:func:`offloaded_peak`; a unit is
+what the stash holds for one stage and micro-batch: its saved layers, its kept input, and the embedding or head
+extras of the first or last stage). Communication buffers: a walk of the rank's whole
 schedule as the executor posts it -- each pipeline message allocates its buffer when its run of transfers is
 posted; a receive's buffer is taken by the compute that consumes it (``F`` its ``RECV_F``, ``B`` or ``I`` its
 ``RECV_B``), and a send is waited after the second compute or host move following its posting.
@@ -12,10 +15,11 @@ posted; a receive's buffer is taken by the compute that consumes it (``F`` its `
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 from evenpipe.errors import ConfigError
 from evenpipe.schedule import ActionKind, Schedule
-from evenpipe.schedule.semantics import SEMANTICS
+from evenpipe.schedule.semantics import SEMANTICS, MemoryEffect
 
 from evenpipe.cost.analytic_source import AnalyticSource
 from evenpipe.cost.categories import MEMORY_CATEGORIES
@@ -26,13 +30,28 @@ from evenpipe.cost.profiled_source import ProfiledSource
 from evenpipe.cost.runtime_memory import Runtime, RuntimeConventions
 from evenpipe.cost.source import CostSource, shape_of
 
-__all__ = ["peak_bytes_by_category", "message_buffer_peak", "with_conventions"]
+__all__ = ["peak_bytes_by_category", "message_buffer_peak", "offloaded_peak", "with_conventions"]
 
 _K = ActionKind
 _PIPELINE = frozenset((_K.SEND_F, _K.SEND_B, _K.RECV_F, _K.RECV_B))
 _POSTED = frozenset(k for k in ActionKind if SEMANTICS[k].peer_kind is not None and not SEMANTICS[k].host_side)
 """Kinds the executor posts as messages (the rest run in place: computes and host moves)."""
 _TAKES = {_K.FORWARD: _K.RECV_F, _K.BACKWARD: _K.RECV_B, _K.BACKWARD_INPUT: _K.RECV_B}
+_TO_HOST = {k: (1 if SEMANTICS[k].memory is MemoryEffect.SEND_AWAY else -1) for k in ActionKind
+            if SEMANTICS[k].host_side}
+"""Host moves: +1 unit on the host (``OFFLOAD``), -1 (``RELOAD``)."""
+
+
+def offloaded_peak(schedule: Schedule, rank: int, unit_bytes: Sequence[float]) -> float:
+    """Peak bytes ``rank`` holds in host memory, walking its actions in program order (``unit_bytes[s]``: one
+    micro-batch's activations of stage ``s``)."""
+    now = peak = 0.0
+    for a in schedule.actions[rank]:
+        step = _TO_HOST.get(a.kind)
+        if step is not None:
+            now += step * unit_bytes[a.stage]
+            peak = max(peak, now)
+    return peak
 
 
 def message_buffer_peak(schedule: Schedule, rank: int, message_bytes: float) -> float:
@@ -75,11 +94,13 @@ def peak_bytes_by_category(source: CostSource, cfg: ParallelConfig) -> tuple[dic
         tied = tied_table(source, cfg, schedule, r)
         n -= 2 * tied.params  # counted once below, in its own bytes
         t = tied.params
-        sent = source.layer_bytes(cfg, r, shape).sent
+        act = source.layer_bytes(cfg, r, shape)
+        units = [n_layers * act.layer_saved + (act.boundary if s else act.embedding) + (act.head if s == last else 0.0)
+                 for s, n_layers in enumerate(layers)]
         values = (n * b.parameters + t * tied.per_param.parameters, n * b.gradients + t * tied.per_param.gradients,
                   n * b.master + t * tied.per_param.master, n * b.optimizer + t * tied.per_param.optimizer,
                   peak.own_layers + peak.own_extra_embedding + peak.own_extra_head + held, peak.hosted,
-                  message_buffer_peak(schedule, r, sent))
+                  offloaded_peak(schedule, r, units), message_buffer_peak(schedule, r, act.sent))
         out.append({name: round(v) for name, v in zip(MEMORY_CATEGORIES, values)})
     return tuple(out)
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from evenpipe.errors import ConfigError
-from evenpipe.schedule import ActionKind, Schedule, add_offload, bpipe_transform, build_schedule, compute_order
+from evenpipe.schedule import (ActionKind, Schedule, add_offload, bpipe_transform, build_schedule, compute_order,
+                               offload_beside_bpipe)
 from evenpipe.schedule.memo import ObjectMemo, RecentMemo
 from evenpipe.schedule.semantics import SEMANTICS, MemoryEffect, kind_table
 
@@ -143,9 +144,10 @@ def _cached_counting_schedule(family: ScheduleFamily, p: int, m: int, v: int, bu
                               plan_durations: PlanDurations | None, offload: int = 0,
                               weights: Weights | None = None) -> Schedule:
     compute = compute_order(family, num_ranks=p, num_microbatches=m, num_chunks=v, plan_durations=plan_durations)
-    if offload:
-        compute = add_offload(compute, ranks=set(range(offload)), prefetch=True)
-    return bpipe_transform(compute, budget=budget, weights=weights) if bpipe else compute
+    if bpipe:  # offload beside BPipe's evictions, as build_schedule places it
+        moved = bpipe_transform(compute, budget=budget, weights=weights)
+        return offload_beside_bpipe(moved, ranks=range(offload)) if offload else moved
+    return add_offload(compute, ranks=set(range(offload)), prefetch=True) if offload else compute
 
 
 @dataclass(frozen=True, slots=True)

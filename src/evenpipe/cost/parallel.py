@@ -284,8 +284,6 @@ def check_pipeline(model: ModelSpec, cfg: ParallelConfig) -> None:
     if cfg.global_batch % (cfg.dp * cfg.microbatch_size):
         raise ConfigError(f"global batch {cfg.global_batch} is not divisible by dp·microbatch_size = "
                           f"{cfg.dp}·{cfg.microbatch_size} = {cfg.dp * cfg.microbatch_size}")
-    if cfg.offload_ranks and cfg.uses_bpipe:
-        raise ConfigError("host offload and bpipe do not combine: both move the same saved activations; pick one")
     if cfg.uses_bpipe and cfg.pp < 2:
         raise ConfigError(f"bpipe needs pp >= 2, got pp {cfg.pp}")
     if cfg.bpipe and Transform.BPIPE not in traits.transforms:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from evenpipe.cost.parallel import ParallelConfig, Recompute, stage_layers
 from evenpipe.cost.specs import ModelSpec
+from evenpipe.schedule.rank_set import rank_set_text
 
 __all__ = ["LaunchCommand", "launch_command"]
 
@@ -78,9 +79,8 @@ def launch_command(cfg: ParallelConfig, *, model: ModelSpec, model_args: tuple[s
         train.append("--bpipe")
     if cfg.bpipe_budget is not None:
         train += ["--bpipe-budget", str(cfg.bpipe_budget)]
-    if cfg.offload_ranks:
-        notes.append(f"this train has no --offload yet: pipeline ranks 0-{cfg.offload_ranks - 1} would copy their "
-                     "saved activations to host memory")
+    if cfg.offload_ranks:  # host offload on the first k pipeline ranks
+        train += ["--offload", rank_set_text(range(cfg.offload_ranks), cfg.pp)]
     if cfg.sequence_parallel and cfg.tp > 1:
         if "--hf-config" in model_args or model.seq_len % cfg.tp:
             notes.append("the runtime's sequence parallelism shards the reference models' sequences into tp equal "

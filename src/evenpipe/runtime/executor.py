@@ -41,14 +41,15 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import evenpipe.runtime.bpipe  # noqa: F401  (registers BPipe's handlers and add-on)
-import evenpipe.runtime.step_compute  # noqa: F401  (registers the compute and host-move handlers)
+import evenpipe.runtime.host_offload  # noqa: F401  (registers the host-move handlers and their add-on)
+import evenpipe.runtime.step_compute  # noqa: F401  (registers the compute handlers)
 import evenpipe.runtime.step_messages  # noqa: F401  (registers the pipeline-message handlers)
 from evenpipe.errors import ConfigError
 from evenpipe.runtime.boundary_shapes import BoundaryShapes, ShapeMap
@@ -90,6 +91,8 @@ class StepResult:
     """Peak of own plus hosted bytes."""
     evicted_bytes: int
     """Bytes this rank sent away with EVICT this step."""
+    peak_offloaded_bytes: int = 0
+    """Peak bytes of this rank's activations offloaded to host memory (``OFFLOAD``; not on the device)."""
     peak_comm_bytes: int = 0
     """Peak bytes of pipeline messages in flight (receive buffers not yet taken, sends not yet waited)."""
     records: RankRecorder | None = field(default=None, repr=False)
@@ -105,9 +108,11 @@ class _NullStash:
 
     own_bytes = 0
     hosted_bytes = 0
+    offloaded_bytes = 0
     peak_own_bytes = 0
     peak_hosted_bytes = 0
     peak_total_bytes = 0
+    peak_offloaded_bytes = 0
 
     def capture(self, key: StashKey) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
@@ -120,9 +125,13 @@ class _NullStash:
     def is_empty(self) -> bool: return True
     def keys(self) -> list[StashKey]: return []
 
-    def export(self, key: StashKey) -> tuple[StashMeta, torch.Tensor]: _no_moves()
-    def drop(self, key: StashKey) -> None: _no_moves()
-    def restore(self, key: StashKey, meta: StashMeta, flat: torch.Tensor) -> None: _no_moves()
+    def export(self, key: StashKey, *, to_host: bool = False) -> tuple[StashMeta, torch.Tensor]: _no_moves()
+    def drop(self, key: StashKey, *, stream: Any = None) -> None: _no_moves()
+    def restore(self, key: StashKey, meta: StashMeta, flat: torch.Tensor, *, stream: Any = None) -> None:
+        _no_moves()
+
+    def shelve(self, key: StashKey, meta: StashMeta, flat: torch.Tensor) -> None: _no_moves()
+    def unshelve(self, key: StashKey) -> tuple[StashMeta, torch.Tensor]: _no_moves()
     def host(self, key: StashKey, meta: StashMeta | None, flat: torch.Tensor) -> None: _no_moves()
     def unhost(self, key: StashKey) -> tuple[StashMeta | None, torch.Tensor]: _no_moves()
 
@@ -226,6 +235,7 @@ class PipelineExecutor:
         return StepResult(loss=loss, step_time_s=dt, peak_own_bytes=int(self.stash.peak_own_bytes),
                           peak_hosted_bytes=int(self.stash.peak_hosted_bytes),
                           peak_activation_bytes=int(self.stash.peak_total_bytes), evicted_bytes=ctx.evicted_bytes,
+                          peak_offloaded_bytes=int(self.stash.peak_offloaded_bytes),
                           peak_comm_bytes=ctx.mail.peak_buffer_bytes, records=ctx.recorder,
                           compute_s=max(0.0, ctx.compute_s - ctx.mail.waited_s))
 

@@ -32,6 +32,10 @@ Design (why ``torch.autograd.graph.saved_tensors_hooks``)
   alive by its ``AccumulateGrad`` node), so freeing our references alone would free nothing. :meth:`restore`
   resizes each storage back and copies the bytes in; every handle, the graph and the executor's own tensors
   see identical values again. Unpacking a dropped key raises :class:`StashError`.
+- **Host offload**: the same three steps with the buffer in host memory: ``export(key, to_host=True)`` (pinned
+  and asynchronous on a GPU), :meth:`drop` (told the copying stream, so the memory is reused only after the copy),
+  :meth:`shelve` keeps the host copy, counted apart (:attr:`offloaded_bytes`: host memory, not the device's),
+  until :meth:`unshelve` and :meth:`restore` bring it back.
 
 Recomputation: :func:`forward_for_recompute` runs the stage under ``torch.no_grad`` and holds only the input;
 :func:`recompute_forward` re-runs it with grad inside ``capture`` (same RNG state) just before backward.
@@ -166,6 +170,18 @@ class _PackedDTensor:
         self.local, self.spec, self.requires_grad = local, spec, requires_grad
 
 
+@contextlib.contextmanager
+def _copy_stream(stream: Any) -> Iterator[None]:
+    """Inside, work goes to ``stream`` (a CUDA stream, after the current stream's work so far); None: the
+    current stream."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+
+
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
@@ -186,9 +202,13 @@ class ActivationStash:
         """Bytes of unique storages held by keys that are not dropped (activations on this rank now)."""
         self.hosted_bytes = 0
         """Bytes of partners' buffers hosted now."""
+        self._shelved: dict[StashKey, tuple[StashMeta, torch.Tensor]] = {}
+        self.offloaded_bytes = 0
+        """Bytes of this rank's own activations offloaded to host memory now (not on the device)."""
         self.peak_own_bytes = 0
         self.peak_hosted_bytes = 0
         self.peak_total_bytes = 0
+        self.peak_offloaded_bytes = 0
 
     # ------------------------------------------------------------------ accounting
 
@@ -221,6 +241,7 @@ class ActivationStash:
         with self._lock:
             self.peak_own_bytes, self.peak_hosted_bytes = self.own_bytes, self.hosted_bytes
             self.peak_total_bytes = self.own_bytes + self.hosted_bytes
+            self.peak_offloaded_bytes = self.offloaded_bytes
 
     def bytes_of(self, key: StashKey) -> int:
         """Unique bytes the key holds now (0 when dropped or unknown): one activation unit when measured
@@ -235,8 +256,8 @@ class ActivationStash:
         return list(self._states)
 
     def is_empty(self) -> bool:
-        """Nothing own, dropped or hosted is left."""
-        return not self._states and not self._hosted
+        """Nothing own, dropped, hosted or offloaded is left."""
+        return not self._states and not self._hosted and not self._shelved
 
     def _excluded(self) -> set[int]:
         return {_ident(t) for m in self._modules for t in (*m.parameters(), *m.buffers())}
@@ -351,8 +372,10 @@ class ActivationStash:
 
     # ------------------------------------------------------------------ evict / load (own side)
 
-    def export(self, key: StashKey) -> tuple[StashMeta, torch.Tensor]:
-        """Copy the key's unique storages into one flat ``uint8`` buffer (on their device)."""
+    def export(self, key: StashKey, *, to_host: bool = False) -> tuple[StashMeta, torch.Tensor]:
+        """Copy the key's unique storages into one flat ``uint8`` buffer: on their device, or with ``to_host`` in
+        host memory (pinned, the copies issued asynchronously on the current stream, when the storages are on a
+        GPU: the caller waits for that stream before it reads the buffer)."""
         with self._lock:
             state = self._states.get(key)
             if state is None or state.dropped:
@@ -363,16 +386,21 @@ class ActivationStash:
             devices = {s.storage.device for s in slots}
             if len(devices) > 1:
                 raise StashError(f"{_key_text(key)} has activations on several devices: {sorted(map(str, devices))}")
-            flat = torch.empty(meta.total_bytes, dtype=torch.uint8, device=devices.pop() if devices else "cpu")
+            device = devices.pop() if devices else torch.device("cpu")
+            pinned = to_host and device.type == "cuda"
+            flat = torch.empty(meta.total_bytes, dtype=torch.uint8, device="cpu" if to_host else device,
+                               pin_memory=pinned)
             offset = 0
             for s in slots:
-                flat[offset:offset + s.nbytes].copy_(_bytes_view(s.storage))
+                flat[offset:offset + s.nbytes].copy_(_bytes_view(s.storage), non_blocking=pinned)
                 offset += s.nbytes
             state.exported = tuple(state.slots)
             return meta, flat
 
-    def drop(self, key: StashKey) -> None:
-        """Free the key's storages in place after :meth:`export` (evict). Unpacking raises until restore."""
+    def drop(self, key: StashKey, *, stream: Any = None) -> None:
+        """Free the key's storages in place after :meth:`export` (evict). Unpacking raises until restore.
+        ``stream``: a CUDA stream still reading the storages (an asynchronous copy to the host); the caching
+        allocator hands their memory out again only after the work queued on it so far."""
         with self._lock:
             state = self._states.get(key)
             if state is None or state.dropped:
@@ -385,12 +413,17 @@ class ActivationStash:
                 raise StashError(f"{_key_text(key)} shares {len(shared)} storage(s) with another key; "
                                  "give the next stage a copy of the output before evicting")
             for ident, slot in state.slots.items():
+                if stream is not None:
+                    _bytes_view(slot.storage).record_stream(stream)
                 slot.storage.resize_(0)
                 self._unref(ident, slot.nbytes)
             state.dropped = True
 
-    def restore(self, key: StashKey, meta: StashMeta, flat: torch.Tensor) -> None:
-        """Put back what :meth:`drop` freed (load); unpack works again with identical values."""
+    def restore(self, key: StashKey, meta: StashMeta, flat: torch.Tensor, *, stream: Any = None) -> None:
+        """Put back what :meth:`drop` freed (load); unpack works again with identical values. ``stream``: a CUDA
+        stream to copy ``flat`` (pinned host memory) in on, asynchronously, after the work queued so far on the
+        current stream (which allocates the storages); the caller makes the current stream wait for it before
+        the values are used."""
         with self._lock:
             state = self._states.get(key)
             if state is None or not state.dropped:
@@ -402,15 +435,38 @@ class ActivationStash:
             if flat.dtype != torch.uint8 or flat.numel() != meta.total_bytes:
                 raise StashError(f"restore of {_key_text(key)} needs a uint8 buffer of {meta.total_bytes} bytes, "
                                  f"got {flat.dtype} with {flat.numel()} elements")
-            offset = 0
             for ident, slot in state.slots.items():
                 slot.storage.resize_(slot.nbytes)
-                _bytes_view(slot.storage).copy_(flat[offset:offset + slot.nbytes])
-                offset += slot.nbytes
                 self._ref(ident, slot.nbytes)
+            with _copy_stream(stream):
+                offset = 0
+                for slot in state.slots.values():
+                    _bytes_view(slot.storage).copy_(flat[offset:offset + slot.nbytes], non_blocking=stream is not None)
+                    offset += slot.nbytes
             state.dropped = False
             for ident in list(state.slots):  # handles autograd freed while evicted
                 self._forget_if_unused(state, ident)
+
+    # ------------------------------------------------------------------ host offload (own side)
+
+    def shelve(self, key: StashKey, meta: StashMeta, flat: torch.Tensor) -> None:
+        """Keep the host copy of the key's activations (after :meth:`export` to the host and :meth:`drop`) until
+        :meth:`unshelve`, counted in :attr:`offloaded_bytes`."""
+        with self._lock:
+            if key in self._shelved:
+                raise StashError(f"{_key_text(key)} is already offloaded")
+            self._shelved[key] = (meta, flat)
+            self.offloaded_bytes += meta.total_bytes
+            self.peak_offloaded_bytes = max(self.peak_offloaded_bytes, self.offloaded_bytes)
+
+    def unshelve(self, key: StashKey) -> tuple[StashMeta, torch.Tensor]:
+        """The host copy :meth:`shelve` kept, no longer counted (restore it with :meth:`restore`)."""
+        with self._lock:
+            if key not in self._shelved:
+                raise StashError(f"{_key_text(key)} is not offloaded; offloaded: {sorted(self._shelved)}")
+            meta, flat = self._shelved.pop(key)
+            self.offloaded_bytes -= meta.total_bytes
+            return meta, flat
 
     # ------------------------------------------------------------------ evict / load (acceptor side)
 

@@ -1,4 +1,4 @@
-"""The executor's compute and host-move handlers: ``F``, ``R``, ``B``, ``I``, ``W``, ``OFFLOAD``, ``RELOAD``.
+"""The executor's compute handlers: ``F``, ``R``, ``B``, ``I``, ``W`` (host moves: :mod:`evenpipe.runtime.host_offload`).
 
 Each is registered for its kind (:func:`evenpipe.runtime.step_context.register_handler`) and works on the step
 context: it takes a stage's input from the mailbox (a received message) or from this rank's previous stage,
@@ -28,6 +28,8 @@ def _stage_input(ctx: StepContext, key: StashKey) -> torch.Tensor:
         return ctx.live.mb_inputs[mb]
     buf = ctx.mail.take(_K.RECV_F, s, mb)
     if buf is None:  # previous stage on this rank: local hand-off (its output stays the root of its backward)
+        buf = ctx.live.handoffs.pop((s - 1, mb), None)
+    if buf is None:
         buf = ctx.live.outputs[(s - 1, mb)].detach()
     return buf
 
@@ -139,30 +141,6 @@ def _done(ctx: StepContext, key: StashKey) -> None:
     ctx.stash.release_all_of(key)
 
 
-def _offload(a: Action, ctx: StepContext) -> None:
-    """The key's saved activations go to host memory (one flat copy) and their device storages are freed in
-    place."""
-    key, stash = a.key, ctx.stash
-    sent = ctx.mail.output_sends.pop(key, None)
-    if sent is not None:  # the stage output may be one of the storages freed in place: send it first
-        sent.wait_sends()
-    if key not in stash.keys():  # nothing saved (a recomputed first stage keeps only token ids)
-        ctx.live.offloaded[key] = None
-        return
-    meta, flat = stash.export(key)
-    host = flat.to("cpu", copy=True) if flat.device.type != "cpu" else flat
-    stash.drop(key)
-    ctx.live.offloaded[key] = (meta, host)
-
-
-def _reload(a: Action, ctx: StepContext) -> None:
-    """The offloaded activations come back, so the graph sees identical values again."""
-    item = ctx.live.offloaded.pop(a.key)
-    if item is not None:
-        meta, host = item
-        ctx.stash.restore(a.key, meta, host.to(ctx.device))
-
-
 def _rng_state(device: torch.device) -> RngState:
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
@@ -207,5 +185,3 @@ def _emulated(run: Callable[[Action, StepContext], None]) -> Callable[[Action, S
 for _kind, _run in ((_K.FORWARD, _forward), (_K.RECOMPUTE, _recompute), (_K.BACKWARD, _backward),
                     (_K.BACKWARD_INPUT, _backward), (_K.BACKWARD_WEIGHT, _weight)):
     register_handler(_kind, Handler(owner="executor", phase=Phase.COMPUTE, run=_emulated(_run)))
-register_handler(_K.OFFLOAD, Handler(owner="executor", phase=Phase.HOST_MOVE, run=_offload))
-register_handler(_K.RELOAD, Handler(owner="executor", phase=Phase.HOST_MOVE, run=_reload))

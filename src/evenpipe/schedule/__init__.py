@@ -21,7 +21,7 @@ from evenpipe.schedule.bpipe import (
     held_units_trace,
     lowest_bpipe_budget,
 )
-from evenpipe.schedule.build import add_offload, add_recompute, build_schedule, compute_order
+from evenpipe.schedule.build import add_offload, add_recompute, build_schedule, compute_order, offload_beside_bpipe
 from evenpipe.schedule.comm import derive_communication
 from evenpipe.schedule.family import ScheduleFamily
 from evenpipe.schedule.generate.latency_plan import LinkPlan
@@ -50,6 +50,7 @@ __all__ = [
     "ScheduleFamily",
     "WitnessTiming",
     "add_offload",
+    "offload_beside_bpipe",
     "add_recompute",
     "bpipe_pairs",
     "bpipe_partner",

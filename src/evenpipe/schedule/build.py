@@ -23,7 +23,8 @@ from evenpipe.schedule.columns import Columns
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.schedule.validate import validate
 
-__all__ = ["build_schedule", "add_offload", "add_recompute", "compute_order", "plan_durations_for"]
+__all__ = ["build_schedule", "add_offload", "offload_beside_bpipe", "add_recompute", "compute_order",
+           "plan_durations_for"]
 
 
 def build_schedule(family: ScheduleFamily | str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None,
@@ -100,7 +101,7 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
     recompute = _recomputed_stages(recompute, compute.num_stages)
     if recompute:
         compute = add_recompute(compute, stages=None if len(recompute) == compute.num_stages else recompute)
-    if offload_ranks:
+    if offload_ranks and not bpipe:
         compute = add_offload(compute, ranks=set(offload_ranks), prefetch=True)
     meta: dict[str, object] = {**compute.meta, "family": fam.value, "chunks": num_chunks,
                                "recompute": _recompute_meta(recompute, compute.num_stages)}
@@ -108,6 +109,8 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
         full = bpipe_transform(compute, budget=bpipe_budget, weights=bpipe_weights)
         meta.update(full.meta)
         meta["family"] = fam.value
+        if offload_ranks:
+            full = offload_beside_bpipe(full, ranks=offload_ranks)
     elif fam.traits.ordering is Ordering.LATENCY_AWARE:  # receives posted by the planned times, not a witness's
         full = place_messages(compute, _link_plan(link_plan, plan_durations))
     else:
@@ -233,13 +236,26 @@ def add_recompute(schedule: Schedule, *, stages: Collection[int] | None = None) 
     return schedule.with_columns(Columns(*(tuple(col) for col in zip(*out))))
 
 
-def add_offload(schedule: Schedule, *, ranks: "set[int] | None" = None, prefetch: bool = False) -> Schedule:
+def offload_beside_bpipe(schedule: Schedule, *, ranks: Collection[int]) -> Schedule:
+    """A BPipe-transformed ``schedule`` with host offload (prefetched) on ``ranks`` of every unit BPipe does not
+    evict (an evicted unit goes to the partner instead; a hosted one is the partner's), messages derived again.
+    Offload comes after BPipe's plan, so BPipe's pairs and budget are those of the schedule without it (offload
+    only lowers what a rank holds between a forward and its backward)."""
+    evicted = {(r, a.stage, a.microbatch) for r, acts in enumerate(schedule.actions) for a in acts
+               if a.kind is ActionKind.EVICT}
+    return derive_communication(add_offload(schedule, ranks=set(ranks), prefetch=True, skip=evicted))
+
+
+def add_offload(schedule: Schedule, *, ranks: "set[int] | None" = None, prefetch: bool = False,
+                skip: Collection[tuple[int, int, int]] = ()) -> Schedule:
     """Offload every micro-batch's saved activations to host memory right after its ``F`` and reload them right
     before its first use (``R``, ``B`` or ``I``), on ``ranks`` (default: all), unless that use comes next.
     ``prefetch`` issues each reload one forward earlier when a forward of another micro-batch precedes the use
     (1F1B's steady state: the copy back overlaps that forward, at the price of one more unit held during it).
+    ``skip``: ``(rank, stage, micro-batch)`` units left in place (BPipe evicts them).
 
-    Works on a compute-only schedule (the markers are kept by :func:`derive_communication`)."""
+    Works on a compute-only schedule (the markers are kept by :func:`derive_communication`); other actions are
+    kept where they stand."""
     uses = (ActionKind.RECOMPUTE, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
     out = []
     for r, acts in enumerate(schedule.actions):
@@ -261,8 +277,26 @@ def add_offload(schedule: Schedule, *, ranks: "set[int] | None" = None, prefetch
                 last_forward = len(row) - 1
             elif a.kind in uses or a.kind is ActionKind.BACKWARD_WEIGHT:
                 last_forward = -1
-            if a.kind is ActionKind.FORWARD and not (nxt is not None and nxt.key == a.key and nxt.kind in uses):
+            if a.kind is ActionKind.FORWARD and not (nxt is not None and nxt.key == a.key and nxt.kind in uses) \
+                    and (r, a.stage, a.microbatch) not in skip:
                 row.append(Action(ActionKind.OFFLOAD, a.stage, a.microbatch))
                 away.add(a.key)
-        out.append(row)
+        out.append(_without_idle_moves(row))
     return schedule.with_actions(out)
+
+
+def _without_idle_moves(row: list[Action]) -> list[Action]:
+    """``row`` without each ``OFFLOAD`` whose ``RELOAD`` comes before any compute (a round trip that frees
+    nothing while a compute runs: it would only cost two copies)."""
+    idle: set[tuple[int, int]] = set()
+    away: dict[tuple[int, int], bool] = {}  # offloaded key -> a compute ran since
+    for a in row:
+        if a.kind.is_compute:
+            away = dict.fromkeys(away, True)
+        elif a.kind is ActionKind.OFFLOAD:
+            away[a.key] = False
+        elif a.kind is ActionKind.RELOAD and not away.pop(a.key, True):
+            idle.add(a.key)
+    if not idle:
+        return row
+    return [a for a in row if not (a.kind in (ActionKind.OFFLOAD, ActionKind.RELOAD) and a.key in idle)]

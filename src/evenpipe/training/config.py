@@ -22,6 +22,7 @@ from evenpipe.errors import ConfigError, parse_choice
 from evenpipe.runtime.data import TokenSource as DataSource
 from evenpipe.runtime.precision import TrainDtype
 from evenpipe.schedule import ScheduleFamily
+from evenpipe.schedule.rank_set import parse_rank_set
 
 __all__ = [
     "Backend",
@@ -38,6 +39,7 @@ __all__ = [
     "TrainConfig",
     "Recompute",
     "parse_recompute",
+    "parse_offload",
 ]
 
 
@@ -143,6 +145,9 @@ class ScheduleOptions:
     """BPipe: activation units of one stage a rank may hold (None: the lowest balanced peak)."""
     layout: tuple[int, ...] | None = None
     """Blocks per stage (per virtual chunk), in pipeline order; None balances by parameter count."""
+    offload: tuple[int, ...] = ()
+    """Pipeline ranks that copy each micro-batch's saved activations to host memory after its forward and back
+    before its backward (``train --offload``: ``all``, or a list or ranges such as ``0,1`` or ``0-1``)."""
 
     def __post_init__(self) -> None:
         _coerce(self, "family", ScheduleFamily.parse(self.family))
@@ -154,6 +159,7 @@ class ScheduleOptions:
             _at_least(name, value, 1)
         if self.layout is not None:
             _coerce(self, "layout", tuple(self.layout))
+        _coerce(self, "offload", parse_offload(self.offload, self.num_ranks))
         modes = parse_recompute(self.recompute, self.num_stages)
         _coerce(self, "recompute", modes[:1] if len(set(modes)) == 1 else modes)
         if self.num_ranks == 1 and self.family is ScheduleFamily.BPIPE:
@@ -176,7 +182,7 @@ class ScheduleOptions:
         from evenpipe.schedule import build_schedule
         return build_schedule(self.family, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
                               num_chunks=self.num_chunks, recompute=self.stages_recomputing(Recompute.FULL),
-                              bpipe=self.bpipe,
+                              bpipe=self.bpipe, offload_ranks=frozenset(self.offload),
                               bpipe_budget=self.bpipe_budget if self.family is ScheduleFamily.BPIPE or self.bpipe
                               else None)
 
@@ -560,6 +566,17 @@ def parse_recompute(value: Any, num_stages: int) -> tuple[Recompute, ...]:
         raise ConfigError(f"--recompute {_text(value)}: {len(modes)} entries for {num_stages} stages; give one of "
                           f"{allowed}, or one per stage ({num_stages}, comma-separated)")
     return modes
+
+
+def parse_offload(value: Any, num_ranks: int) -> tuple[int, ...]:
+    """The sorted pipeline ranks that offload, from ``train --offload``'s text (:func:`parse_rank_set`) or a
+    collection of ranks; ConfigError naming the value and what is allowed otherwise."""
+    if isinstance(value, str):
+        return tuple(sorted(parse_rank_set(value, option="--offload", num_ranks=num_ranks)))
+    ranks = tuple(sorted(set(value)))
+    if any(not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < num_ranks for r in ranks):
+        raise ConfigError(f"--offload {list(value)}: pipeline ranks must lie in 0..{num_ranks - 1}")
+    return ranks
 
 
 def _text(value: Any) -> str:

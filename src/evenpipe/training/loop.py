@@ -101,6 +101,7 @@ class _Progress:
         self.records = result.records
         self.categories.add({"own_activations": result.peak_own_bytes,
                              "hosted_activations": result.peak_hosted_bytes,
+                             "offloaded_activations": result.peak_offloaded_bytes,
                              "communication_buffers": result.peak_comm_bytes})
 
 
@@ -403,17 +404,18 @@ def _prediction(job: _Job, reports: list[RankReport], measured: Any = ()) -> dic
 
 def _parallel_config(cfg: TrainConfig) -> Any:
     """The planner's record of this run's parallelism (what its memory prediction takes); None when its stages
-    recompute differently (the planner takes one mode for every stage)."""
+    recompute differently (the planner takes one mode for every stage) or it offloads on other ranks than the
+    first k (the planner's offload lever)."""
     from evenpipe.cost.parallel import ParallelConfig
     sched, rt, m = cfg.schedule, cfg.runtime, cfg.schedule.num_microbatches
-    if len(set(sched.recompute)) != 1:
+    if len(set(sched.recompute)) != 1 or sched.offload != tuple(range(len(sched.offload))):
         return None
     return ParallelConfig(tp=rt.tp, pp=sched.num_ranks, dp=rt.dp, chunks=sched.num_chunks or 1,
                           microbatch_size=cfg.data.global_batch // (m * rt.dp), global_batch=cfg.data.global_batch,
                           recompute=sched.recompute[0], schedule=sched.family,
                           distributed_optimizer=rt.sharding is not Sharding.NONE, bpipe=sched.bpipe,
                           sequence_parallel=rt.sequence_parallel,
-                          bpipe_budget=sched.bpipe_budget, layout=sched.layout)
+                          bpipe_budget=sched.bpipe_budget, layout=sched.layout, offload_ranks=len(sched.offload))
 
 
 def _write_outputs(job: _Job, summary: TrainSummary, recorders: list[Any],

@@ -66,3 +66,19 @@ def test_bpipe_on_interleaved_is_launched_with_the_flag() -> None:
     text = _cmd(dp=1, chunks=2, schedule=ScheduleFamily.INTERLEAVED, bpipe=True).text()
     assert "--schedule interleaved" in text and " --bpipe" in text
     assert " --bpipe" not in _cmd(dp=1, chunks=2, schedule=ScheduleFamily.INTERLEAVED).text()
+
+
+def test_offload_is_launched_with_train_s_option_and_parses_to_the_planned_ranks() -> None:
+    import argparse
+
+    from evenpipe.commands import train
+    model = model_preset("gpt-tiny")
+    for k, text in ((1, "0"), (2, "0-1"), (4, "all")):
+        cfg = ParallelConfig(tp=1, pp=4, dp=1, microbatch_size=1, global_batch=8, offload_ranks=k)
+        cmd = launch_command(cfg, model=model, model_args=("--model", "gpt-tiny"), gpus_per_node=8)
+        assert f" --offload {text}" in cmd.text() and not cmd.notes
+        parser = argparse.ArgumentParser()
+        train.add_arguments(parser)
+        config = train.build_config(parser.parse_args([*cmd.train, "--random-tokens"]))
+        assert config.schedule.offload == tuple(range(k))
+    assert "--offload" not in _cmd().text()

@@ -14,20 +14,31 @@ receive of ``j`` precedes it. Take, in a rendezvous run, the message ``k`` of sm
 On either of its ranks the events before it are messages of smaller index (exchanged) and computes finishing by
 ``t_k``, whose inputs are messages of index below ``k`` received earlier on that rank; so both ends reach ``k``
 and it completes. The validator re-checks this by its dry run.
+
+Host moves (``OFFLOAD``/``RELOAD`` of :func:`evenpipe.schedule.build.add_offload`) touch no link: each is kept
+right before the compute it preceded, as :func:`~evenpipe.schedule.comm.derive_communication` keeps them, so an
+``OFFLOAD`` follows the send of its forward's output.
 """
 
 from __future__ import annotations
 
 from evenpipe.schedule.generate.latency_plan import PRODUCES, LinkPlan, planned_times
 from evenpipe.schedule.ir import Action, Schedule
+from evenpipe.schedule.semantics import SEMANTICS
 
 __all__ = ["place_messages"]
 
 
 def place_messages(compute: Schedule, plan: LinkPlan) -> Schedule:
-    """``compute`` (computes only) with every SEND/RECV, placed by the planned times (module docstring)."""
-    if any(not a.kind.is_compute for acts in compute.actions for a in acts):
-        raise ValueError("place_messages takes a compute-only schedule")
+    """``compute`` (computes and host moves only) with every SEND/RECV, placed by the planned times (module
+    docstring)."""
+    if any(not a.kind.is_compute and not SEMANTICS[a.kind].host_side for acts in compute.actions for a in acts):
+        raise ValueError("place_messages takes a compute-only schedule (host moves allowed)")
+    moves = [_host_moves(acts) for acts in compute.actions]
+    if any(moves):
+        bare = compute.with_actions([[a for a in acts if a.kind.is_compute] for acts in compute.actions])
+        placed = place_messages(bare, plan)
+        return placed.with_actions([_with_moves(acts, m) for acts, m in zip(placed.actions, moves)])
     _, ends = planned_times(compute, plan)
     layout, S = compute.stage_to_rank, compute.num_stages
     messages: list[tuple[float, int, int, Action, int, Action]] = []
@@ -49,3 +60,28 @@ def place_messages(compute: Schedule, plan: LinkPlan) -> Schedule:
         events[dst].append(((t, 1, k), recv))
     return compute.with_actions([[a for _, a in sorted(evs, key=lambda e: e[0])] for evs in events])
 
+
+
+def _host_moves(acts: tuple[Action, ...]) -> dict[int, list[Action]]:
+    """A rank's host moves by the index (among its computes) of the compute each precedes (the number of computes
+    for those after the last one)."""
+    out: dict[int, list[Action]] = {}
+    n = 0
+    for a in acts:
+        if a.kind.is_compute:
+            n += 1
+        else:
+            out.setdefault(n, []).append(a)
+    return out
+
+
+def _with_moves(acts: tuple[Action, ...], moves: dict[int, list[Action]]) -> list[Action]:
+    """``acts`` with each host move put back right before the compute it preceded."""
+    out: list[Action] = []
+    n = 0
+    for a in acts:
+        if a.kind.is_compute:
+            out.extend(moves.get(n, ()))
+            n += 1
+        out.append(a)
+    return out + moves.get(n, [])
