@@ -133,12 +133,18 @@ class SimCosts:
         return self.default_link.cpu_s_per_byte > 0 or any(k.cpu_s_per_byte > 0 for k in self.links.values())
 
     @property
+    def link_terms_event_only(self) -> bool:
+        """Whether a link takes CPU time from its endpoints (``Link.cpu_s_per_byte``) or charges receives posted
+        late (``Link.late_receive_s``): terms only the event engine models."""
+        return self.charges_cpu or self.default_link.late_receive_s > 0 or \
+            any(k.late_receive_s > 0 for k in self.links.values())
+
+    @property
     def event_engine_only(self) -> bool:
         """Whether the costs have a term only the event engine models: unequal micro-batches
         (``microbatch_stages``), or a link's CPU time taken from its endpoints (``Link.cpu_s_per_byte``) or cost
         for receives posted late (``Link.late_receive_s``)."""
-        return self.microbatch_stages is not None or self.charges_cpu or self.default_link.late_receive_s > 0 or \
-            any(k.late_receive_s > 0 for k in self.links.values())
+        return self.microbatch_stages is not None or self.link_terms_event_only
 
     @classmethod
     def uniform(cls, *, num_stages: int, num_chunks: int = 1, forward: float = 1.0, backward: float = 2.0,

@@ -22,7 +22,7 @@ from evenpipe.schedule.ir import Schedule
 from evenpipe.schedule.validate import passed_validation
 from evenpipe.sim.costs import SimCosts
 from evenpipe.sim.kernel import (PARKED, CannotVouch, attempt, compute_memory, cross_rank_inputs, kinds_used, park,
-                                 recomputed_slots, stage_tables, wait_or_park)
+                                 microbatch_tables, recomputed_slots, wait_or_park)
 from evenpipe.sim.result import by_end, timeline, unit_bytes
 from evenpipe.sim.rules import (CHANNEL, IS_COMPUTE, KINDS, KRECV_B, KRECV_F, KSEND_B, KSEND_F, PLAIN, RECV_SHIFT,
                                 SENDER_SHIFT, B, F, I, R)
@@ -35,8 +35,9 @@ NAME = "free"
 
 
 def applies(schedule: Schedule, costs: SimCosts) -> bool:
-    """Computes and stage-to-stage messages only, on links that charge no CPU time and no late-receive cost."""
-    return not costs.event_engine_only and PLAIN.issuperset(kinds_used(schedule))
+    """Computes and stage-to-stage messages only, on links that charge no CPU time and no late-receive cost;
+    micro-batches may differ (each compute takes its own micro-batch's duration and bytes)."""
+    return not costs.link_terms_event_only and PLAIN.issuperset(kinds_used(schedule))
 
 
 def run(schedule: Schedule, costs: SimCosts, *, trust_validation: bool = True) -> Trace:
@@ -138,8 +139,9 @@ class _FreeRun:
                        ) -> tuple[list[float], list[float]]:
         """Start and end of every compute (global ids ``offset[r] + j``), each at the latest of its rank being free
         and the computes it waits for ending."""
-        cols, S, P = self.cols, self.schedule.num_stages, self.schedule.num_ranks
-        table = stage_tables(self.costs.stages)[0]
+        cols, P, M = self.cols, self.schedule.num_ranks, self.schedule.num_microbatches
+        SM = self.schedule.num_stages * M
+        table = microbatch_tables(self.costs, M)[0]
         cstart: list[float] = [0.0] * offset[-1]
         cend: list[float | None] = [None] * offset[-1]
         end_of = cend.__getitem__
@@ -148,7 +150,7 @@ class _FreeRun:
         todo = list(range(P - 1, -1, -1))
         while todo:
             r = todo.pop()
-            ks, ss = cols.kinds[r], cols.stages[r]
+            ks, ss, ms = cols.kinds[r], cols.stages[r], cols.microbatches[r]
             positions, deps_r, base = cpos[r], deps[r], offset[r]
             j, count, now = pcs[r], len(positions), t_free[r]
             while j < count:
@@ -156,7 +158,7 @@ class _FreeRun:
                 if start == PARKED:
                     break
                 i = positions[j]
-                end = start + table[ks[i] * S + ss[i]]
+                end = start + table[ks[i] * SM + ss[i] * M + ms[i]]
                 g = base + j
                 cstart[g] = start
                 cend[g] = end
@@ -177,16 +179,17 @@ class _FreeRun:
         cols = self.cols
         recomputed = {(s, m) for ks, ss, ms in zip(cols.kinds, cols.stages, cols.microbatches) if R in ks
                       for c, s, m in zip(ks, ss, ms) if c == R}
-        _, act, ckpt, wgb = stage_tables(self.costs.stages)
+        M = self.schedule.num_microbatches
+        _, act, ckpt, wgb = microbatch_tables(self.costs, M)
         mem: list[list[tuple[float, float]]] = []
         for r, positions in enumerate(cpos):
             ks, ss, ms, base = cols.kinds[r], cols.stages[r], cols.microbatches[r], offset[r]
             held: dict[tuple[int, int], float] = {}
             mem_r: list[tuple[float, float]] = []
             for j, i in enumerate(positions):
-                s, mk = ss[i], (ss[i], ms[i])
+                u, mk = ss[i] * M + ms[i], (ss[i], ms[i])
                 compute_memory(ks[i], mk, cstart[base + j], cend[base + j],
-                               ckpt[s] if mk in recomputed else act[s], act[s] - ckpt[s], wgb[s], held, mem_r)
+                               ckpt[u] if mk in recomputed else act[u], act[u] - ckpt[u], wgb[u], held, mem_r)
             mem.append(mem_r)
         return mem
 
@@ -216,7 +219,8 @@ class _FreeRun:
         sched, cols = self.schedule, self.cols
         P, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
         recomputed = recomputed_slots(sched)
-        table, act, ckpt, wgb = stage_tables(self.costs.stages)
+        table, act, ckpt, wgb = microbatch_tables(self.costs, M)
+        SM = S * M
         slot = [0.0] * (2 * S * M)  # 2u: when F(u)'s input was sent; 2u + 1: B/I(u)'s output gradient
         posted = bytearray(2 * S * M)
         cross_in, cross_grad = cross_rank_inputs(sched.stage_to_rank)
@@ -260,8 +264,8 @@ class _FreeRun:
                             break
                         if slot[k] > now:
                             start = slot[k]
-                now = start + table[c * S + s]
-                compute_memory(c, u, start, now, ckpt[s] if u in recomputed else act[s], act[s] - ckpt[s], wgb[s],
+                now = start + table[c * SM + u]
+                compute_memory(c, u, start, now, ckpt[u] if u in recomputed else act[u], act[u] - ckpt[u], wgb[u],
                                held_r, mem_r)
                 st_r.append(start)
                 en_r.append(now)
@@ -392,7 +396,11 @@ class _FreeRun:
         kinds = [KINDS[cols.kinds[q][i]] for q, i in zip(src, si)]
         stage = [cols.stages[q][i] for q, i in zip(src, si)]
         mb = [cols.microbatches[q][i] for q, i in zip(src, si)]
-        nbytes = [stages[min(s, s + RECV_SHIFT[k.code])].output_bytes for k, s in zip(kinds, stage)]
+        if self.costs.microbatch_stages is None:
+            nbytes = [stages[min(s, s + RECV_SHIFT[k.code])].output_bytes for k, s in zip(kinds, stage)]
+        else:
+            cost_of = self.costs.cost_of
+            nbytes = [cost_of(min(s, s + RECV_SHIFT[k.code]), m).output_bytes for k, s, m in zip(kinds, stage, mb)]
         return list(map(tuple.__new__, repeat(TransferRecord),
                         zip(src, dst, kinds, stage, mb, nbytes, arrive, arrive, repeat(0.0))))
 

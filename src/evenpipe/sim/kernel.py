@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
+from itertools import chain, repeat
 from typing import Callable, Hashable, Iterable, Sequence, TypeVar
 
 from evenpipe.schedule.ir import Schedule
-from evenpipe.sim.costs import StageCosts
+from evenpipe.sim.costs import SimCosts, StageCosts
 from evenpipe.sim.rules import B, F, I, KR, W
 from evenpipe.sim.trace import Trace
 
 __all__ = ["CannotVouch", "PARKED", "park", "wait_or_park", "compute_memory", "served_first", "sums_exact",
-           "stage_tables", "recomputed_slots", "cross_rank_inputs", "kinds_used", "gc_paused", "attempt", "RunState"]
+           "stage_tables", "microbatch_tables", "recomputed_slots", "cross_rank_inputs", "kinds_used", "gc_paused", "attempt", "RunState"]
 
 _EXACT_LIMIT = 2 ** 53
 PARKED = -1.0
@@ -131,6 +132,23 @@ def stage_tables(stages: Sequence[StageCosts]) -> tuple[list[float], list[float]
              + [st.recompute_time for st in stages])
     return (table, [st.activation_bytes for st in stages], [st.checkpoint_bytes for st in stages],
             [st.weight_grad_bytes for st in stages])
+
+
+def microbatch_tables(costs: SimCosts, num_microbatches: int
+                      ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """:func:`stage_tables` per (stage, micro-batch): durations indexed by ``kind code * S * M + stage * M + mb`` and,
+    per ``stage * M + mb``, the activation, checkpoint and weight-gradient bytes. Equal micro-batches repeat each
+    stage's entry ``M`` times, so one lookup serves both; unequal ones (:attr:`SimCosts.microbatch_stages`, one
+    row per micro-batch, checked by the engine's ``check_costs``) interleave their rows' entries."""
+    per = costs.microbatch_stages
+    if per is None:
+        M = num_microbatches
+        table, act, ckpt, wgb = (list(chain.from_iterable(repeat(v, M) for v in col))
+                                 for col in stage_tables(costs.stages))
+        return table, act, ckpt, wgb
+    rows = [stage_tables(row) for row in per]  # rows[m][k][index by stage]: (table, act, ckpt, wgb)
+    table, act, ckpt, wgb = (list(chain.from_iterable(zip(*(row[k] for row in rows)))) for k in range(4))
+    return table, act, ckpt, wgb
 
 
 def recomputed_slots(schedule: Schedule) -> set[int]:
