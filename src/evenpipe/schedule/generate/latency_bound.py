@@ -50,11 +50,27 @@ def step_lower_bound(*, num_microbatches: int, stage_to_rank: Sequence[int], pla
         a, b = layout[s + 1], layout[s]
         arrive_i[s] = arrive_i[s + 1] + dur[a][_I] + plan.message_time(a, b)
     cap = float(P) if plan.cap is None else plan.cap
-    bound = 0.0
+    bound = _stage_bound(M, layout, dur, chunks, arrive_f, arrive_i, plan)
     for r in range(P):
         mine = [s for s in range(S) if layout[s] == r]
         start, turn = min(arrive_f[s] for s in mine), min(arrive_i[s] for s in mine)
         per_mb = {kind: dur[r][kind] * chunks[r] for kind in (_F, _I, _W)}
         ahead = min(cap, M) * per_mb[_F]  # forwards a rank can run before its first gradient
         bound = max(bound, max(start, turn - ahead) + M * sum(per_mb.values()), turn + M * (per_mb[_I] + per_mb[_W]))
+    return bound
+
+
+def _stage_bound(M: int, layout: tuple[int, ...], dur: list[dict[ActionKind, float]], chunks: list[int],
+                 arrive_f: list[float], arrive_i: list[float], plan: LinkPlan) -> float:
+    """Per stage: its ``M`` input gradients and weight gradients all come after its first output gradient lands,
+    and its ``M`` forwards after its first input lands, the last of them followed by the rest of that
+    micro-batch's round trip (the later stages' forwards, every input gradient down to stage 0 and its ``W``)."""
+    S = len(layout)
+    chunk = [{kind: dur[r][kind] for kind in (_F, _I, _W)} for r in layout]
+    back_to_0 = arrive_i[0] - arrive_i[S - 1]  # from the last stage's gradient landing to stage 0's
+    bound = 0.0
+    for s in range(S):
+        bound = max(bound, arrive_i[s] + M * (chunk[s][_I] + chunk[s][_W]))
+        rest = arrive_i[S - 1] - arrive_f[s] - chunk[s][_F] + back_to_0 + chunk[0][_I] + chunk[0][_W]
+        bound = max(bound, arrive_f[s] + M * chunk[s][_F] + rest)
     return bound
