@@ -25,7 +25,7 @@ from evenpipe.schedule.memo import Memo
 from evenpipe.schedule.semantics import TABLES
 from evenpipe.sim import SimCosts, Trace, simulate
 
-from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step
+from evenpipe.cost.flops import step_flops
 from evenpipe.cost.hardware import GIB, Hardware
 from evenpipe.cost.memory import StageMemory, build_cost_schedule, cost_schedule_key, stage_memory
 from evenpipe.cost.microbatch_costs import bpipe_weights, config_sim_costs
@@ -328,16 +328,16 @@ def estimate_with(source: CostSource, cfg: ParallelConfig) -> Estimate:
     peak = max(totals)
     budget = source.memory_budget_gib(critical)
     fits = all(t <= b for r, t in enumerate(totals) if (b := source.memory_budget_gib(r)) is not None)
-    executed = executed_flops_per_step(model, cfg)
+    useful, executed = step_flops(model, cfg)
     rates = [source.peak_flops(r) for r in range(cfg.pp)]  # each pipeline rank's GPUs: tp·dp of them
     peak_flops = math.nan if None in rates else sum(r or 0.0 for r in rates) * cfg.tp * cfg.dp * step
-    lt = source.layer_times(cfg, critical, shape_of(model, cfg))
+    lt = _layer_times(source, cfg, critical)
     bd = _breakdown(pipeline, critical, lt, dp_exposed, opt, min(pipeline.step_time, finish[critical]))
     counts = source.param_counts(cfg)
     states = tuple(_state_bytes(source, cfg, r, held[r], counts) for r in range(cfg.pp))
     return Estimate(
         model=model, hardware=source.hardware, source_name=source.name, config=cfg, step_time_s=step,
-        mfu=model_flops_per_step(model, cfg.global_batch) / peak_flops, hfu=executed / peak_flops,
+        mfu=useful / peak_flops, hfu=executed / peak_flops,
         tflops_per_gpu=executed / (step * cfg.num_gpus) / 1e12, bubble_fraction=pipeline.bubble_fraction,
         memory_per_stage_gib=totals, peak_memory_gib=peak, fits=fits, breakdown=bd, stage_memory=mem,
         critical_rank=critical, usable_memory_gib=budget,
@@ -345,6 +345,23 @@ def estimate_with(source: CostSource, cfg: ParallelConfig) -> Estimate:
         activation_peak_simulated_gib=tuple(b / GIB for b in pipeline.peak_activation_bytes),
         layout=stage_layers(model, cfg), state_bytes=states,
     )
+
+
+def _layer_times(source: CostSource, cfg: ParallelConfig, rank: int) -> LayerTimes:
+    """One layer's times on ``rank`` for the breakdown: of the configuration's shape, or the mean over its
+    micro-batch shapes (the breakdown multiplies them by the micro-batches)."""
+    if cfg.microbatch_shapes is None:
+        return source.layer_times(cfg, rank, shape_of(source.model, cfg))
+    each = [source.layer_times(cfg, rank, sh) for sh in cfg.microbatch_shapes]
+    n = len(each)
+    recomputes = [lt.recompute_forward for lt in each]
+    return LayerTimes(
+        forward_compute=sum(lt.forward_compute for lt in each) / n,
+        backward_input_compute=sum(lt.backward_input_compute for lt in each) / n,
+        backward_weight_compute=sum(lt.backward_weight_compute for lt in each) / n,
+        tp_forward=sum(lt.tp_forward for lt in each) / n, tp_backward=sum(lt.tp_backward for lt in each) / n,
+        selective_recompute=sum(lt.selective_recompute for lt in each) / n,
+        recompute_forward=None if all(r is None for r in recomputes) else sum(lt.recompute for lt in each) / n)
 
 
 def _state_bytes(source: CostSource, cfg: ParallelConfig, rank: int, held: Holding, counts: ParamCounts) -> float:

@@ -21,7 +21,7 @@ from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.cost.specs import Arch, ModelSpec
 
 __all__ = ["Gemm", "layer_gemms", "attention_core_flops", "head_gemm", "model_flops_per_step",
-           "executed_flops_per_step", "layer_forward_flops"]
+           "executed_flops_per_step", "layer_forward_flops", "step_flops"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,6 +100,22 @@ def model_flops_per_step(model: ModelSpec, global_batch: int) -> float:
     """Model FLOPs of one optimizer step (forward + backward = 3 forwards, no recomputation)."""
     layers, attention, head = _forward_flops_per_sequence(model)
     return 3.0 * global_batch * (layers + attention + head)
+
+
+def step_flops(model: ModelSpec, cfg: ParallelConfig) -> tuple[float, float]:
+    """(model, executed) FLOPs of one step: :func:`model_flops_per_step` and :func:`executed_flops_per_step`, or,
+    for a configuration with micro-batch shapes (documents of varying length), their sums over its micro-batches'
+    computed tokens and squared lengths (padding counted), on every replica alike."""
+    if cfg.microbatch_shapes is None:
+        return model_flops_per_step(model, cfg.global_batch), executed_flops_per_step(model, cfg)
+    useful = extra = 0.0
+    for sh in cfg.microbatch_shapes:
+        layers = 2.0 * sh.num_tokens * model.matrix_params_per_layer * model.num_layers
+        attention = 4.0 * sh.sum_squares * model.hidden * model.num_layers
+        head = 2.0 * sh.num_tokens * model.hidden * model.vocab
+        useful += 3.0 * (layers + attention + head)
+        extra += {Recompute.NONE: 0.0, Recompute.SELECTIVE: attention, Recompute.FULL: layers + attention}[cfg.recompute]
+    return cfg.dp * useful, cfg.dp * (useful + extra)
 
 
 def executed_flops_per_step(model: ModelSpec, cfg: ParallelConfig) -> float:

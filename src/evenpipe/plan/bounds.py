@@ -13,14 +13,16 @@ there; ``tests/unit/plan`` checks the result against ``estimate`` on many config
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from evenpipe.cost import Efficiency, Hardware, ModelSpec, ParallelConfig, Recompute, stage_layers
 from evenpipe.cost.analytic_source import AnalyticSource
+from evenpipe.cost.microbatch_costs import config_sim_costs
 from evenpipe.cost.source import CostSource, Holding, shape_of
 from evenpipe.cost.timing import LayerTimes
 from evenpipe.schedule import ScheduleFamily
 from evenpipe.schedule.memo import Memo
-from evenpipe.sim.costs import SimCosts
+from evenpipe.sim.costs import SimCosts, StageCosts
 
 __all__ = ["PipelineBounds", "pipeline_bounds", "step_time_lower_bound", "step_bound", "stage_layout",
            "work_lower_bound", "work_bound"]
@@ -58,30 +60,83 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
     ``prefix_f[s] + m·work_r + prefix_i[s]``, where in split-backward schedules ``work_r`` leaves out the weight
     gradients (they may run after r's last input gradient, in parallel with the
     chain). Tight for uniform 1F1B, where it is (m + p − 1)(F + B).
+
+    Unequal micro-batches (``costs.microbatch_stages``): the work is summed over the micro-batches, the prefixes
+    take each stage's smallest micro-batch (any one may go first or last), and what a reduction can hide takes
+    the largest.
     """
     m = num_microbatches
     num_ranks = 1 + max(stage_to_rank)
+    per_mb = costs.microbatch_stages
+    rows = _rows(costs.stages if per_mb is None else _smallest(per_mb), recompute)
     work = [0.0] * num_ranks
     work_to_last_i = [0.0] * num_ranks
     lowest = [len(stage_to_rank)] * num_ranks
-    seen: dict[int, tuple[float, float, float, float, float]] = {}  # equal stages are often one object
+    hideable = [0.0] * num_ranks
+    for s, r in enumerate(stage_to_rank):
+        if s < lowest[r]:
+            lowest[r] = s
+    for each in ([rows] if per_mb is None else [_rows(row, recompute) for row in per_mb]):
+        for s, r in enumerate(stage_to_rank):
+            forward, backward, backward_input, extra, _ = each[s]
+            work[r] += forward + backward + extra
+            work_to_last_i[r] += forward + extra + (backward_input if split_backward else backward)
+        if per_mb is not None:
+            mb_hide = [0.0] * num_ranks
+            for s, r in enumerate(stage_to_rank):
+                mb_hide[r] += each[s][1] + each[s][3]
+            hideable = [max(a, b) for a, b in zip(hideable, mb_hide)]
+    if per_mb is None:
+        for s, r in enumerate(stage_to_rank):
+            hideable[r] += rows[s][1] + rows[s][3]  # B, or I + W: the same sum
+        total, total_to_last_i = [m * w for w in work], [m * w for w in work_to_last_i]
+    else:  # sums over the micro-batches, shrunk below their rounding
+        total = [w * _SUM_MARGIN for w in work]
+        total_to_last_i = [w * _SUM_MARGIN for w in work_to_last_i]
+    prefix_f, prefix_i = _prefixes(rows, stage_to_rank, costs)
+    # rank r's own work ends no earlier than its start plus all of it; its last input gradient, no earlier than its
+    # start plus all work up to it, and that micro-batch's input gradient then reaches stage 0 on rank 0
+    rank_ends = tuple(prefix_f[lowest[r]] + total[r] for r in range(num_ranks))
+    own_end = max(rank_ends)
+    first_end = max(total[0], max(prefix_f[lowest[r]] + total_to_last_i[r] + prefix_i[lowest[r]]
+                                  for r in range(num_ranks)))
+    return PipelineBounds(makespan=max(own_end, first_end), first_rank_end=first_end, rank_ends=rank_ends,
+                          rank_hideable=tuple(hideable))
+
+
+_SUM_MARGIN = 1.0 - 1e-12
+"""Shrinks a sum over unequal micro-batches below the rounding of the simulator's own additions."""
+_Row = tuple[float, float, float, float, float]
+
+
+def _rows(stages: Sequence[StageCosts], recompute: bool) -> list[_Row]:
+    """Per stage (forward, backward, input gradient, recompute if counted, output bytes)."""
+    seen: dict[int, _Row] = {}  # equal stages are often one object
     rows = []
-    for st in costs.stages:
+    for st in stages:
         row = seen.get(id(st))
         if row is None:
             row = seen[id(st)] = (st.forward, st.backward, st.backward_input,
                                   st.recompute_time if recompute else 0.0, st.output_bytes)
         rows.append(row)
-    hideable = [0.0] * num_ranks
-    for s, r in enumerate(stage_to_rank):
-        forward, backward, backward_input, extra, _ = rows[s]
-        work[r] += forward + backward + extra
-        work_to_last_i[r] += forward + extra + (backward_input if split_backward else backward)
-        if s < lowest[r]:
-            lowest[r] = s
-        hideable[r] += backward + extra  # B, or I + W: the same sum
-    # prefix_f[s]: forwards of stages 0..s-1 plus the activation messages between them up to stage s;
-    # prefix_i[s]: input gradients of stages s-1..0 plus the gradient messages from stage s down to stage 0
+    return rows
+
+
+def _smallest(per_mb: tuple[tuple[StageCosts, ...], ...]) -> list[StageCosts]:
+    """Per stage, the smallest of every field over the micro-batches."""
+    out = []
+    for column in zip(*per_mb):
+        out.append(StageCosts(forward=min(c.forward for c in column),
+                              backward_input=min(c.backward_input for c in column),
+                              backward_weight=min(c.backward_weight for c in column),
+                              recompute=min(c.recompute_time for c in column),
+                              output_bytes=min(c.output_bytes for c in column)))
+    return out
+
+
+def _prefixes(rows: list[_Row], stage_to_rank: tuple[int, ...], costs: SimCosts) -> tuple[list[float], list[float]]:
+    """prefix_f[s]: forwards of stages 0..s-1 plus the activation messages between them up to stage s;
+    prefix_i[s]: input gradients of stages s-1..0 plus the gradient messages from stage s down to stage 0."""
     prefix_f, prefix_i = [0.0], [0.0]
     times: dict[tuple[int, float], float] = {}  # (link object, bytes) -> transfer time: few links are distinct
     num_stages = len(rows)
@@ -100,14 +155,7 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
                 bwd_msg = times[(id(back), size)] = back.transfer_time(size)
         prefix_f.append(prefix_f[-1] + forward + fwd_msg)
         prefix_i.append(prefix_i[-1] + backward_input + bwd_msg)
-    # rank r's own work ends no earlier than its start plus all of it; its last input gradient, no earlier than its
-    # start plus all work up to it, and that micro-batch's input gradient then reaches stage 0 on rank 0
-    rank_ends = tuple(prefix_f[lowest[r]] + m * work[r] for r in range(num_ranks))
-    own_end = max(rank_ends)
-    first_end = max(m * work[0], max(prefix_f[lowest[r]] + m * work_to_last_i[r] + prefix_i[lowest[r]]
-                                     for r in range(num_ranks)))
-    return PipelineBounds(makespan=max(own_end, first_end), first_rank_end=first_end, rank_ends=rank_ends,
-                          rank_hideable=tuple(hideable))
+    return prefix_f, prefix_i
 
 
 _CACHE_LIMIT = 1 << 16
@@ -122,13 +170,14 @@ def _pipeline_key(source: CostSource, cfg: ParallelConfig) -> tuple[object, ...]
     Schedules with one placement share their bounds (1F1B and bpipe; interleaved with and without BPipe)."""
     traits = cfg.schedule.traits
     return (source, traits.placement, traits.split_backward, cfg.pp, cfg.chunks, cfg.layout,
-            cfg.microbatch_size, cfg.num_microbatches, cfg.tp, cfg.sequence_parallel, cfg.attention, cfg.recompute)
+            cfg.microbatch_size, cfg.num_microbatches, cfg.tp, cfg.sequence_parallel, cfg.attention, cfg.recompute,
+            cfg.microbatch_shapes)
 
 
 def _pipeline_bounds_of(source: CostSource, cfg: ParallelConfig, key: tuple[object, ...]) -> PipelineBounds:
     """Pipeline bounds, shared by the configurations with one :func:`_pipeline_key`."""
     return _pipeline_cache.get(key, lambda: pipeline_bounds(
-        source.stage_costs(cfg, shape_of(source.model, cfg)), stage_layout(cfg.schedule, cfg.pp, cfg.chunks),
+        config_sim_costs(source, cfg), stage_layout(cfg.schedule, cfg.pp, cfg.chunks),
         cfg.num_microbatches, recompute=cfg.recompute is Recompute.FULL,
         split_backward=cfg.schedule.traits.split_backward))
 
@@ -202,12 +251,15 @@ def work_bound(source: CostSource, cfg: ParallelConfig) -> float:
     configuration on it, without the exact bound, whenever it already cannot win.
     """
     ranks = (0,) if source.uniform else tuple(range(cfg.pp))  # the fastest rank's layer bounds every rank's
+    shapes = cfg.microbatch_shapes or (shape_of(source.model, cfg),) * cfg.num_microbatches
     key = (source, ranks, cfg.tp, cfg.microbatch_size, cfg.sequence_parallel, cfg.attention, cfg.recompute,
-           cfg.chunks > 1, cfg.schedule.traits.split_backward)
+           cfg.chunks > 1, cfg.schedule.traits.split_backward, cfg.microbatch_shapes)
 
-    def layer_work() -> float:
-        shape = shape_of(source.model, cfg)
-        return min(_work(source.layer_times(cfg, r, shape), cfg.recompute) for r in ranks)
+    def layer_work() -> float:  # per micro-batch (the mean, for unequal ones)
+        if cfg.microbatch_shapes is None:
+            return min(_work(source.layer_times(cfg, r, shapes[0]), cfg.recompute) for r in ranks)
+        return min(sum(_work(source.layer_times(cfg, r, sh), cfg.recompute) for sh in shapes)
+                   for r in ranks) / len(shapes) * _SUM_MARGIN
 
     def busiest_layers() -> int:
         per_rank = [0] * cfg.pp

@@ -141,3 +141,50 @@ def test_bpipe_plans_evictions_by_each_micro_batch_bytes() -> None:
     def evictions(schedule) -> int:  # type: ignore[no-untyped-def]
         return sum(a.kind.name == "EVICT" for acts in schedule.actions for a in acts)
     assert evictions(weighted) < evictions(unweighted)
+
+
+def test_search_bounds_hold_for_unequal_micro_batches() -> None:
+    # the planner skips what its bounds say cannot win: under unequal micro-batches the work bound stays below
+    # the step bound, and that below the simulated estimate, for every family and random documents
+    import random
+
+    from evenpipe.errors import EvenpipeError
+    from evenpipe.plan.bounds import step_bound, work_bound
+    from evenpipe.plan.search import enumerate_configs, SearchSpace
+
+    rng = random.Random(34)
+    source = AnalyticSource(LLAMA, H100)
+    checked = 0
+    for cfg in enumerate_configs(LLAMA, H100, num_gpus=8, global_batch=16,
+                                 space=SearchSpace(max_microbatch_size=2, max_chunks=2)):
+        shapes = tuple(MicrobatchShape.of_documents([rng.randint(1, 2048) for _ in range(cfg.microbatch_size)],
+                                                    size=cfg.microbatch_size, seq_len=2048)
+                       for _ in range(cfg.num_microbatches))
+        shaped = dataclasses.replace(cfg, microbatch_shapes=shapes)
+        try:
+            source.check(shaped, 8)
+            est = estimate_with(source, shaped)
+        except EvenpipeError:
+            continue
+        bound = step_bound(source, shaped)
+        assert 0.0 < work_bound(source, shaped) <= bound <= est.step_time_s * (1 + 1e-9), shaped.describe()
+        assert bound < step_bound(source, cfg)  # documents shorter than full rows: less to do
+        checked += 1
+    assert checked > 10
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_step_flops_of_full_rows_are_the_padded_step(recompute: str) -> None:
+    from evenpipe.cost import Recompute
+    from evenpipe.cost.flops import executed_flops_per_step, model_flops_per_step, step_flops
+
+    cfg = ParallelConfig(pp=2, dp=2, microbatch_size=2, global_batch=8, recompute=Recompute.parse(recompute))
+    full = MicrobatchShape(size=2, seq_len=2048, tokens=4096, squared_lengths=2 * 2048 ** 2)
+    shaped = dataclasses.replace(cfg, microbatch_shapes=(full,) * 2)
+    useful, executed = step_flops(LLAMA, shaped)
+    assert useful == pytest.approx(model_flops_per_step(LLAMA, 8), rel=1e-12)
+    assert executed == pytest.approx(executed_flops_per_step(LLAMA, cfg), rel=1e-12)
+    half = dataclasses.replace(cfg, microbatch_shapes=(_docs(1024, 1024, rows=2),) * 2)
+    assert step_flops(LLAMA, half)[0] < useful / 2  # half the tokens, a quarter of the attention
+    est = estimate_with(AnalyticSource(LLAMA, H100), half)
+    assert est.mfu == pytest.approx(step_flops(LLAMA, half)[0] / (989e12 * 4 * est.step_time_s), rel=1e-9)
