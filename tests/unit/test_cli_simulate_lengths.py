@@ -49,3 +49,12 @@ def test_timeline_draws_each_width(tmp_path: pathlib.Path, capsys: pytest.Captur
     widths = {e["args"]["mb"]: e["dur"] for e in trace["traceEvents"]
               if e.get("ph") == "X" and e["args"].get("kind") == "FORWARD" and e.get("pid") == 0}
     assert widths[1] == pytest.approx(4 * widths[0])
+
+
+def test_bpipe_evicts_by_each_micro_batch_bytes(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lengths = tmp_path / "mbs.txt"
+    lengths.write_text("4\n1\n1\n4\n1\n1\n4\n1\n")  # mean 2.125 tokens: the largest saves 4 / 2.125 bytes
+    out = _json(capsys, "--schedule", "bpipe", "--stages", "4", "--microbatches", "8", "--lengths", str(lengths))
+    assert out["meta"]["weighted"] is True
+    largest = 4 / 2.125
+    assert max(out["peak_activation_bytes"]) <= out["meta"]["budget"] * largest * (1 + 1e-9)

@@ -122,16 +122,31 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
     elif cap is not None:
         warnings.warn(f"--activation-cap has no effect on schedule {family.value!r} (only latency-aware "
                       "takes it, and not with --profile)", stacklevel=2)
+    weights = None
+    if lengths is not None and (args.bpipe or family is ScheduleFamily.BPIPE) and not profiled:
+        if costs is None:  # BPipe plans its evictions by each micro-batch's bytes
+            costs = _costs(args, family, chunks, family.traits.stage_to_rank(args.stages, chunks), cluster, lengths)
+        weights = _bpipe_weights(costs)
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         sched = build_schedule(family, num_ranks=args.stages, num_microbatches=args.microbatches,
                                num_chunks=chunks, bpipe_budget=args.bpipe_budget, recompute=args.recompute,
                                plan_durations=plan_durations_for(args.forward_time, args.backward_time,
                                                                  args.weight_time), bpipe=args.bpipe,
-                               link_plan=plan)
+                               link_plan=plan, bpipe_weights=weights)
     if profiled:
         return _profiled(args, sched, lengths).trace
     return simulate(sched, costs or _costs(args, family, chunks, sched.stage_to_rank, cluster, lengths))
+
+
+def _bpipe_weights(costs: SimCosts) -> tuple[float, ...] | None:
+    """Each micro-batch's activation bytes over the largest's (BPipe's units), None when they are alike."""
+    per = costs.microbatch_stages
+    if per is None:
+        return None
+    sizes = [sum(st.activation_bytes for st in row) for row in per]
+    top = max(sizes)
+    return tuple(n / top for n in sizes) if top > 0 else None
 
 
 def _microbatch_lengths(args: argparse.Namespace) -> list[list[int]] | None:
