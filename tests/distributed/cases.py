@@ -20,6 +20,7 @@ from evenpipe.models import build_model, lm_loss, model_config
 from evenpipe.models.adapter import PipelineModel, reference_model
 from evenpipe.models.recompute import set_selective_recompute
 from evenpipe.runtime.comm import build_groups
+from evenpipe.runtime.emulation import RankEmulation
 from evenpipe.runtime.executor import PipelineExecutor
 from evenpipe.runtime.stages import build_stage_modules
 from evenpipe.runtime.stash import ActivationStash
@@ -62,6 +63,8 @@ class Case:
     as long as its longest row (:func:`varlen_batch`); implies ``documents``."""
     offload: str | None = None
     """Host offload on these pipeline ranks, as ``train --offload`` takes them (``all``, ``0-1``)."""
+    link_delay_ms: float = 0.0
+    """Every link between pipeline ranks emulated this slow (``train --emulate-link-delay``) in every step."""
 
     @property
     def packed(self) -> bool:
@@ -76,7 +79,8 @@ class Case:
                          f" steps={self.steps}" if self.steps != 2 else "", " adamw" if self.adam else "",
                          " +bpipe" if self.bpipe else "",
                          f" varlen-{self.varlen}" if self.varlen else " documents" if self.documents else "",
-                         f" offload={self.offload}" if self.offload else ""])
+                         f" offload={self.offload}" if self.offload else "",
+                         f" link+{self.link_delay_ms:g}ms" if self.link_delay_ms else ""])
         return f"{self.family} {self.model} P={self.pp} M={self.microbatches} DP={self.dp}{extra}"
 
 
@@ -259,6 +263,8 @@ def _run(case: Case, groups, stash_factory) -> list[str]:
     stash = (stash_factory or ActivationStash)()
     ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=built.loss,
                           free_outputs=case.free_outputs, stash=stash)
+    if case.link_delay_ms:
+        ex.emulation = RankEmulation(1.0, {q: case.link_delay_ms / 1e3 for q in range(case.pp) if q != groups.pp_rank})
     params = list({id(p): p for s in stages.values() for p in s.parameters()}.values())
     if case.adam:
         opt, ref_opt = torch.optim.AdamW(params, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)

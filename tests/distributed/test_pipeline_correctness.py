@@ -59,7 +59,21 @@ def _schedule_cases() -> list[Case]:
             Case(family="bpipe", pp=4, microbatches=8, offload="all"),
             Case(family="1f1b", pp=2, microbatches=4, recompute=True, offload="0"),
             Case(family="zb-v", pp=2, microbatches=4, chunks=2, offload="all")]
+    # latency-aware (issue 35.4), ordered for slow links and run with every link emulated slow (messages land
+    # late, their senders go on), one stage per rank and the V; and its default order over free links
+    out += [Case(family="latency-aware", pp=4, microbatches=8, link_delay_ms=3.0,
+                 text=_latency_aware(4, 8, 1, latency=1.0)),
+            Case(family="latency-aware", pp=2, microbatches=4, chunks=2, link_delay_ms=3.0, model="llama-tiny",
+                 text=_latency_aware(2, 4, 2, latency=0.5)),
+            Case(family="latency-aware", pp=4, microbatches=4, dp=1)]
     return out
+
+
+def _latency_aware(pp: int, microbatches: int, chunks: int, *, latency: float) -> str:
+    """The latency-aware order for every link taking ``latency`` forwards, as schedule text."""
+    from evenpipe.schedule import LinkPlan, build_schedule
+    return build_schedule("latency-aware", num_ranks=pp, num_microbatches=microbatches, num_chunks=chunks,
+                          link_plan=LinkPlan.uniform(num_ranks=pp, latency=latency)).to_text()
 
 
 def _bpipe_cases() -> list[Case]:

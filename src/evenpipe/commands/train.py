@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "bare --recompute is full (default none)")
     p.add_argument("--free-outputs", action=argparse.BooleanOptionalAction, default=True,
                    help="free each stage output once sent (default on)")
+    p.add_argument("--plan-link-latency", type=float, default=None, metavar="FORWARDS",
+                   help="latency-aware: order for every message between pipeline ranks taking this long, in "
+                        "forwards of one rank's layers (e.g. 0.25; default: free links)")
     p.add_argument("--bpipe-budget", type=int, default=None,
                    help="BPipe: activation units a rank may hold (default ceil((P+1)/2))")
     p.add_argument("--offload", default=None, metavar="RANKS",
@@ -130,8 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="for tests and benchmarks: pipeline rank RANK's computes take FACTOR times as long from "
                         "0-based step STEP (it sleeps after each)")
     p.add_argument("--emulate-link-delay", action="append", default=[], metavar="A-B:MS",
-                   help="for tests and benchmarks: every message between pipeline ranks A and B waits MS "
-                        "milliseconds before it is posted (repeatable)")
+                   help="for tests and benchmarks: every message between pipeline ranks A and B lands MS "
+                        "milliseconds after it is sent, its sender going on at once (repeatable)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a rank may wait for a peer before the job fails (default: 300 s for the first "
                         "step, then 10x the slowest step, at least 10 s)")
@@ -152,7 +155,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
                                num_microbatches=args.microbatches, recompute=args.recompute,
                                free_outputs=bool(args.free_outputs), bpipe_budget=args.bpipe_budget,
                                bpipe=args.bpipe, offload=() if args.offload is None else args.offload,
-                               layout=_layout(args.layout))
+                               layout=_layout(args.layout), link_latency=args.plan_link_latency)
     _warn_idle_offload(schedule, named=args.offload is not None and args.offload.strip().lower() != "all")
     backend = Backend(args.backend or ("nccl" if torch.cuda.is_available() else "gloo"))
     if backend is Backend.NCCL and not torch.cuda.is_available():

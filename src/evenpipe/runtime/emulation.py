@@ -8,9 +8,12 @@ busy-waiting: a slow GPU leaves its host's cores to the other processes, and on 
 busy-wait would steal the peers' core and slow them too, so the slowdown would no longer belong to one rank.
 
 A *slow link* between pipeline ranks A and B delays every pipeline message A sends to B and B sends to A by a fixed
-number of milliseconds before it is posted (the sender sleeps, then posts). The sender is held for the delay, as on
-a link whose rendezvous takes that long; a real link's latency would overlap the sender's next compute, so the
-emulated link costs the sender at least as much as a real one would.
+number of milliseconds, as a link's latency does: the sender posts at once and goes on to its next action, and
+the message may be read only that long after it was sent. The sender stamps each message with that time (this
+host's monotonic clock plus the delay, a second tagged part of the message) and the consuming compute on the
+other side waits until then (``Mailbox.take``), so the delay overlaps whatever both ranks do meanwhile, which is
+what a latency-aware schedule is built to use. (Until 2026-12-05 the sender slept for the delay before posting,
+so an emulated link cost the sender's time like a slow rendezvous; clocks of one host only.)
 
 Ranks are pipeline ranks; every replica (and tensor-parallel rank) of a pipeline rank is slowed alike. Nothing
 here runs unless one of the options is given: the handlers test one attribute for None.

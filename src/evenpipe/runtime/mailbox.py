@@ -35,8 +35,9 @@ class Mailbox:
     def __init__(self, *, timeout_s: float, recorder: RankRecorder | None) -> None:
         self.timeout_s = timeout_s
         self.recorder = recorder
-        self.recvs: dict[tuple[ActionKind, int, int], tuple[PendingBatch, torch.Tensor]] = {}
-        """Posted pipeline receives by (kind, stage, micro-batch), until a compute takes them."""
+        self.recvs: dict[tuple[ActionKind, int, int], tuple[PendingBatch, torch.Tensor, torch.Tensor | None]] = {}
+        """Posted pipeline receives by (kind, stage, micro-batch), until a compute takes them; with the buffer of
+        the time an emulated slow link lets it be read, if any."""
         self.sends: list[PendingBatch] = []
         """Send batches posted since the last compute."""
         self.earlier_sends: list[PendingBatch] = []
@@ -83,25 +84,31 @@ class Mailbox:
         self.buffer_bytes += sum(_nbytes(t.tensor) for t, _ in items)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
 
-    def expect(self, kind: ActionKind, stage: int, mb: int, batch: PendingBatch, buf: torch.Tensor) -> None:
-        """A receive into ``buf`` was posted in ``batch``; a compute takes it with :meth:`take`."""
-        self.recvs[(kind, stage, mb)] = (batch, buf)
+    def expect(self, kind: ActionKind, stage: int, mb: int, batch: PendingBatch, buf: torch.Tensor, *,
+               due: torch.Tensor | None = None) -> None:
+        """A receive into ``buf`` was posted in ``batch``; a compute takes it with :meth:`take`. ``due`` receives
+        (in the same batch) the monotonic time before which an emulated slow link lets no one read it."""
+        self.recvs[(kind, stage, mb)] = (batch, buf, due)
 
     def take(self, kind: ActionKind, stage: int, mb: int) -> torch.Tensor | None:
         """Wait for and return the posted receive (None when there is none: a local hand-off)."""
         item = self.recvs.pop((kind, stage, mb), None)
         if item is None:
             return None
-        batch, buf = item
+        batch, buf, due = item
         t0 = time.perf_counter()
         batch.wait_for(buf)
+        if due is not None:  # an emulated slow link: the message lands its delay after it was sent
+            batch.wait_for(due)
+            time.sleep(max(0.0, float(due.item()) - time.monotonic()))
+            self.buffer_bytes -= _nbytes(due)
         self.waited_s += time.perf_counter() - t0
         self.buffer_bytes -= _nbytes(buf)
         return buf
 
     def poll_receives(self) -> None:
         """Look at every posted receive (stamps arrivals for the trace, see ``RankRecorder.received``)."""
-        for batch, _ in self.recvs.values():
+        for batch, _, _ in self.recvs.values():
             batch.is_completed()
 
     def retire_sends(self) -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -148,6 +149,9 @@ class ScheduleOptions:
     offload: tuple[int, ...] = ()
     """Pipeline ranks that copy each micro-batch's saved activations to host memory after its forward and back
     before its backward (``train --offload``: ``all``, or a list or ranges such as ``0,1`` or ``0-1``)."""
+    link_latency: float | None = None
+    """latency-aware: order for every message between pipeline ranks taking this long, in forwards of one rank's
+    layers (``train --plan-link-latency``, e.g. 0.25); None: free links."""
 
     def __post_init__(self) -> None:
         _coerce(self, "family", ScheduleFamily.parse(self.family))
@@ -164,6 +168,13 @@ class ScheduleOptions:
         _coerce(self, "recompute", modes[:1] if len(set(modes)) == 1 else modes)
         if self.num_ranks == 1 and self.family is ScheduleFamily.BPIPE:
             raise ConfigError("--schedule bpipe needs --stages >= 2 (ranks exchange activations in pairs)")
+        if self.link_latency is not None:
+            if not (self.link_latency >= 0 and math.isfinite(self.link_latency)):
+                raise ConfigError(f"--plan-link-latency must be a finite number >= 0 (forwards), got "
+                                  f"{self.link_latency}")
+            if self.family is not ScheduleFamily.LATENCY_AWARE:
+                warnings.warn(f"--plan-link-latency has no effect on schedule {self.family.value!r} (only "
+                              "latency-aware orders for it)", stacklevel=3)
         self.build()  # the schedule's own checks (micro-batch counts, BPipe budget)
 
     @property
@@ -179,10 +190,13 @@ class ScheduleOptions:
 
     def build(self) -> Any:
         """The validated :class:`evenpipe.schedule.Schedule` (``R`` actions on the fully recomputed stages)."""
-        from evenpipe.schedule import build_schedule
+        from evenpipe.schedule import LinkPlan, build_schedule
+        plan = None
+        if self.link_latency is not None and self.family is ScheduleFamily.LATENCY_AWARE:
+            plan = LinkPlan.uniform(num_ranks=self.num_ranks, latency=self.link_latency)
         return build_schedule(self.family, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
                               num_chunks=self.num_chunks, recompute=self.stages_recomputing(Recompute.FULL),
-                              bpipe=self.bpipe, offload_ranks=frozenset(self.offload),
+                              bpipe=self.bpipe, offload_ranks=frozenset(self.offload), link_plan=plan,
                               bpipe_budget=self.bpipe_budget if self.family is ScheduleFamily.BPIPE or self.bpipe
                               else None)
 

@@ -51,6 +51,9 @@ class _Clock:
     def perf_counter(self) -> float:
         return self.now
 
+    def monotonic(self) -> float:
+        return self.now
+
     def sleep(self, s: float) -> None:
         self.slept.append(s)
         self.now += s
@@ -83,13 +86,38 @@ def test_without_emulation_the_compute_is_not_timed(monkeypatch: pytest.MonkeyPa
     assert len(ran) == 2 and clock.slept == []
 
 
-def test_a_slow_link_delays_sends_to_its_peer_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slow_link_stamps_its_messages_and_the_sender_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A send to the slow link's peer goes out at once with a second part, the time it may be read (monotonic
+    clock plus the delay); a send to another peer is one part; nobody sleeps."""
     clock = _Clock()
+    clock.now = 100.0
     monkeypatch.setattr(step_messages, "time", clock)
     ctx = SimpleNamespace(emulation=RankEmulation(1.0, {2: 0.005}), groups=SimpleNamespace(
-        global_rank=lambda r: r, pp_group=None), tag=lambda a: 0)
+        global_rank=lambda r: r, pp_group=None), tag=lambda a, part=0, num_parts=1: (part, num_parts))
     x = torch.zeros(2)
-    step_messages._message(Action(ActionKind.SEND_F, 1, 0, peer=2), ctx, x, send=True)
-    step_messages._message(Action(ActionKind.RECV_B, 1, 0, peer=2), ctx, x, send=False)
-    step_messages._message(Action(ActionKind.SEND_B, 1, 0, peer=0), ctx, x, send=True)
-    assert clock.slept == [0.005, 0.0]
+    slow = step_messages._send(Action(ActionKind.SEND_F, 1, 0, peer=2), ctx, x, None)
+    fast = step_messages._send(Action(ActionKind.SEND_B, 1, 0, peer=0), ctx, x, None)
+    assert [t.tag for t, _ in slow] == [(0, 2), (1, 2)] and slow[0][0].tensor is x
+    assert slow[1][0].tensor.item() == pytest.approx(100.005)
+    assert [t.tag for t, _ in fast] == [(0, 1)]
+    assert clock.slept == []
+
+
+def test_the_consumer_waits_until_the_stamped_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mailbox.take reads a stamped message only once its time has come, and counts that wait."""
+    from evenpipe.runtime import mailbox as mailbox_module
+    clock = _Clock()
+    clock.now = 50.0
+    monkeypatch.setattr(mailbox_module, "time", clock)
+    box = mailbox_module.Mailbox(timeout_s=1.0, recorder=None)
+    waited = []
+    batch = SimpleNamespace(wait_for=lambda buf: waited.append(buf))
+    buf, due = torch.zeros(3), torch.tensor([50.004], dtype=torch.float64)
+    box.expect(ActionKind.RECV_F, 1, 0, batch, buf, due=due)  # type: ignore[arg-type]
+    late = torch.tensor([49.0], dtype=torch.float64)
+    box.expect(ActionKind.RECV_F, 1, 1, batch, buf, due=late)  # type: ignore[arg-type]
+    assert box.take(ActionKind.RECV_F, 1, 0) is buf
+    assert box.take(ActionKind.RECV_F, 1, 1) is buf
+    assert waited == [buf, due, buf, late]
+    assert clock.slept == [pytest.approx(0.004), 0.0]
+    assert box.waited_s == pytest.approx(0.004)

@@ -57,3 +57,23 @@ def test_bad_values_are_one_line_config_errors(make, needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         make()
     assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_plan_link_latency_orders_latency_aware_for_slow_links() -> None:
+    """--plan-link-latency: latency-aware's order for every link that slow; a warning on another family, one line
+    for a bad value."""
+    import warnings
+
+    from evenpipe.schedule import LinkPlan, build_schedule
+    opts = ScheduleOptions(family="latency-aware", num_ranks=4, num_microbatches=8, link_latency=1.0)
+    want = build_schedule("latency-aware", num_ranks=4, num_microbatches=8, num_chunks=1,
+                          link_plan=LinkPlan.uniform(num_ranks=4, latency=1.0))
+    assert opts.build().actions == want.actions
+    assert opts.build().actions != ScheduleOptions(family="latency-aware", num_ranks=4, num_microbatches=8).build().actions
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ScheduleOptions(family="1f1b", num_ranks=4, num_microbatches=8, link_latency=0.5)
+    assert any("--plan-link-latency has no effect" in str(w.message) for w in caught)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ConfigError, match="--plan-link-latency must be a finite number >= 0"):
+            ScheduleOptions(family="latency-aware", num_ranks=4, num_microbatches=8, link_latency=bad)
