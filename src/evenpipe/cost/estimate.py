@@ -129,7 +129,11 @@ class Estimate:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.config.global_batch * self.model.seq_len / self.step_time_s
+        """Tokens computed per second (with micro-batch shapes: theirs, padding counted, on every replica)."""
+        shapes = self.config.microbatch_shapes
+        if shapes is None:
+            return self.config.global_batch * self.model.seq_len / self.step_time_s
+        return self.config.dp * sum(sh.num_tokens for sh in shapes) / self.step_time_s
 
     def to_dict(self) -> dict[str, object]:
         c = self.config
@@ -141,7 +145,9 @@ class Estimate:
                        "recompute": c.recompute.value, "sequence_parallel": c.sequence_parallel,
                        "attention": c.attention.value, "schedule": c.schedule.value,
                        "distributed_optimizer": c.distributed_optimizer, "bpipe_budget": c.bpipe_budget,
-                       "bpipe": c.uses_bpipe, "offload_ranks": c.offload_ranks, "layout": list(self.layout)},
+                       "bpipe": c.uses_bpipe, "offload_ranks": c.offload_ranks, "layout": list(self.layout),
+                       **({} if c.microbatch_shapes is None else {"microbatch_tokens": [
+                           sh.num_tokens for sh in c.microbatch_shapes]})},
             "step_time_s": self.step_time_s, "mfu": _number(self.mfu), "hfu": _number(self.hfu),
             "tflops_per_gpu": self.tflops_per_gpu, "tokens_per_s": self.tokens_per_s,
             "bubble_fraction": self.bubble_fraction,

@@ -188,3 +188,13 @@ def test_step_flops_of_full_rows_are_the_padded_step(recompute: str) -> None:
     assert step_flops(LLAMA, half)[0] < useful / 2  # half the tokens, a quarter of the attention
     est = estimate_with(AnalyticSource(LLAMA, H100), half)
     assert est.mfu == pytest.approx(step_flops(LLAMA, half)[0] / (989e12 * 4 * est.step_time_s), rel=1e-9)
+
+
+def test_estimate_reports_the_shapes_tokens() -> None:
+    source = AnalyticSource(LLAMA, H100)
+    cfg = ParallelConfig(pp=2, dp=2, global_batch=4, microbatch_shapes=(_docs(300, 700), _docs(2048)))
+    est = estimate_with(source, cfg)
+    assert est.tokens_per_s == pytest.approx(2 * (1000 + 2048) / est.step_time_s)
+    assert est.to_dict()["config"]["microbatch_tokens"] == [1000, 2048]
+    assert "microbatch_tokens" not in estimate_with(source, dataclasses.replace(
+        cfg, microbatch_shapes=None)).to_dict()["config"]
