@@ -349,3 +349,38 @@ def test_zero_bubble_split_keeps_units_until_the_weight_gradient() -> None:
     torch.testing.assert_close(gx, ref_x, rtol=0, atol=0)
     for (name, _), g in zip(stages[1].named_parameters(), grads):
         torch.testing.assert_close(g, ref[name], rtol=0, atol=0, msg=name)
+
+
+def test_offload_moves_a_key_to_a_separate_host_copy_counted_apart() -> None:
+    """Host offload (``train --offload``): the host copy is its own tensor, the device storages are freed (own
+    bytes drop by the unit), the copy counts as offloaded bytes until unshelved, and the backward after restore
+    gives the gradients of a run without offload."""
+    model = build_model(model_config("gpt-tiny"), seed=0)
+    (tokens, targets), = _batches(1)
+    reference = _reference_grads(model, [(tokens, targets)])
+    stash = ActivationStash([model])
+    with stash.capture((0, 0)):
+        loss = lm_loss(model(tokens), targets)
+    unit = stash.bytes_of((0, 0))
+    storages = [s.storage for s in stash._states[(0, 0)].slots.values()]
+    meta, host = stash.export((0, 0), to_host=True)
+    stash.drop((0, 0))
+    stash.shelve((0, 0), meta, host)
+    assert host.device.type == "cpu" and meta.total_bytes == unit
+    assert all(s.nbytes() == 0 for s in storages)  # released, not just forgotten
+    assert not any(host.untyped_storage()._cdata == s._cdata for s in storages)
+    assert stash.own_bytes == 0 and stash.offloaded_bytes == stash.peak_offloaded_bytes == unit
+    assert stash.hosted_bytes == 0 and not stash.is_empty()
+    with pytest.raises(StashError, match="already offloaded"):
+        stash.shelve((0, 0), meta, host)
+    back_meta, back = stash.unshelve((0, 0))
+    with pytest.raises(StashError, match="is not offloaded"):
+        stash.unshelve((0, 0))
+    stash.restore((0, 0), back_meta, back)
+    assert stash.offloaded_bytes == 0 and stash.own_bytes == unit and stash.peak_offloaded_bytes == unit
+    loss.backward()
+    stash.release_all_of((0, 0))
+    assert stash.is_empty()
+    _assert_same(_grads(model), reference)
+    stash.reset_peaks()
+    assert stash.peak_offloaded_bytes == 0
