@@ -7,7 +7,8 @@ model and its own documents stream (``evenpipe.runtime.document_batches.Document
 ``train --documents --microbatching POLICY`` reads): documents of the shipped ShareGPT-shaped lengths
 (``evenpipe/data/sharegpt_lengths.txt``; ``--lengths FILE`` replaces it, one length per line) with random tokens,
 longer ones than a row split. Every micro-batch is as long as its longest row (rounded up to 8), so ``pad``
-computes each document's length class, not the whole row. Policies:
+computes each document's length class, not the whole row, and attention runs once per document (a packed row
+costs its documents' squared lengths, not the row's). Policies:
 
 - ``pad``, ``pack``, ``balance``: as in ``train`` (``--microbatching``);
 - ``pad-fixed``: ``pad`` with every micro-batch a whole row (the runtime before micro-batches of their own length).

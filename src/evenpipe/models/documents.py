@@ -21,11 +21,12 @@ __all__ = ["Documents", "doc_ids_from_lengths"]
 class Documents:
     """Per-token document structure of one micro-batch, computed once per forward and shared by every block.
 
-    ``doc_ids`` ``[B, T]`` (int), ``positions`` ``[B, T]`` (int64, the index of each token inside its document)
-    and ``mask`` ``[B, 1, T, T]`` (bool, True where a query may attend a key: same document and not in the future).
+    ``doc_ids`` ``[B, T]`` (int), ``positions`` ``[B, T]`` (int64, the index of each token inside its document),
+    ``mask`` ``[B, 1, T, T]`` (bool, True where a query may attend a key: same document and not in the future) and
+    ``segments``: per row, each run's ``(start, end)``; the last two are computed when first asked for.
     """
 
-    __slots__ = ("doc_ids", "positions", "mask")
+    __slots__ = ("doc_ids", "positions", "_run_start", "_mask", "_segments")
 
     def __init__(self, doc_ids: torch.Tensor) -> None:
         if doc_ids.dim() != 2:
@@ -37,10 +38,31 @@ class Documents:
         starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]  # a new run begins here
         run_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
         self.positions = index - run_start
-        # same run (not just the same id): a run's start index names it uniquely within the row
-        same = run_start[:, :, None] == run_start[:, None, :]
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
-        self.mask = (same & causal).unsqueeze(1)
+        self._run_start = run_start
+        self._mask: torch.Tensor | None = None
+        self._segments: tuple[tuple[tuple[int, int], ...], ...] | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """``[B, 1, T, T]`` bool: True where a query may attend a key."""
+        if self._mask is None:
+            run_start, seq = self._run_start, self._run_start.shape[1]
+            # same run (not just the same id): a run's start index names it uniquely within the row
+            same = run_start[:, :, None] == run_start[:, None, :]
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=run_start.device).tril()
+            self._mask = (same & causal).unsqueeze(1)
+        return self._mask
+
+    @property
+    def segments(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per row, the ``(start, end)`` of each run in order (read to the host once)."""
+        if self._segments is None:
+            batch, seq = self.positions.shape
+            at: list[list[int]] = [[] for _ in range(batch)]
+            for row, col in (self.positions == 0).nonzero().tolist():
+                at[row].append(col)
+            self._segments = tuple(tuple(zip(a, a[1:] + [seq])) for a in at)
+        return self._segments
 
     def to(self, device: "torch.device | str") -> "Documents":
         """The same structure on ``device``."""

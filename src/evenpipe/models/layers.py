@@ -3,13 +3,17 @@ grouped-query heads and rotary positions) and the rotary table.
 
 Shapes: ``B`` batch, ``T`` sequence, ``H`` query heads, ``K`` key/value heads, ``D`` head width.
 
-With :class:`evenpipe.models.documents.Documents` (packed rows), attention is masked block-diagonally (causal
-within each document) and rotary positions restart per document; without, the causal path is unchanged.
+With :class:`evenpipe.models.documents.Documents` (packed rows), attention stays inside each document: the core
+runs once per document (a run of a row), causal, on that document's queries, keys and values alone, so a row
+computes the sum of its documents' squared lengths, not the square of the row's (a dense ``[T, T]`` mask computes
+every pair and keeps a fused kernel from skipping the masked blocks); rotary positions restart per document.
+Without, the causal path is unchanged.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,15 +58,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return x * cos + rotated * sin
 
 
-def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``mask`` ``[B, 1, T, T]`` (True: may attend) replaces the causal mask."""
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Causal attention computed step by step (scores, mask, softmax, dropout, ``probs @ v``)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # query head i reads key/value head i // groups (as SDPA's enable_gqa)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     seq = q.shape[-2]
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [B, H, T, T]
-    hidden = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1) if mask is None else ~mask
+    hidden = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
     scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if dropout_p > 0:
@@ -70,17 +73,29 @@ def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     return probs @ v
 
 
-def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                    mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``mask`` ``[B, 1, T, T]`` (True: may attend) replaces ``is_causal``."""
-    causal = {"is_causal": True} if mask is None else {"attn_mask": mask}
+def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Causal attention by ``torch``'s fused kernel (``is_causal``: the masked blocks are skipped)."""
     if q.shape[1] != k.shape[1]:
         try:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=True, **causal)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=True, is_causal=True)
         except TypeError:  # torch < 2.5 has no enable_gqa
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **causal)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
+def _by_document(attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``attend`` run causally on each document of each row, the outputs put back in place: ``core(q, k, v,
+    dropout_p, segments)`` with ``segments`` per row its runs' ``(start, end)``
+    (:attr:`evenpipe.models.documents.Documents.segments`)."""
+    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+             segments: tuple[tuple[tuple[int, int], ...], ...]) -> torch.Tensor:
+        rows = []
+        for b, runs in enumerate(segments):
+            parts = [attend(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], dropout_p) for s, e in runs]
+            rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+        return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+    return core
 
 
 class CausalSelfAttention(nn.Module):
@@ -97,6 +112,7 @@ class CausalSelfAttention(nn.Module):
         self.proj.residual_out = True  # type: ignore[assignment]  # scaled init (see models.lm)
         self.dropout = cfg.dropout
         self.attend = _eager_attention if cfg.attention is Attention.EAGER else _sdpa_attention
+        self.attend_documents = _by_document(self.attend)
         self.rotary = rotary is not None
         self.recompute_core = False
         """Selective recomputation: the core (scores to ``probs @ v``) keeps only q, k, v and runs again in
@@ -119,9 +135,10 @@ class CausalSelfAttention(nn.Module):
         if self.rotary:
             q = apply_rotary(q, self.rope_cos, self.rope_sin, positions)
             k = apply_rotary(k, self.rope_cos, self.rope_sin, positions)
-        args = (dropout,) if documents is None else (dropout, documents.mask)
+        attend = self.attend if documents is None else self.attend_documents
+        args = (dropout,) if documents is None else (dropout, documents.segments)
         if self.recompute_core:
-            out = recompute_core(self.attend, q, k, v, *args, random=dropout > 0)  # [B, H, T, D]
+            out = recompute_core(attend, q, k, v, *args, random=dropout > 0)  # [B, H, T, D]
         else:
-            out = self.attend(q, k, v, *args)
+            out = attend(q, k, v, *args)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))

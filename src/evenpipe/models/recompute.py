@@ -1,7 +1,7 @@
 """Selective activation recomputation (Korthikanti et al. 2022, section 4.2; Megatron-LM's ``--recompute-granularity
 selective``): the attention core -- scores ``q k^T``, their scaling and mask, the softmax, its dropout and
-``probs @ v`` -- keeps nothing of its own for backward but its inputs ``q``, ``k``, ``v`` (and the mask of packed
-documents), and runs again inside the backward to give their gradients.
+``probs @ v`` -- keeps nothing of its own for backward but its inputs ``q``, ``k``, ``v`` (packed documents add
+their runs' bounds, plain integers), and runs again inside the backward to give their gradients.
 
 :class:`AttentionCore` is a ``torch.autograd.Function``: its forward runs the core without a graph and saves
 ``q``, ``k``, ``v`` with ``ctx.save_for_backward``, so they pass through the activation stash's saved-tensor hooks

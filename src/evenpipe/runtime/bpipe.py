@@ -12,15 +12,17 @@ ids, which are not activations: its unit is empty). The stage output's send is w
 the drop may free the storage being sent.
 
 Wire format, per unit, all on the BPipe group: the meta as ``StashMeta.to_tensor()`` (``int64``), then the flat
-``uint8`` buffer. Sizes are learned per stage and micro-batch input shape (micro-batches of one step may differ in
-length, :mod:`evenpipe.runtime.boundary_shapes`): the first unit of a (stage, shape) pair that was unknown when
-the step began is prefixed with an ``int64[2]`` header (meta length, flat length), as is every other unit of that
-pair in the same step; the receiver waits for the header where ACCEPT/LOAD stands (a blocking wait, at the first
-sight of a shape only: it is the rendezvous point, see below) and posts the data receives right there. Both
-sides hold every micro-batch's shape and learn the same pairs in the same steps, so they agree on which units
-carry a header. A unit of a known pair posts its data receives directly where ACCEPT/LOAD stands, with buffers
-of the learned sizes, so the receiver's memory is taken exactly there and the transfer overlaps compute; a unit
-whose size differs from its pair's is an error. Data is waited just before it is needed (LOAD: before the stage's RECOMPUTE or
+``uint8`` buffer. Sizes are learned per stage and micro-batch *layout* (:attr:`StepContext.layouts`: the input's
+shape, which may differ between micro-batches of one step, and for packed documents the runs of every row, since
+the attention core runs once per document and saves per document): the first unit of a (stage, layout) pair
+that was unknown when the step began is prefixed with an ``int64[2]`` header (meta length, flat length), as is
+every other unit of that pair in the same step; the receiver waits for the header where ACCEPT/LOAD stands (a
+blocking wait at the first sight of a layout only: it is the rendezvous point, see below) and posts the data
+receives right there. Both sides hold every micro-batch's input and learn the same pairs in the same steps, so
+they agree on which units carry a header. A unit of a known pair posts its data receives directly where
+ACCEPT/LOAD stands, with buffers of the learned sizes, so the receiver's memory is taken exactly there and the
+transfer overlaps compute; a unit whose size differs from its pair's is an error. (Packed documents rarely
+repeat a layout, so their units nearly always carry the header and ACCEPT/LOAD wait there.) Data is waited just before it is needed (LOAD: before the stage's RECOMPUTE or
 backward; ACCEPT: at RETURN or the next ACCEPT). The sender posts everything at once.
 
 When memory is freed and taken (the simulator's rules, :mod:`evenpipe.sim.engine`). A send's buffer (an
@@ -56,7 +58,7 @@ step have not been run; the BPipe group's sends and receives share one communica
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 
@@ -81,9 +83,8 @@ def loading_key(key: StashKey) -> StashKey:
     return key[0], -1 - key[1]
 
 
-Sizes = dict[tuple[int, tuple[int, ...]], tuple[int, int]]
-"""Per evicted stage and micro-batch input shape: (meta length in int64 elements, flat length in bytes) of its
-units."""
+Sizes = dict[tuple[int, Hashable], tuple[int, int]]
+"""Per evicted stage and micro-batch layout: (meta length in int64 elements, flat length in bytes) of its units."""
 
 
 @dataclass(slots=True)
@@ -106,7 +107,7 @@ class BpipeOps:
         self.ctx = ctx
         self.sizes = sizes
         self.known = frozenset(sizes)
-        """The (stage, shape) pairs whose sizes were known when the step began: their units carry no header."""
+        """The (stage, layout) pairs whose sizes were known when the step began: their units carry no header."""
         self.incoming: dict[StashKey, _Incoming] = {}
         self.evicts: list[PendingBatch] = []
         """EVICT send batches not waited yet (their works hold the exported buffers)."""
@@ -165,7 +166,7 @@ class BpipeOps:
             if a.kind is _K.ACCEPT:
                 self.last_accept = key
             unit = self._unit(key)
-            if unit not in self.known:  # a new shape: the sizes come first (waited here, where rendezvous blocks)
+            if unit not in self.known:  # a new layout: the sizes come first (waited here, where rendezvous blocks)
                 header = torch.zeros(2, dtype=torch.int64, device=ctx.device)
                 post_batch([Transfer(send=False, tensor=header, peer=peer, group=grp, tag=inc.tags[0], what=what)],
                            timeout_s=ctx.groups.timeout_s).wait()
@@ -198,18 +199,18 @@ class BpipeOps:
                           what=what), keep if i == 0 else None)
                 for i, t in enumerate(parts)]
 
-    def _unit(self, key: StashKey) -> tuple[int, tuple[int, ...]]:
-        """The (stage, micro-batch input shape) pair whose units share one size."""
-        return key[0], tuple(self.ctx.live.mb_inputs[key[1]].shape)
+    def _unit(self, key: StashKey) -> tuple[int, Hashable]:
+        """The (stage, micro-batch layout) pair whose units share one size."""
+        return key[0], self.ctx.layouts[key[1]]
 
     def _check_size(self, key: StashKey, n_meta: int, n_flat: int) -> None:
         unit = self._unit(key)
         if unit not in self.known:
             self.sizes[unit] = (n_meta, n_flat)
         elif self.sizes[unit] != (n_meta, n_flat):
-            raise RuntimeError(f"BPipe unit of stage {key[0]} mb {key[1]} (input {unit[1]}) is {n_flat} bytes "
-                               f"({n_meta} meta), an earlier unit of that shape was {self.sizes[unit]}; units of "
-                               "one shape must keep their size")
+            raise RuntimeError(f"BPipe unit of stage {key[0]} mb {key[1]} is {n_flat} bytes ({n_meta} meta), an "
+                               f"earlier unit of its layout was {self.sizes[unit]}; units of one layout must keep "
+                               "their size")
 
     def _data_transfers(self, inc: _Incoming, n_meta: int, n_flat: int) -> list[Transfer]:
         dev = self.ctx.device
@@ -275,7 +276,7 @@ def _post(a: Action, ctx: StepContext) -> list[Posting]:
 
 
 def _make_ops(ctx: StepContext, kept: dict[Any, Any]) -> BpipeOps:
-    """This step's :class:`BpipeOps`; unit sizes are learned at the first sight of each (stage, shape) pair and
+    """This step's :class:`BpipeOps`; unit sizes are learned at the first sight of each (stage, layout) pair and
     kept across steps."""
     return BpipeOps(ctx, kept)
 

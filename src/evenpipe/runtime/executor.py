@@ -41,7 +41,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -214,7 +214,7 @@ class PipelineExecutor:
             for p in mod.parameters():
                 p.grad = None
         self.stash.reset_peaks()
-        ctx = self._context(LiveTensors(mb_inputs, mb_targets), shapes)
+        ctx = self._context(LiveTensors(mb_inputs, mb_targets), shapes, [self._layout(x) for x in mb_inputs])
         t0 = time.perf_counter()
         try:
             self.program.execute(ctx, early_receives=self.early_receives)
@@ -259,12 +259,21 @@ class PipelineExecutor:
             ins, tgs = tuple(inputs[d * m:(d + 1) * m]), tuple(targets[d * m:(d + 1) * m])
         return [c.to(self.device).clone() for c in ins], [c.to(self.device).clone() for c in tgs]
 
-    def _context(self, live: LiveTensors, shapes: Sequence[ShapeMap]) -> StepContext:
+    def _layout(self, mb_input: torch.Tensor) -> Hashable:
+        """What fixes the sizes of what a micro-batch saves (:attr:`StepContext.layouts`): the stage modules'
+        ``activation_layout`` of its input when they have one, else its shape."""
+        for mod in self.stages.values():
+            layout = getattr(mod, "activation_layout", None)
+            if layout is not None:
+                return layout(mb_input)  # type: ignore[no-any-return]
+        return tuple(mb_input.shape)
+
+    def _context(self, live: LiveTensors, shapes: Sequence[ShapeMap], layouts: Sequence[Hashable]) -> StepContext:
         """A fresh step context, with every registered add-on's state for this step."""
         recorder = RankRecorder(self.groups.pp_rank) if self.trace else None
         ctx = StepContext(schedule=self.schedule, groups=self.groups, stages=self.stages,
                           loss_fn=self.loss_fn, stash=self.stash, device=self.device, free_outputs=self.free_outputs,
-                          recompute_stages=self.recompute_stages, shapes=shapes, live=live,
+                          recompute_stages=self.recompute_stages, shapes=shapes, layouts=layouts, live=live,
                           mail=Mailbox(timeout_s=self.groups.timeout_s, recorder=recorder), recorder=recorder,
                           emulation=self.emulation)
         for owner, make in addons().items():

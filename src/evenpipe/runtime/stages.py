@@ -8,7 +8,7 @@ the schedule's ``stage_to_rank``, not this module's business.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 from torch import nn
@@ -183,6 +183,14 @@ class StageModule(nn.Module):
             from evenpipe.runtime.sequence_parallel import scatter_sequence
             starts = scatter_sequence(starts, self.sequence_group)
         return torch.cat([x, starts.unsqueeze(-1)], dim=-1)
+
+    def activation_layout(self, tokens: torch.Tensor) -> Hashable:
+        """What fixes the sizes of what a micro-batch of stage-0 input ``tokens`` saves for backward on any stage
+        (BPipe learns a unit's size once per value): the shape, and for packed documents every row's runs, since
+        the reference models' attention core runs, and saves, once per document."""
+        if not self.packed:
+            return tuple(tokens.shape)
+        return tuple(tokens.shape), Documents(tokens[:, 1]).segments
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}/{self.num_stages}, layers={self.layers.start}..{self.layers.stop - 1}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Hashable, Iterable, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -210,6 +210,10 @@ class StepContext:
     """Per micro-batch: shape and dtype of each stage's output crossing to another rank (receive buffers)."""
     live: LiveTensors
     mail: Mailbox
+    layouts: Sequence[Hashable] = ()
+    """Per micro-batch, what fixes the sizes of what its stages save for backward (BPipe learns a unit's size once
+    per value): its input's shape, or what the stage modules' ``activation_layout`` says (packed documents: the
+    shape and every row's runs)."""
     recorder: RankRecorder | None = None
     """This rank's measured records, when tracing."""
     addons: dict[str, StepHooks] = field(default_factory=dict)

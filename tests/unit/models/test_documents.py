@@ -91,6 +91,7 @@ def test_positions_and_mask_follow_the_runs() -> None:
     assert docs.positions.tolist() == [[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 1]]
     mask = docs.mask[1, 0].int().tolist()
     assert mask[4] == [0, 0, 0, 0, 1, 0] and mask[5] == [0, 0, 0, 0, 1, 1] and mask[3] == [1, 1, 1, 1, 0, 0]
+    assert docs.segments == (((0, 2), (2, 5), (5, 6)), ((0, 4), (4, 6)))  # the runs the attention core takes
     assert doc_ids_from_lengths([[2, 1]], 5).tolist() == [[0, 0, 1, 2, 2]]
     with pytest.raises(ValueError, match="sum to at most 4"):
         doc_ids_from_lengths([[3, 2]], 4)
