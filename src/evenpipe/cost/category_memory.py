@@ -83,7 +83,9 @@ def peak_bytes_by_category(source: CostSource, cfg: ParallelConfig) -> tuple[dic
     schedule = build_cost_schedule(cfg, source.plan_durations(cfg), bpipe_weights(source, cfg))
     layers = stage_layers(source.model, cfg)
     counts = source.param_counts(cfg)
-    shape = shape_of(source.model, cfg)
+    # offloaded units and message buffers: of the largest micro-batch when they differ (an upper bound)
+    shapes = cfg.microbatch_shapes
+    shape = shape_of(source.model, cfg) if shapes is None else max(shapes, key=lambda sh: sh.num_tokens)
     last = schedule.num_stages - 1
     out = []
     for r, (peak, held) in enumerate(rank_activation_peaks(source, cfg)):

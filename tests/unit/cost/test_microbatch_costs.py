@@ -198,3 +198,20 @@ def test_estimate_reports_the_shapes_tokens() -> None:
     assert est.to_dict()["config"]["microbatch_tokens"] == [1000, 2048]
     assert "microbatch_tokens" not in estimate_with(source, dataclasses.replace(
         cfg, microbatch_shapes=None)).to_dict()["config"]
+
+
+def test_category_peaks_take_each_micro_batch() -> None:
+    from evenpipe.cost.category_memory import peak_bytes_by_category
+
+    source = AnalyticSource(LLAMA, H100)
+    cfg = ParallelConfig(pp=2, global_batch=4, schedule=ScheduleFamily.ONE_F_ONE_B)
+    shaped = dataclasses.replace(cfg, microbatch_shapes=(_docs(300), _docs(2048), _docs(100, 100), _docs(700)))
+    full, varied = peak_bytes_by_category(source, cfg), peak_bytes_by_category(source, shaped)
+    walked = rank_activation_peaks(source, shaped)
+    for r, (f, v) in enumerate(zip(full, varied)):
+        assert v["own_activations"] == round(walked[r][0].own_layers + walked[r][0].own_extra_embedding
+                                         + walked[r][0].own_extra_head + walked[r][1])
+        # rank 1 holds one micro-batch at a time, the largest a full row; rank 0 two, 300 + 2048 tokens
+        assert v["own_activations"] <= f["own_activations"] and v["parameters"] == f["parameters"]
+        assert v["communication_buffers"] <= f["communication_buffers"]
+    assert varied[0]["own_activations"] < full[0]["own_activations"]
