@@ -12,9 +12,10 @@ same source (:func:`microbatch_cost_of`).
 
 What a micro-batch computes: by default its documents only, each attending to itself (a per-document attention
 kernel: tokens = the documents', squared lengths = theirs; a padded row counts its padding). ``row_multiple=m``
-prices it as evenpipe's runtime runs it (:mod:`evenpipe.runtime.document_batches`): ``b`` rows each as long as its
-longest row rounded up to a multiple of ``m`` (at most ``seq_len``), attention over whole rows under a document
-mask (``b·T`` tokens, ``b·T²`` squared lengths).
+prices it as evenpipe's runtime runs it (:mod:`evenpipe.runtime.document_batches`, ``models.layers``): ``b`` rows
+each as long as the longest row rounded up to a multiple of ``m`` (at most ``seq_len``), so ``b·T`` tokens, and
+attention once per run of a row (each document, and the row's padding as one more run), so the squared lengths
+of the documents plus each row's padding squared.
 
 Public API (for benchmarks and the runtime's measured comparison): :func:`predict_policies` (one batch),
 :func:`predict_throughput` (several batches, summed), :func:`microbatch_shapes` (a plan's shapes) and
@@ -112,9 +113,13 @@ def _shape(mb: Microbatch, lengths: Sequence[int], *, rows: int, seq_len: int, p
     """A planned micro-batch's shape: padded rows count their padding; an empty one runs one token; with
     ``row_multiple``, whole rows of the longest row's length rounded up (the module docstring)."""
     if row_multiple is not None:
-        longest = max((sum(lengths[d] for d in row) for row in mb.rows), default=0)
+        runs = [[lengths[d] for d in row] for row in mb.rows] + [[] for _ in range(rows - len(mb.rows))]
+        longest = max((sum(run) for run in runs), default=0)
         width = min(seq_len, max(row_multiple, -(-longest // row_multiple) * row_multiple))
-        return MicrobatchShape.of_documents([width] * rows, size=rows, seq_len=seq_len)
+        squares = sum(n * n for run in runs for n in run) + sum((width - sum(run)) ** 2 for run in runs)
+        if width == seq_len and squares == rows * seq_len ** 2:
+            return MicrobatchShape(size=rows, seq_len=seq_len)
+        return MicrobatchShape(size=rows, seq_len=seq_len, tokens=rows * width, squared_lengths=squares)
     docs = [lengths[d] for d in mb.documents]
     if not docs:
         return MicrobatchShape(size=rows, seq_len=seq_len, tokens=1, squared_lengths=1)

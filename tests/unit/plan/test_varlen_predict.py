@@ -71,18 +71,19 @@ def test_too_long_a_document_is_refused_in_one_line() -> None:
 
 def test_runtime_rows_price_whole_rows_of_the_longest_row() -> None:
     # two rows of 2048 per micro-batch; pack puts 100 and 30 in row 0: the runtime computes 2 rows of 136
-    # (130 rounded up to 8) with attention over whole rows; the documents alone are 130 tokens, 100² + 30²
+    # (130 rounded up to 8), attention once per run: 100, 30 and 6 of padding in row 0, 136 of padding in row 1;
+    # the documents alone are 130 tokens, 100² + 30²
     lengths = [100, 30]
     plan = plan_microbatches(lengths, policy="pack", budget=MicrobatchBudget(row_len=2048, rows=2),
                              cost=microbatch_cost_of(SOURCE, CFG))
     ((docs,),) = microbatch_shapes(plan, lengths, rows=2, seq_len=2048)
     ((rows,),) = microbatch_shapes(plan, lengths, rows=2, seq_len=2048, row_multiple=8)
     assert (docs.num_tokens, docs.sum_squares) == (130, 100 ** 2 + 30 ** 2)
-    assert (rows.num_tokens, rows.sum_squares) == (2 * 136, 2 * 136 ** 2)
-    full = microbatch_shapes(plan_microbatches([2040, 2040], policy="pad", budget=MicrobatchBudget(
-        row_len=2048, rows=2), cost=microbatch_cost_of(SOURCE, CFG)), [2040, 2040], rows=2, seq_len=2048,
+    assert (rows.num_tokens, rows.sum_squares) == (2 * 136, 100 ** 2 + 30 ** 2 + 6 ** 2 + 136 ** 2)
+    full = microbatch_shapes(plan_microbatches([2048, 2048], policy="pad", budget=MicrobatchBudget(
+        row_len=2048, rows=2), cost=microbatch_cost_of(SOURCE, CFG)), [2048, 2048], rows=2, seq_len=2048,
         row_multiple=16)
-    assert full[0][0].padded  # rounded up to the whole row
+    assert full[0][0].padded  # whole rows of one document each
     with pytest.raises(ConfigError, match="row_multiple"):
         microbatch_shapes(plan, lengths, rows=2, seq_len=2048, row_multiple=0)
     assert predict_batch(lengths, source=SOURCE, cfg=CFG, policy="pack", row_multiple=8).computed_tokens == 272
