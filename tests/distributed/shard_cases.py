@@ -69,7 +69,7 @@ def _run(sc: ShardCase, groups) -> list[str]:
         tokens, targets = global_batch(case, pipe.vocab, step)
         result = ex.step(tokens, targets)
         ref_opt.zero_grad(set_to_none=True)
-        ref_loss = pipe.ref_loss(tokens, targets)
+        ref_loss = pipe.ref_loss(tokens, targets, case.microbatches * case.dp)  # documents: per micro-batch
         ref_loss.backward()
         check(f"step {step} loss", torch.tensor(result.loss, dtype=torch.float64), ref_loss.detach().double(),
               **ADAM_TOL)

@@ -81,6 +81,10 @@ _SHARD_8 = (("1f1b", 1, 2, "llama-tiny", "full"), ("interleaved", 2, 2, "gpt-tin
             *(c for m in HF_MODELS for c in (("1f1b", 1, 2, m, "full"), ("interleaved", 2, 2, m, "optimizer"))))
 SHARD_CASES_4 = [ShardCase(case=Case(family=f, pp=2, microbatches=m, dp=2, chunks=v, model=model), sharding=mode)
                  for f, v, m, model, mode in _SHARD_4]
+SHARD_CASES_4 += [ShardCase(case=Case(family=f, pp=2, microbatches=4, dp=2, varlen=p), sharding=mode)
+                  for f, p, mode in (("zb-h1", "pad", "full"), ("1f1b", "balance", "optimizer"))]
+"""Documents of mixed lengths under FSDP2 and the distributed optimizer (a new length mid-run runs a shape
+handshake through the sharded stages)."""
 SHARD_CASES_8 = [ShardCase(case=Case(family=f, pp=2, microbatches=m, dp=2, chunks=v, model=model), sharding=mode,
                            tp=2) for f, v, m, model, mode in _SHARD_8]
 SHARD_CASES_8 += [ShardCase(case=Case(family="1f1b", pp=2, microbatches=2, dp=2, model="gpt-tiny"), sharding=mode,
