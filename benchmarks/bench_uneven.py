@@ -18,8 +18,9 @@ for run 2 only the slowed steps after detection). Each run's predicted step is t
 costs, the slow rank's computes multiplied by the factor (its optimizer step is not slowed, as in the emulation).
 
 4. **slow link**: ``--emulate-link-delay`` between ranks P/2-1 and P/2, with 1f1b, zb-h1 and latency-aware; the gain
-   is (best of 1f1b and zb-h1 - latency-aware) / best. ``train --schedule latency-aware`` orders for free links (it
-   does not yet read the emulated delay), so this measures that order, not one planned for the delay.
+   is (best of 1f1b and zb-h1 - latency-aware) / best. Latency-aware runs here in its free-link order; one ordered
+   for the delay (``--plan-link-latency``) on every link is ``benchmarks/bench_latency_measured.py``. (Since
+   2026-12-05 an emulated link lands each message late without holding its sender.)
 
 Timing needs a quiet host with a core per process; the load average is printed before and after.
 """

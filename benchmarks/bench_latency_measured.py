@@ -1,0 +1,122 @@
+"""Latency-aware against 1F1B, ZB-H1 (and interleaved where the model has the blocks) with every link emulated
+slow, measured on this machine (issue 35 point 4).
+
+    .venv/bin/python benchmarks/bench_latency_measured.py                       # P=4 gpt-tiny, a forward per message
+    .venv/bin/python benchmarks/bench_latency_measured.py --latency 0.25 --repeats 5
+    .venv/bin/python benchmarks/bench_latency_measured.py --quick               # a short check that it runs
+
+1. A stage's forward ``F`` is measured first: the median forward of a 1f1b run without delays (``train
+   --trace-json``).
+2. Every pair of pipeline ranks gets ``--emulate-link-delay`` of ``--latency`` x ``F`` (each message lands that
+   long after it is sent; the sender goes on, see :mod:`evenpipe.runtime.emulation`).
+3. Each round runs every schedule once, in an order that rotates from round to round (``train --json-out``: the
+   median over its steps of the slowest rank's step); latency-aware is ordered for the same latency
+   (``--plan-link-latency``) with the placement (one stage per rank, or the V where the model has 2P blocks) whose
+   simulated step is shorter.
+
+Printed: each round's steps, the ratio latency-aware / best baseline of the round, and its median and spread over
+rounds, beside the simulator's ratio for the same P, M and latency (F = I = W). Timing needs a quiet host with a core
+per process; the load average is printed before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_latency  # noqa: E402
+from bench_uneven import _load, _run  # noqa: E402  (the load average; a command run, its tail on failure)
+
+
+def _train(args: argparse.Namespace, out: pathlib.Path, *extra: str) -> dict:
+    """One ``evenpipe train`` run; its --json-out summary."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _run([sys.executable, "-m", "evenpipe", "train", "--model", args.model, "--stages", str(args.stages),
+          "--microbatches", str(args.microbatches), "--microbatch-size", str(args.microbatch_size),
+          "--random-tokens", "--json-out", str(out), *extra])
+    return json.loads(out.read_text())
+
+
+def forward_s(args: argparse.Namespace, out: pathlib.Path) -> float:
+    """Median forward of one stage in a 1f1b run without delays."""
+    from evenpipe.schedule.ir import ActionKind
+    from evenpipe.sim.trace import Trace
+    trace_path = out / "forward_trace.json"
+    _train(args, out / "forward.json", "--schedule", "1f1b", "--steps", str(max(3, args.steps // 2)),
+           "--trace-json", str(trace_path))
+    trace = Trace.from_json(trace_path.read_text())
+    return statistics.median(r.duration for r in trace.compute_records() if r.kind is ActionKind.FORWARD)
+
+
+def schedules(args: argparse.Namespace, blocks: int) -> dict[str, list[str]]:
+    """Each schedule's ``train`` options; latency-aware with its simulated better placement."""
+    P, M = args.stages, args.microbatches
+    runs = {"1f1b": ["--schedule", "1f1b"], "zb-h1": ["--schedule", "zb-h1"]}
+    chunks = [1]
+    if blocks >= 2 * P:
+        runs["interleaved"] = ["--schedule", "interleaved", "--chunks", "2"]
+        chunks.append(2)
+    base, ours = bench_latency.compare(P, M, args.latency)
+    best_v = min(chunks, key=lambda v: ours[v - 1][0])
+    runs["latency-aware"] = ["--schedule", "latency-aware", "--chunks", str(best_v),
+                             "--plan-link-latency", str(args.latency)]
+    return runs
+
+
+def simulated_ratio(args: argparse.Namespace, names: list[str]) -> float:
+    """The simulator's latency-aware step over the best measured baseline's, at F = I = W."""
+    base, ours = bench_latency.compare(args.stages, args.microbatches, args.latency)
+    steps = dict(zip(("1f1b", "interleaved", "zb-h1"), (t for t, _ in base)))
+    best = min(steps[n] for n in names if n != "latency-aware")
+    chunks = 2 if "interleaved" in names else 1
+    return min(t for t, _ in ours[:chunks]) / best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--microbatch-size", type=int, default=2)
+    p.add_argument("--latency", type=float, default=1.0, help="each message's delay in forwards of a stage (>= 0.25)")
+    p.add_argument("--steps", type=int, default=12, help="steps per run")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of every schedule")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_latency_measured_out"))
+    p.add_argument("--quick", action="store_true", help="a short check that it runs (numbers noisy)")
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.repeats = 3, 1
+    from evenpipe.cost.specs import MODEL_PRESETS
+    blocks = MODEL_PRESETS[args.model].num_layers
+    load0, t0 = _load(), time.perf_counter()
+    f = forward_s(args, args.out)
+    delay_ms = args.latency * f * 1e3
+    links = [x for a in range(args.stages) for b in range(a + 1, args.stages)
+             for x in ("--emulate-link-delay", f"{a}-{b}:{delay_ms:.4f}")]
+    runs = schedules(args, blocks)
+    names = list(runs)
+    print(f"{args.model} P={args.stages} M={args.microbatches}: forward {f * 1e3:.2f} ms, every link "
+          f"{delay_ms:.2f} ms ({args.latency:g} forward); load {load0}")
+    ratios = []
+    for rep in range(args.repeats):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        steps = {n: _train(args, args.out / f"r{rep}_{n}.json", "--steps", str(args.steps), *runs[n],
+                           *links)["step_time_s"] for n in order}
+        best = min(v for n, v in steps.items() if n != "latency-aware")
+        ratios.append(steps["latency-aware"] / best)
+        print(f"round {rep}: " + "  ".join(f"{n} {steps[n] * 1e3:7.1f} ms" for n in names)
+              + f"  ratio {ratios[-1]:.3f}", flush=True)
+    med = statistics.median(ratios)
+    print(f"latency-aware / best baseline: median {med:.3f} (gain {1 - med:+.1%}), spread {min(ratios):.3f}-"
+          f"{max(ratios):.3f} over {len(ratios)} rounds; simulated {simulated_ratio(args, names):.3f}; "
+          f"load {load0} -> {_load()}, {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
