@@ -157,3 +157,14 @@ def test_quarter_forward_at_two_and_four_microbatches_per_rank() -> None:
         step, peak, base_step, base_peak = _gain(8, M, 0.25, 2)
         assert peak <= base_peak
         assert step <= (1 - floor) * base_step, (M, step, base_step)
+
+
+@pytest.mark.parametrize("P,latency,between_datacenters", [(8, 0.25, True), (16, 0.25, True), (16, 0.5, False)])
+def test_fifteen_percent_at_a_quarter_across_datacenters_and_half_everywhere(P: int, latency: float,
+                                                                            between_datacenters: bool) -> None:
+    """Issue 35's acceptance where it is reachable at M = P: one datacenter link a quarter of a forward slow
+    (15.0% at P = 8, 16.4% at P = 16), every link half a forward slow at P = 16 (15.2%); the V, at the
+    baselines' smallest peak."""
+    step, peak, base_step, base_peak = _gain(P, P, latency, 2, between_datacenters)
+    assert peak <= base_peak
+    assert step <= 0.85 * base_step, (step, base_step)
