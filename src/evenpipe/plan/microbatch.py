@@ -11,7 +11,8 @@ Policies (:class:`Policy`):
   filled to ``row_len``; no padding is computed (attention is block-diagonal), but micro-batches of one token
   budget can differ several-fold in attention work.
 - ``balance``: the same budgets, documents grouped so that every micro-batch's predicted time is as equal as
-  possible (:func:`balance`).
+  possible (:func:`balance`), and each micro-batch's rows as even as they can be (a micro-batch runs as long as
+  its longest row: :func:`even_rows`).
 
 Cost (:class:`MicrobatchCost`): time ``a * tokens + c * sum(len**2)`` -- the MLP and projections are linear in
 tokens, attention quadratic in each document's length -- and memory ``bytes_per_token * tokens``. Padding counts
@@ -36,7 +37,8 @@ from typing import Iterable, Sequence
 from evenpipe.errors import ConfigError, parse_choice
 
 __all__ = ["Policy", "parse_policy", "MicrobatchBudget", "MicrobatchCost", "Microbatch", "MicrobatchPlan",
-           "plan_microbatches", "pad", "pack", "balance", "pipeline_order", "lpt_bound", "first_fit_prefix"]
+           "plan_microbatches", "pad", "pack", "balance", "even_rows", "pipeline_order", "lpt_bound",
+           "first_fit_prefix"]
 
 
 class Policy(enum.Enum):
@@ -317,8 +319,26 @@ def balance(lengths: Sequence[int], budget: MicrobatchBudget, cost: MicrobatchCo
     if bins is None:
         return fallback
     _improve(bins, lengths, budget, cost)
-    balanced = [_build(b.rows, lengths, cost) for b in bins]
+    balanced = [_build(even_rows(b.rows, lengths, budget), lengths, cost) for b in bins]
     return balanced if max(m.time for m in balanced) <= max(m.time for m in fallback) else fallback
+
+
+def even_rows(rows: Sequence[Sequence[int]], lengths: Sequence[int],
+              budget: MicrobatchBudget) -> list[list[int]]:
+    """The same documents in rows as even as a greedy makes them: longest first into the emptiest row with room (a
+    micro-batch runs as long as its longest row, :mod:`evenpipe.runtime.document_batches`); ``rows`` unchanged
+    when the greedy cannot place one or its longest row is no shorter."""
+    out: list[list[int]] = [[] for _ in range(budget.rows)]
+    used = [0] * budget.rows
+    for d in sorted((d for row in rows for d in row), key=lambda d: (-lengths[d], d)):
+        room = [i for i in range(budget.rows) if used[i] + lengths[d] <= budget.row_len]
+        if not room:
+            return [list(r) for r in rows]
+        r = min(room, key=lambda i: (used[i], i))
+        out[r].append(d)
+        used[r] += lengths[d]
+    before = max((sum(lengths[d] for d in row) for row in rows), default=0)
+    return out if max(used, default=0) < before else [list(r) for r in rows]
 
 
 def lpt_bound(num_microbatches: int) -> float:

@@ -150,3 +150,15 @@ def test_first_fit_prefix_stops_where_one_more_micro_batch_would_open() -> None:
     assert first_fit_prefix([6, 6, 4, 4, 9, 3], budget, 1) == 4  # rows 6+4 and 6+4; the 9 opens a second
     assert first_fit_prefix([6, 6, 4, 4, 9, 3], budget, 2) == 6
     assert first_fit_prefix([11, 1], budget, 3) == 0
+
+
+def test_balance_evens_each_micro_batchs_rows() -> None:
+    """A micro-batch runs as long as its longest row: balance spreads its documents over its rows (the longest
+    first into the emptiest), keeping the rows when that is no shorter."""
+    from evenpipe.plan.microbatch import even_rows
+    budget = MicrobatchBudget(row_len=10, rows=2)
+    assert even_rows([[0, 1], [2]], [6, 3, 3], budget) == [[0], [1, 2]]  # longest row 9 -> 6
+    assert even_rows([[0], [1]], [5, 5], budget) == [[0], [1]]  # already even
+    assert even_rows([[0, 1, 2], [3, 4]], [4, 3, 3, 5, 5], budget) == [[0, 1, 2], [3, 4]]  # the last 3 finds no room
+    plan = plan_microbatches([6, 3, 3], policy="balance", budget=budget, num_microbatches=1)
+    assert plan.microbatches[0].rows == ((0,), (1, 2))  # first fit into the rows would make 6+3 and 3
