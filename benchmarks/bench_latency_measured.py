@@ -82,7 +82,8 @@ def main() -> int:
     p.add_argument("--model", default="gpt-tiny")
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--microbatch-size", type=int, default=2)
+    p.add_argument("--microbatch-size", type=int, default=8,
+                   help="sequences per micro-batch (default 8: a gpt-tiny stage's forward then takes milliseconds)")
     p.add_argument("--latency", type=float, default=1.0, help="each message's delay in forwards of a stage (>= 0.25)")
     p.add_argument("--steps", type=int, default=12, help="steps per run")
     p.add_argument("--repeats", type=int, default=3, help="rounds of every schedule")
