@@ -131,15 +131,17 @@ def source_from_args(args: argparse.Namespace, command: str) -> CostSource:
 
 
 def add_runtime_arguments(parser: "argparse.ArgumentParser | argparse._ArgumentGroup", *,
-                          default_runtime: str = "evenpipe") -> None:
-    """``--runtime``, ``--dtype`` and ``--sharding``: whose model-state conventions the memory follows."""
+                          default_runtime: str = "evenpipe", preset_dtype: str = "float32") -> None:
+    """``--runtime``, ``--dtype`` and ``--sharding``: whose model-state conventions the memory follows;
+    ``preset_dtype`` is evenpipe's training dtype on a GPU preset when ``--dtype`` is not given."""
     parser.add_argument("--runtime", default=default_runtime, metavar="NAME",
                         help="model-state conventions: evenpipe (what `evenpipe train` keeps) or megatron (bf16 "
                              "weights, fp32 grads, masters and Adam: the published tables); default "
                              f"{default_runtime}")
     parser.add_argument("--dtype", default=None, metavar="DTYPE",
                         help="training dtype as `train --dtype`: float32 or bfloat16 (default: a profile's dtype, "
-                             "else float32; evenpipe runtime only)")
+                             f"else {preset_dtype}; evenpipe runtime only)")
+    parser.set_defaults(preset_dtype=preset_dtype)
     parser.add_argument("--sharding", default=None, metavar="MODE",
                         help="as `train --sharding`: none, optimizer or full (default none; optimizer with "
                              "--distributed-optimizer)")
@@ -155,7 +157,7 @@ def conventions_from_args(args: argparse.Namespace) -> "RuntimeConventions":
         dtype = "bfloat16"
     elif dtype is None:
         profile = getattr(args, "profile", None)
-        dtype = _profile_dtype(profile) if profile else "float32"
+        dtype = _profile_dtype(profile) if profile else getattr(args, "preset_dtype", "float32")
     elif runtime is Runtime.MEGATRON and dtype != "bfloat16":
         raise ConfigError(f"--dtype {dtype}: Megatron's conventions are bf16 mixed precision; --dtype is for "
                           "--runtime evenpipe")

@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                         help="shard optimizer state over data parallelism (default: the planner tries both)")
     parser.add_argument("--bpipe-budget", type=int, metavar="K", help="BPipe per-rank activation budget")
-    add_runtime_arguments(parser, default_runtime="megatron")  # the search's fits and checks are Megatron's
+    add_runtime_arguments(parser, preset_dtype="bfloat16")  # a plan for GPUs assumes bf16 training
     add_profile_arguments(parser)
 
 
@@ -256,7 +256,8 @@ def _launch(c: Candidate, model: ModelSpec, gpus_per_node: int, args: argparse.N
         model_args: tuple[str, ...] = ("--hf-config", os.path.abspath(args.hf_config or model.name))
     else:
         model_args = ("--model", args.model or model.name)
-    cmd = launch_command(c.config, model=model, model_args=model_args, gpus_per_node=gpus_per_node)
+    cmd = launch_command(c.config, model=model, model_args=model_args, gpus_per_node=gpus_per_node,
+                         dtype=conventions_from_args(args).dtype.value)
     if args.model is None and args.hf_config is None and not args.profile:
         cmd = dataclasses.replace(cmd, notes=(*cmd.notes, "evenpipe train builds named presets: --arch models "
                                                            "have no train equivalent yet"))

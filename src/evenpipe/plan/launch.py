@@ -58,8 +58,9 @@ class LaunchCommand:
 
 
 def launch_command(cfg: ParallelConfig, *, model: ModelSpec, model_args: tuple[str, ...],
-                   gpus_per_node: int) -> LaunchCommand:
-    """The command that trains ``cfg``; ``model_args`` name the model for ``train`` (e.g. ``("--model", "x")``)."""
+                   gpus_per_node: int, dtype: str = "float32") -> LaunchCommand:
+    """The command that trains ``cfg``; ``model_args`` name the model for ``train`` (e.g. ``("--model", "x")``);
+    ``dtype`` is the precision the plan assumed (said when it is not train's default, float32)."""
     total = cfg.num_gpus
     per_node = min(total, gpus_per_node)
     nodes = -(-total // per_node)
@@ -73,6 +74,8 @@ def launch_command(cfg: ParallelConfig, *, model: ModelSpec, model_args: tuple[s
              "--microbatches", str(cfg.num_microbatches), "--microbatch-size", str(cfg.microbatch_size),
              "--global-batch", str(cfg.global_batch),
              "--layout", ",".join(str(n) for n in stage_layers(model, cfg))]
+    if dtype != "float32":
+        train += ["--dtype", dtype]
     if cfg.recompute is not Recompute.NONE:
         train += ["--recompute", cfg.recompute.value]
     if cfg.bpipe:  # BPipe's transform on another family (interleaved+bpipe)

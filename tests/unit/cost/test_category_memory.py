@@ -98,8 +98,9 @@ def test_plan_takes_the_runtime_options(capsys: pytest.CaptureFixture[str]) -> N
     def plans(*extra: str) -> list:
         assert main([*base, *extra]) == 0
         return json.loads(capsys.readouterr().out)["candidates"]
-    assert plans() == plans("--runtime", "megatron")  # plan keeps Megatron's layout unless asked
-    assert plans("--runtime", "evenpipe", "--dtype", "bfloat16", "--sharding", "optimizer")
+    assert plans() == plans("--runtime", "evenpipe", "--dtype", "bfloat16")  # plan's default: what train keeps, bf16
+    assert plans("--runtime", "megatron") and plans("--runtime", "evenpipe", "--dtype", "float32", "--sharding",
+                                                    "optimizer")
 
 
 @pytest.mark.parametrize("sharding", ["none", "full"])

@@ -17,9 +17,15 @@ import pytest
 
 from evenpipe.cli import main
 from evenpipe.cost import Attention, ParallelConfig, Recompute, estimate, hardware_preset, model_preset
+from evenpipe.cost.analytic_source import AnalyticSource
+from evenpipe.cost.estimate import estimate_with
+from evenpipe.cost.runtime_memory import Runtime, RuntimeConventions, TrainPrecision
+from evenpipe.cost.timing import Efficiency
 from evenpipe.plan import MemoryLever, Searcher, SearchSpace, explain_memory
 from evenpipe.plan.levers import OFFLOAD_FRACTIONS, V_SCHEDULES, lever_space
 from evenpipe.schedule import ScheduleFamily
+
+PLAN_CONVENTIONS = RuntimeConventions(runtime=Runtime.EVENPIPE, dtype=TrainPrecision.BFLOAT16)
 
 SCENARIOS = {
     "gpt": ["--model", "gpt-145.6b", "--gpu", "a100-80gb", "--gpus", "48", "--global-batch", "128",
@@ -63,7 +69,9 @@ def test_the_named_plans_take_the_claimed_times(name: str, answers: dict[str, di
     for lever, result in levers.items():
         if result["best"] is None:
             continue
-        est = estimate(model, hw, _config(result["best"], batch))  # independent of the search and its caches
+        # independent of the search and its caches, under plan's default conventions (evenpipe's runtime, bf16)
+        est = estimate_with(AnalyticSource(model, hw, Efficiency(), conventions=PLAN_CONVENTIONS),
+                            _config(result["best"], batch))
         assert est.step_time_s == pytest.approx(result["best"]["step_time_s"], rel=1e-9), lever
         assert est.fits, lever
         times[lever] = est.step_time_s
