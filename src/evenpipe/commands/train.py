@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "uint32")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="a local Hugging Face tokenizer.json for --documents given as text")
+    p.add_argument("--microbatch-order", default=None, metavar="HOW",
+                   help="--documents: each step's micro-batch order, planned (the planner's: cheap ones at the "
+                        "pipeline's ends; default) or simulated (the fastest of a few orders the simulator times)")
     p.add_argument("--microbatching", default=None,
                    help="--documents into micro-batches: pad (one per row), pack (first fit, default) or balance")
     p.add_argument("--split-long-documents", action="store_true",
@@ -176,7 +179,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
                          token_dtype=args.token_dtype, eval_every=args.eval_every, eval_batches=args.eval_batches,
                          global_batch=args.global_batch or args.microbatch_size * args.microbatches * args.dp,
                          microbatching=args.microbatching, tokenizer=_abs(args.tokenizer),
-                         split_long_documents=bool(args.split_long_documents)),
+                         split_long_documents=bool(args.split_long_documents),
+                         microbatch_order=args.microbatch_order),
         optimizer=OptimizerOptions(lr=args.lr, schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
                                    min_lr=args.min_lr, decay_steps=args.decay_steps, weight_decay=args.weight_decay,
                                    clip_grad_norm=args.clip_grad_norm),

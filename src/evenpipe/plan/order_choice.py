@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from evenpipe.errors import ConfigError
 from evenpipe.schedule.ir import Schedule
 from evenpipe.sim.costs import Link, SimCosts, StageCosts, FREE_LINK
 from evenpipe.sim.dispatch import simulate
 
-__all__ = ["OrderChoice", "candidate_orders", "choose_order"]
+if TYPE_CHECKING:
+    from evenpipe.plan.microbatch import Microbatch
+
+__all__ = ["MicrobatchOrderer", "OrderChoice", "candidate_orders", "choose_order"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,3 +119,21 @@ def choose_order(schedule: Schedule, rows: Sequence[Sequence[StageCosts]], *, li
                 break
     return OrderChoice(order=best, predicted_s=best_s, given_s=seen[given], evaluations=len(seen),
                        seconds=clock() - t0)
+
+
+@dataclass(frozen=True, slots=True)
+class MicrobatchOrderer:
+    """Chooses each step's order of one replica's planned micro-batches for ``schedule`` (``train
+    --microbatch-order simulated``): a micro-batch's predicted time (:class:`~evenpipe.plan.microbatch.Microbatch`
+    ``.time``, any unit) is spread evenly over the stages, its backward twice its forward (input and weight
+    gradients alike), its bytes likewise."""
+
+    schedule: Schedule
+    max_evaluations: int = 8
+
+    def choose(self, mbs: "Sequence[Microbatch]") -> OrderChoice:
+        """The chosen order of ``mbs`` (indices into it)."""
+        S = self.schedule.num_stages
+        rows = [[StageCosts(forward=m.time / S, backward_input=m.time / S, backward_weight=m.time / S,
+                            activation_bytes=m.bytes / S) for _ in range(S)] for m in mbs]
+        return choose_order(self.schedule, rows, max_evaluations=self.max_evaluations)

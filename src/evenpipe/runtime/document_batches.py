@@ -20,9 +20,10 @@ plan; step ``k``'s documents depend on the steps before it, so the plan is built
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
@@ -33,7 +34,11 @@ from evenpipe.plan.microbatch import (MicrobatchBudget, MicrobatchCost, Microbat
                                       parse_policy, plan_microbatches)
 from evenpipe.runtime.data import Batch, MicroBatches
 
-__all__ = ["DocumentBatches", "IGNORE_INDEX", "pack_rows", "microbatch_length", "planned_microbatches"]
+if TYPE_CHECKING:
+    from evenpipe.plan.order_choice import MicrobatchOrderer, OrderChoice
+
+__all__ = ["DocumentBatches", "IGNORE_INDEX", "pack_rows", "microbatch_length", "order_report",
+           "planned_microbatches"]
 
 IGNORE_INDEX = -100
 """Target of a padding position (``torch.nn.functional.cross_entropy``'s default ``ignore_index``)."""
@@ -76,13 +81,28 @@ def planned_microbatches(plan: MicrobatchPlan, documents: list[np.ndarray], *, r
     return MicroBatches(parts=tuple(parts))
 
 
+def order_report(choices: list[OrderChoice]) -> dict[str, Any]:
+    """What simulated ordering did over ``choices``: how many orders changed, the predicted gain (mean and largest,
+    in the planner's cost units) and the choosing time (median and largest process milliseconds)."""
+    ms = sorted(1e3 * c.seconds for c in choices)
+    return {"choices": len(choices), "changed": sum(c.order != tuple(range(len(c.order))) for c in choices),
+            "predicted_gain_mean": sum(c.gain for c in choices) / len(choices),
+            "predicted_gain_max": max(c.gain for c in choices),
+            "choice_ms_median": ms[len(ms) // 2], "choice_ms_max": ms[-1]}
+
+
 class DocumentBatches:
     """Deterministic packed batches of documents (see the module docstring)."""
 
     def __init__(self, *, path: str, seq_len: int, vocab: int, seed: int, policy: "Policy | str",
                  num_replicas: int, num_microbatches: int, rows_per_microbatch: int, token_dtype: str = "uint16",
-                 tokenizer: str | None = None, split_long: bool = False, length_multiple: int = 8) -> None:
+                 tokenizer: str | None = None, split_long: bool = False, length_multiple: int = 8,
+                 orderer: "MicrobatchOrderer | None" = None) -> None:
         self.policy = parse_policy(policy)
+        self.orderer = orderer
+        """Chooses each replica's micro-batch order by simulation (None: the planner's order)."""
+        self.choices: list[OrderChoice] = []
+        """One per replica and step chosen so far (with an orderer)."""
         if length_multiple < 1:
             raise ConfigError(f"micro-batch lengths round up to a multiple of an integer >= 1, got {length_multiple}")
         self.multiple = length_multiple
@@ -105,10 +125,14 @@ class DocumentBatches:
         """Documents dropped at load for having fewer than 2 tokens."""
         return self.docs.num_skipped
 
-    def report(self) -> dict[str, int]:
+    def report(self) -> dict[str, Any]:
         """What the run's documents were: kept (pieces counted), skipped at load (fewer than 2 tokens), and how many
         long ones were cut into pieces."""
-        return {"documents": len(self.docs), "skipped": self.docs.num_skipped, "cut": self.docs.num_split}
+        out: dict[str, Any] = {"documents": len(self.docs), "skipped": self.docs.num_skipped,
+                               "cut": self.docs.num_split}
+        if self.choices:
+            out["order"] = order_report(self.choices)
+        return out
 
     def _order(self, epoch: int) -> np.ndarray:
         """The documents' order in ``epoch``, a pure function of ``(seed, epoch)`` (the last two kept)."""
@@ -139,6 +163,17 @@ class DocumentBatches:
         begin, end = self._starts[step], self._starts[step + 1]
         return list(itertools.islice(self._stream(begin), end - begin))
 
+    def _reordered(self, plan: MicrobatchPlan) -> MicrobatchPlan:
+        """``plan`` with each replica's micro-batches in the order the orderer chose (every rank chooses alike:
+        the choice is a pure function of the plan)."""
+        assert self.orderer is not None
+        replicas = []
+        for mbs in plan.replicas:
+            choice = self.orderer.choose(mbs)
+            self.choices.append(choice)
+            replicas.append(tuple(mbs[i] for i in choice.order))
+        return dataclasses.replace(plan, replicas=tuple(replicas))
+
     def batch(self, step: int, batch_size: int) -> MicroBatches:
         """The global batch of ``step``: ``batch_size`` rows (``dp x M x b``) in ``dp x M`` micro-batches,
         replica by replica, each replica's in the planner's order, each as long as it needs."""
@@ -149,5 +184,7 @@ class DocumentBatches:
         docs = self.step_documents(step)
         plan = plan_microbatches([int(self._positions[d]) for d in docs], policy=self.policy, budget=self.budget,
                                  cost=self.cost, num_replicas=self.replicas, num_microbatches=self.per_replica)
+        if self.orderer is not None:
+            plan = self._reordered(plan)
         return planned_microbatches(plan, [self.docs.document(d) for d in docs], rows=self.rows,
                                     seq_len=self.seq_len, multiple=self.multiple)

@@ -225,6 +225,9 @@ class DataOptions:
     """Documents given as text: a local Hugging Face tokenizer.json (or its directory)."""
     split_long_documents: bool = False
     """Documents only: cut a document longer than a row into pieces instead of refusing it."""
+    microbatch_order: str | None = None
+    """Documents only: each step's micro-batch order, ``planned`` (the planner's, None) or ``simulated`` (chosen by
+    :class:`evenpipe.plan.order_choice.MicrobatchOrderer`)."""
 
     def __post_init__(self) -> None:
         _coerce(self, "source", parse_choice(DataSource, self.source, "data source"))
@@ -243,12 +246,15 @@ class DataOptions:
         if not documents:
             given = [name for name, on in (("--microbatching", self.microbatching is not None),
                                            ("--tokenizer", self.tokenizer is not None),
-                                           ("--split-long-documents", self.split_long_documents)) if on]
+                                           ("--split-long-documents", self.split_long_documents),
+                                           ("--microbatch-order", self.microbatch_order is not None)) if on]
             if given:
                 raise ConfigError(f"{given[0]} applies to documents only; add --documents PATH")
             return
         from evenpipe.plan.microbatch import parse_policy
         _coerce(self, "microbatching", parse_policy(self.microbatching or "pack").value)
+        if self.microbatch_order not in (None, "planned", "simulated"):
+            raise ConfigError(f"--microbatch-order {self.microbatch_order!r}: choose planned or simulated")
         if self.path is None:
             raise ConfigError("the data source 'documents' needs a file (--documents PATH)")
         if self.eval_every is not None:
@@ -491,6 +497,13 @@ class TrainConfig:
         self.runtime.emulation().check(sched.num_ranks)
         self.token_batches(cfg.vocab)  # the data source's own checks (file readable, vocabulary large enough)
 
+    def _orderer(self) -> Any:
+        """The micro-batch orderer of ``--microbatch-order simulated`` (None otherwise)."""
+        if self.data.microbatch_order != "simulated":
+            return None
+        from evenpipe.plan.order_choice import MicrobatchOrderer
+        return MicrobatchOrderer(self.schedule.build())
+
     def token_batches(self, vocab: int) -> Any:
         """The deterministic batch source (:class:`evenpipe.runtime.data.TokenBatches`, or
         :class:`evenpipe.runtime.document_batches.DocumentBatches` for documents) for a model of ``vocab``."""
@@ -503,7 +516,7 @@ class TrainConfig:
                                    rows_per_microbatch=self.data.global_batch // (m * dp),
                                    token_dtype=self.data.token_dtype, tokenizer=self.data.tokenizer,
                                    split_long=self.data.split_long_documents,
-                                   length_multiple=math.lcm(8, self.runtime.tp))
+                                   length_multiple=math.lcm(8, self.runtime.tp), orderer=self._orderer())
         from evenpipe.runtime.data import TokenBatches
         return TokenBatches(source=self.data.source, seq_len=self.seq_len, vocab=vocab, seed=self.data.seed,
                             path=self.data.path, token_dtype=self.data.token_dtype,

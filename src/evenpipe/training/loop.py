@@ -216,6 +216,17 @@ def _train_step(job: _Job, step: int) -> tuple[Any, float, float, int]:
     return result, lr, norm, tokens
 
 
+def _order_metrics(data: Any, dp: int) -> dict[str, float]:
+    """``--microbatch-order simulated``: the step's predicted gain of the chosen orders over the planner's (mean over
+    replicas, the planner's cost units) and the milliseconds choosing took (summed), for the metrics line."""
+    choices = getattr(data, "choices", None)
+    if not choices:
+        return {}
+    last = choices[-dp:]
+    return {"order_predicted_gain": sum(c.gain for c in last) / len(last),
+            "order_choice_ms": 1e3 * sum(c.seconds for c in last)}
+
+
 def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSummary:
     """Run the whole job on this rank (torch.distributed from torchrun's environment); the job summary.
 
@@ -249,9 +260,10 @@ def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSumm
             if config.data.eval_due(step + 1, steps):
                 extra["eval_loss"] = _evaluate(job, watch)
                 progress.eval_losses.append((step + 1, extra["eval_loss"]))
+            extra.update(_order_metrics(job.data, config.runtime.dp))
             if sink is not None:
                 sink.write(metrics, **extra)
-                if extra:
+                if "eval_loss" in extra:
                     log.info(f"step {step + 1:4d}/{steps}  held-out loss {extra['eval_loss']:.4f}")
                 if (step + 1) % out.log_every_for(steps) == 0 or step + 1 == steps:
                     log.info(format_progress(metrics, steps))
