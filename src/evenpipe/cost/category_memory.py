@@ -2,7 +2,8 @@
 ``peak_bytes_by_category``), the same categories ``train --json-out`` measures.
 
 Model states: the rank's parameters (:class:`~evenpipe.cost.source.Holding`) times the source's bytes per
-parameter of each category. Activations: the program-order walk of :func:`~evenpipe.cost.memory.stage_memory`
+parameter of each category (FSDP's gathered states too: a tied table it leaves out gathers nothing).
+Activations: the program-order walk of :func:`~evenpipe.cost.memory.stage_memory`
 (own, with the stage output held until sent, and hosted). Offloaded activations: the largest sum of the units
 a rank has offloaded to host memory and not yet reloaded, in program order (:func:`offloaded_peak`; a unit is
 what the stash holds for one stage and micro-batch: its saved layers, its kept input, and the embedding or head
@@ -101,6 +102,7 @@ def peak_bytes_by_category(source: CostSource, cfg: ParallelConfig) -> tuple[dic
                  for s, n_layers in enumerate(layers)]
         values = (n * b.parameters + t * tied.per_param.parameters, n * b.gradients + t * tied.per_param.gradients,
                   n * b.master + t * tied.per_param.master, n * b.optimizer + t * tied.per_param.optimizer,
+                  n * b.gathered + t * tied.per_param.gathered,
                   peak.own_layers + peak.own_extra_embedding + peak.own_extra_head + held, peak.hosted,
                   offloaded_peak(schedule, r, units), message_buffer_peak(schedule, r, act.sent))
         out.append({name: round(v) for name, v in zip(MEMORY_CATEGORIES, values)})

@@ -73,20 +73,22 @@ class StageMemory:
     """Embedding parameters, gradients and optimizer state, and its activations (first stage)."""
     head: float
     """Output layer (untied head, or Megatron's copy of tied embeddings when pp > 1) and logits (last stage)."""
+    gathered: float = 0.0
+    """FSDP's whole weights and unsharded gradients during a step (``--sharding full``), the rank's every layer."""
 
     @property
     def model_states(self) -> float:
-        return self.weights + self.grads + self.optimizer
+        return self.weights + self.grads + self.optimizer + self.gathered
 
     @property
     def total(self) -> float:
         return (self.weights + self.grads + self.optimizer + self.activations + self.hosted
-                + self.embedding + self.head)
+                + self.embedding + self.head + self.gathered)
 
     def to_dict(self) -> dict[str, float]:
         return {"rank": self.rank, "weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "hosted": self.hosted, "embedding": self.embedding,
-                "head": self.head, "total": self.total}
+                "head": self.head, "gathered": self.gathered, "total": self.total}
 
 
 def build_cost_schedule(cfg: ParallelConfig, plan_durations: PlanDurations | None = None,
@@ -216,10 +218,12 @@ def _peak_activations(schedule: Schedule, rank: int, units: Sequence[_Units]) ->
 
 
 def _units(act: ActivationBytes, layers: tuple[int, ...], transient: float) -> _Units:
-    """The walk's bytes of one micro-batch from its per-layer bytes ``act``."""
-    return _Units([n * act.layer_saved + (act.boundary if s else 0.0) for s, n in enumerate(layers)],
-                  [n * act.layer_weight_grad for n in layers], act.embedding, act.head, transient,
-                  act.head_weight_grad)
+    """The walk's bytes of one micro-batch from its per-layer bytes ``act``. The received input a stage keeps
+    besides its layers' bytes stays until ``W`` too (the executor holds it until the weight gradients are done)."""
+    boundary = [act.boundary if s else 0.0 for s in range(len(layers))]
+    return _Units([n * act.layer_saved + b for n, b in zip(layers, boundary)],
+                  [n * act.layer_weight_grad + b for n, b in zip(layers, boundary)], act.embedding, act.head,
+                  transient, act.head_weight_grad)
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,6 +400,9 @@ def stage_memory(source: CostSource, cfg: ParallelConfig) -> tuple[StageMemory, 
             hosted=peak.hosted / GIB,
             embedding=(emb_state + peak.own_extra_embedding) / GIB,
             head=(head_state + peak.own_extra_head) / GIB,
+            # every parameter but a tied table on a rank holding both ends, which FSDP leaves out
+            gathered=(n_params + (counts.embedding if r == schedule.rank_of(0) else 0.0) - 2 * tied.params
+                      + (counts.head if r == schedule.rank_of(last) else 0.0)) * per_param.gathered / GIB,
         ))
     return tuple(out)
 

@@ -18,7 +18,7 @@ from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.cost.specs import ModelSpec
 
-__all__ = ["Recompute", "Attention", "ParallelConfig", "check_config", "check_pipeline", "ScheduleFamily", "check_layout",
+__all__ = ["Recompute", "Attention", "ParallelConfig", "check_config", "check_pipeline", "check_tensor_parallel", "ScheduleFamily", "check_layout",
            "end_lighter_layout", "balanced_layout", "stage_layers", "split_bpipe", "join_bpipe", "candidate_layouts", "describe_layout"]
 
 
@@ -252,6 +252,18 @@ def check_config(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, num_gpus: 
     """
     if num_gpus is not None and num_gpus != cfg.num_gpus:
         raise ConfigError(f"--gpus {num_gpus} != tp·pp·dp = {cfg.tp}·{cfg.pp}·{cfg.dp} = {cfg.num_gpus}")
+    check_tensor_parallel(model, cfg)
+    if hw.gpus_per_node % cfg.tp:
+        allowed = ", ".join(str(t) for t in range(1, hw.gpus_per_node + 1) if hw.gpus_per_node % t == 0)
+        raise ConfigError(f"tp {cfg.tp} does not divide the {hw.gpus_per_node} GPUs of one {hw.name} node "
+                          f"(--gpus-per-node {hw.gpus_per_node}): a tensor-parallel group must sit inside one node; "
+                          f"allowed: {allowed}")
+    check_pipeline(model, cfg)
+
+
+def check_tensor_parallel(model: ModelSpec, cfg: ParallelConfig) -> None:
+    """The tensor-parallel rules of :func:`check_config`: tp divides the attention heads and the FFN size, and KV
+    heads and tp divide one another."""
     if model.num_heads % cfg.tp:
         raise ConfigError(f"tp {cfg.tp} does not divide the {model.num_heads} attention heads of {model.name}")
     if model.num_kv_heads % cfg.tp and cfg.tp % model.num_kv_heads:
@@ -259,12 +271,6 @@ def check_config(model: ModelSpec, hw: Hardware, cfg: ParallelConfig, num_gpus: 
                           f"one another")
     if model.ffn_hidden % cfg.tp:
         raise ConfigError(f"tp {cfg.tp} does not divide ffn_hidden {model.ffn_hidden}")
-    if hw.gpus_per_node % cfg.tp:
-        allowed = ", ".join(str(t) for t in range(1, hw.gpus_per_node + 1) if hw.gpus_per_node % t == 0)
-        raise ConfigError(f"tp {cfg.tp} does not divide the {hw.gpus_per_node} GPUs of one {hw.name} node "
-                          f"(--gpus-per-node {hw.gpus_per_node}): a tensor-parallel group must sit inside one node; "
-                          f"allowed: {allowed}")
-    check_pipeline(model, cfg)
 
 
 def check_pipeline(model: ModelSpec, cfg: ParallelConfig) -> None:

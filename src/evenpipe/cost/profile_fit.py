@@ -231,7 +231,8 @@ class ProfileModel:
 
         def total(q: str) -> float:  # the blocks' share taken ``factor`` times (bytes and the ends: once)
             return sum(getattr(lc, q) for lc in layers) + (factor.get(q, 1.0) - 1.0) * blocks * getattr(block, q)
-        weight_grad = min(unit, total("weight_grad_bytes"))
+        # I frees only what each layer's I frees (a loss's saved tensors): the inputs and the held one stay for W
+        weight_grad = max(0.0, unit - (total("saved_bytes") - total("weight_grad_bytes")))
         if split_backward and first:
             # the first stage's input (tokens) needs no gradient: the runtime's I does nothing and W is the whole
             # backward, so everything saved is kept until W

@@ -7,6 +7,11 @@ saves; a stage receiving its input from another keeps that input for its backwar
 the runtime holds a stage's output until its send is posted. Step: each rank runs its optimizer after its own last
 action, plus the profile's fixed per-step cost. A data-parallel reduction (not measured) is a ring all-reduce of
 the gradients over the profiled link.
+
+Tensor parallelism (a preset model only): each rank keeps the block's replicated activations as profiled and its
+share of the split ones (:mod:`evenpipe.cost.split_activations`), and its share of the split parameters, the
+embedding and head whole (as ``train --tp`` keeps them). The profile measures no tensor parallelism, so its layer
+times stay those of whole layers.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ from evenpipe.sim.costs import Link, SimCosts
 from evenpipe.cost.activations import ActivationBytes
 from evenpipe.cost.flops import attention_core_flops, layer_forward_flops
 from evenpipe.cost.hardware import Hardware
-from evenpipe.cost.parallel import ParallelConfig, Recompute, check_pipeline, stage_layers
+from evenpipe.cost.parallel import ParallelConfig, Recompute, check_pipeline, check_tensor_parallel, stage_layers
 from evenpipe.cost.profile import LayerKind, LayerSample
 from evenpipe.cost.profile_fit import ProfileModel, link_from_profile
 from evenpipe.cost.runtime_memory import RuntimeConventions
 from evenpipe.cost.source import Holding, MicrobatchShape, ParamCounts, StateBytes, shape_of
 from evenpipe.cost.specs import MODEL_PRESETS, Arch, ModelSpec, replace_spec
+from evenpipe.cost.split_activations import tp_block_bytes
+from evenpipe.cost.states import layer_params_per_rank
 from evenpipe.cost.timing import LayerTimes, allreduce_time, plan_durations_of
 
 __all__ = ["ProfiledSource", "DTYPE_BYTES", "ADAMW_STATE_COPIES"]
@@ -38,15 +45,28 @@ ADAMW_STATE_COPIES = 4
 """Parameters, gradients and AdamW's two moments, all in the parameters' dtype (``torch.optim.AdamW``)."""
 
 
+def _preset_of(fits: ProfileModel) -> ModelSpec | None:
+    """The preset of the profiled model when its sizes agree (None otherwise)."""
+    info = fits.profile.model
+    preset = MODEL_PRESETS.get(info.name.lower())
+    return preset if preset is not None and (preset.num_layers, preset.hidden) == (info.num_layers, info.hidden) \
+        else None
+
+
 def _model_of(fits: ProfileModel) -> ModelSpec:
     """The profiled model as a ModelSpec: its preset when the sizes agree, else built from the profile's record."""
     info, seq = fits.profile.model, fits.profile.seq_lens[-1]
-    preset = MODEL_PRESETS.get(info.name.lower())
-    if preset is not None and (preset.num_layers, preset.hidden) == (info.num_layers, info.hidden):
+    preset = _preset_of(fits)
+    if preset is not None:
         return replace_spec(preset, seq_len=seq)
     return ModelSpec(name=info.name, arch=Arch.parse(info.arch), num_layers=info.num_layers, hidden=info.hidden,
                      num_heads=1, num_kv_heads=1, ffn_hidden=4 * info.hidden, vocab=info.vocab, seq_len=seq,
                      tied_embeddings=False)
+
+
+def _freed_by_input_grad(sample: LayerSample) -> float:
+    """What a layer's ``I`` frees of its saved bytes (the profile's weight-gradient bytes are the rest)."""
+    return max(0.0, sample.saved_bytes - sample.weight_grad_bytes)
 
 
 class ProfiledSource:
@@ -107,8 +127,19 @@ class ProfiledSource:
         if num_gpus is not None and num_gpus != cfg.num_gpus:
             raise ConfigError(f"--gpus {num_gpus} != tp·pp·dp = {cfg.tp}·{cfg.pp}·{cfg.dp} = {cfg.num_gpus}")
         if cfg.tp != 1:
-            raise ConfigError(f"tp {cfg.tp}: a profile measures whole layers on one device; it takes tp 1")
+            self._check_tensor_parallel(cfg)
         check_pipeline(self._model, cfg)
+
+    def _check_tensor_parallel(self, cfg: ParallelConfig) -> None:
+        """tp > 1 needs the profiled model's heads and MLP width (a preset's) and no sequence parallelism."""
+        name = self.fits.profile.model.name
+        if _preset_of(self.fits) is None:
+            raise ConfigError(f"tp {cfg.tp}: the profiled model {name} is no preset, so its heads and MLP width "
+                              f"are unknown; profile a preset or use tp 1")
+        if cfg.sequence_parallel:
+            raise ConfigError("--sequence-parallel: a profile measures layers without it; use --gpu, or leave "
+                              "it out")
+        check_tensor_parallel(self._model, cfg)
 
     def memory_budget_gib(self, rank: int) -> float | None:
         return self._budget
@@ -153,25 +184,31 @@ class ProfiledSource:
         block = self._block(shape)
         emb = self.fits.predict(LayerKind.EMBEDDING, b, s, shape=shape)
         head = self.fits.predict(LayerKind.HEAD, b, s, shape=shape)
-        whole = block.saved_bytes + block.input_saved_bytes
-        # Selective recomputation keeps what a block without it keeps: the profiled blocks run the fused kernel
-        # (SDPA), which saves no score matrix, only its softmax statistics (4·a·s·b bytes), which selective
-        # recomputation also drops and the cost model neglects (as it does for flash attention).
+        measured = block.saved_bytes + block.input_saved_bytes
+        whole = tp_block_bytes(measured, self._model, tp=cfg.tp, microbatch_size=b, seq_len=s,
+                               element_bytes=DTYPE_BYTES.get(self.fits.profile.machine.dtype, 4),
+                               selective=cfg.recompute is Recompute.SELECTIVE)
+        # The profiled blocks run the fused kernel (SDPA), which saves no score matrix, only its log-sum-exp
+        # (4·a·s·b bytes), which selective recomputation drops; tensor parallelism divides the tensors between
+        # the column- and row-parallel linears (cost.split_activations).
         if cfg.recompute is Recompute.FULL:  # the stage keeps its input only, and rebuilds its layers one by one
             return ActivationBytes(layer_full=whole, layer_saved=0.0, layer_weight_grad=0.0, embedding=0.0,
                                    head=0.0, sent=block.output_bytes, boundary=block.output_bytes)
         return ActivationBytes(layer_full=whole, layer_saved=whole,
-                               layer_weight_grad=min(whole, block.weight_grad_bytes),
+                               # I leaves W all but what it freed (the nodes above the split nodes: a loss's)
+                               layer_weight_grad=max(0.0, whole - _freed_by_input_grad(block)),
                                embedding=emb.saved_bytes + emb.input_saved_bytes,
                                head=head.saved_bytes + head.input_saved_bytes, sent=block.output_bytes,
                                boundary=max(0.0, block.output_bytes - block.input_saved_bytes),
-                               head_weight_grad=min(head.saved_bytes + head.input_saved_bytes,
-                                                    head.weight_grad_bytes)
+                               head_weight_grad=max(0.0, head.saved_bytes + head.input_saved_bytes
+                                                    - _freed_by_input_grad(head))
                                if cfg.schedule.traits.split_backward else 0.0)
 
     def param_counts(self, cfg: ParallelConfig) -> ParamCounts:
         info = self.fits.profile.model
-        return ParamCounts(per_layer=float(info.params_of(LayerKind.BLOCK)),
+        split = layer_params_per_rank(self._model, 1) - layer_params_per_rank(self._model, cfg.tp) if cfg.tp > 1 \
+            else 0.0  # embedding and head stay whole on every tensor-parallel rank
+        return ParamCounts(per_layer=float(info.params_of(LayerKind.BLOCK)) - split,
                            embedding=float(info.params_of(LayerKind.EMBEDDING)),
                            head=float(info.params_of(LayerKind.HEAD)))
 

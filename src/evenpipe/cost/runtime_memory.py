@@ -7,7 +7,8 @@ Two runtimes' conventions, bytes per parameter (``s`` = dp when the mode shards 
   fp32 weights 4, fp32 gradients 4, no master copy, AdamW's two fp32 moments 8/s; bfloat16 keeps bf16 weights 2,
   bf16 gradients 2 plus the fp32 gradient of each owned master 4/s, fp32 masters 4/s and two fp32 moments 8/s.
   ``--sharding optimizer`` shards masters, their gradients and the moments (s = dp); ``--sharding full`` (FSDP)
-  shards every category (between steps; during a step FSDP holds the gathered weights and unsharded gradients).
+  shards every category between steps; during a step FSDP also holds every stage's gathered weights and their
+  unsharded gradients, 2·(4 or 2) bytes per parameter (the ``gathered_states`` category).
   Activations and messages are in the training dtype.
 - **megatron** (the published tables the fit is measured on): bf16 weights 2, fp32 ``main_grad`` 4, fp32 masters
   4/s and moments 8/s, s = dp with the distributed optimizer (Rajbhandari et al. 2020).
@@ -87,9 +88,12 @@ class RuntimeConventions:
             return StateBytes(parameters=BYTES_WEIGHT, gradients=BYTES_GRAD, master=BYTES_MASTER / s,
                               optimizer=(BYTES_OPTIMIZER - BYTES_MASTER) / s)
         full = dp if self.sharding is StateSharding.FULL else 1
+        gathered = 2.0 * self.dtype.element_bytes if full > 1 else 0.0  # whole weights and gradients in a step
         if self.dtype is TrainPrecision.FLOAT32:
-            return StateBytes(parameters=4 / full, gradients=4 / full, master=0.0, optimizer=8 / s)
-        return StateBytes(parameters=2 / full, gradients=2 / full + 4 / s, master=4 / s, optimizer=8 / s)
+            return StateBytes(parameters=4 / full, gradients=4 / full, master=0.0, optimizer=8 / s,
+                              gathered=gathered)
+        return StateBytes(parameters=2 / full, gradients=2 / full + 4 / s, master=4 / s, optimizer=8 / s,
+                          gathered=gathered)
 
 
 def scaled(act: ActivationBytes, k: float) -> ActivationBytes:

@@ -50,6 +50,9 @@ class StateBytes:
     """Master copies of the weights (fp32 under mixed precision; 0 when the optimizer updates the weights)."""
     optimizer: float
     """Optimizer state (Adam's two moments), after any sharding over data parallelism."""
+    gathered: float = 0.0
+    """FSDP's whole weights and gradients during a step, besides the shards (not part of :attr:`total`, which
+    counts what is held between steps)."""
 
     @property
     def total(self) -> float:

@@ -129,9 +129,9 @@ def predicted_compute_s(profile_path: str, *, model_name: str, model_config: Any
 def category_prediction(profile_path: str, cfg: ParallelConfig, *, dtype: str,
                         sharding: str) -> tuple[dict[str, int], ...] | None:
     """The profile's predicted peak of every memory category per pipeline rank for a run of ``cfg`` in ``dtype``
-    under ``--sharding sharding`` (evenpipe's conventions); None at tensor parallelism > 1 (a profile measures
-    whole layers on one device)."""
-    if cfg.tp != 1:
+    under ``--sharding sharding`` (evenpipe's conventions); None with sequence parallelism (a profile measures
+    layers without it)."""
+    if cfg.sequence_parallel:
         return None
     profile = load_profile(profile_path)
     conventions = RuntimeConventions(dtype=TrainPrecision(dtype), sharding=StateSharding(sharding))
@@ -142,8 +142,8 @@ def category_prediction(profile_path: str, cfg: ParallelConfig, *, dtype: str,
 def category_table(predicted: Sequence[Mapping[str, int]] | None, measured: Sequence[Mapping[str, int]]) -> str:
     """Predicted against measured peak bytes, per pipeline rank and memory category (KiB)."""
     if predicted is None:
-        return ("memory by category: not predicted (a profile predicts tensor parallelism 1 and one recomputation "
-                "mode for every stage only)")
+        return ("memory by category: not predicted (a profile predicts no sequence parallelism and one "
+                "recomputation mode for every stage only)")
     lines = ["peak memory by category (KiB): predicted vs measured",
              f"{'rank':>4} {'category':22s} {'predicted':>12s} {'measured':>12s} {'error':>8s}"]
     for r, (p, m) in enumerate(zip(predicted, measured)):

@@ -282,10 +282,14 @@ class _LayerBench:
         self._done(key, x, True)
         # zero-bubble split
         x = self._inputs(x0)
-        t_r, out, key = self._forward(x, extra, hold=True)
-        g = _output_grad(out)
+        t_r, root, key = self._forward(x, extra, hold=True)
+        roots, grads = [root], [_output_grad(root)]
+        del root
         xs = (x,) if x.is_floating_point() else ()
-        t_i, (_, state) = self.timer.time(lambda: backward_input([out], [g], xs, self.params))
+        t_i, (_, state) = self.timer.time(lambda: backward_input(roots, grads, xs, self.params))
+        # the executor lets go of the stage output at I: the nodes above the split nodes (a loss's) free theirs
+        roots.clear()
+        grads.clear()
         if "weight_grad_bytes" not in sizes:
             sizes["weight_grad_bytes"] = max(0.0, self.stash.bytes_of(key) - (_nbytes(x) if xs else 0))
         t_w, _ = self.timer.time(lambda: backward_weight(state, self.params))

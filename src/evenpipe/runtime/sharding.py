@@ -140,6 +140,9 @@ class FsdpGradientSync:
         self.modules = list(modules)
         self.replicated = list(replicated)
         self.dp_group = dp_group
+        self.gathered_bytes = 0
+        """Bytes of the whole weights and unsharded gradients FSDP held when the last sync began (the peak of a
+        step: the weights stay gathered and the gradients accumulate until then)."""
 
     def accumulate(self) -> None:
         """Micro-batch mode: no gradient sync, no resharding after a backward."""
@@ -150,6 +153,7 @@ class FsdpGradientSync:
 
     def __call__(self) -> None:
         from torch.distributed.fsdp import fully_shard
+        self.gathered_bytes = _gathered_bytes(self.modules)
         for m in self.modules:
             m.set_is_last_backward(True)  # type: ignore[operator]
             m.set_reshard_after_backward(True)  # type: ignore[operator]
@@ -182,3 +186,19 @@ class FsdpGradientSync:
             for group in s._fsdp_param_groups:
                 group.post_backward()
         state._root_post_backward_final_callback()
+
+
+def _gathered_bytes(modules: Sequence[nn.Module]) -> int:
+    """What FSDP holds of ``modules`` besides the shards: each unsharded parameter's all-gather output and its
+    unsharded (and accumulated) gradient, local to this tensor-parallel rank."""
+    from torch.distributed.fsdp import fully_shard
+    total = 0
+    for m in modules:
+        for group in fully_shard.state(m)._fsdp_param_groups:  # type: ignore[attr-defined]
+            for fp in group.fsdp_params:
+                total += sum(t.untyped_storage().nbytes() for t in fp.all_gather_outputs)
+                unsharded = getattr(fp, "_unsharded_param", None)
+                for g in (None if unsharded is None else unsharded.grad, fp.unsharded_accumulated_grad):
+                    if g is not None:
+                        total += local_shard(g).numel() * local_shard(g).element_size()
+    return total

@@ -299,12 +299,15 @@ class ActivationStash:
         excluded = self._excluded()
 
         def pack(t: torch.Tensor) -> Any:
+            if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight or a view of one
+                return t  # (FSDP's gathered parameters appear only inside the forward, after ``excluded`` was
+                # taken; under tensor parallelism too, where they and their views are DTensors)
             spec = getattr(t, "_spec", None)
-            if spec is not None and type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+            if spec is not None and type(t) is not torch.Tensor:
                 inner = pack(local_shard(t))  # a DTensor: count and move its local shard
                 return _PackedDTensor(inner, spec, t.requires_grad) if isinstance(inner, _Packed) else t
-            if not self._is_candidate(t) or isinstance(t._base, nn.Parameter):  # a view of a weight (FSDP's
-                return t  # gathered parameters appear only inside the forward, after ``excluded`` was taken)
+            if not self._is_candidate(t):
+                return t
             ident = _ident(t)
             if ident in excluded:
                 return t

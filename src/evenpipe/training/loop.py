@@ -299,7 +299,8 @@ def _watched_step(job: _Job, watch: Watchdog, step: int, progress: _Progress) ->
     if job.slow is not None:
         job.slow.after_step(result.compute_s)
     progress.add(result, dt, norm)
-    progress.categories.add(state_bytes(job.params.named.values(), job.optimizer))
+    progress.categories.add(state_bytes(job.params.named.values(), job.optimizer)
+                            | {"gathered_states": getattr(job.executor.grad_sync, "gathered_bytes", 0)})
     watch.finished_step(step + 1)
     if config.runtime.timeout_s is None:
         watch.timeout_s = timeout_after_step(max(progress.times))

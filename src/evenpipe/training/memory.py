@@ -4,8 +4,9 @@ counts (activations from the stash, communication buffers from the mailbox).
 Model states count each tensor's local shard (tensor parallelism, FSDP), ``numel · element_size``: parameters
 (the model's weights), gradients (the model's ``.grad`` plus the fp32 ``.grad`` of bfloat16's master weights),
 master weights (bfloat16's fp32 copies, of the owned parameters under ``--sharding optimizer``) and optimizer
-state (AdamW's moments; its scalar step counters are not counted). On a GPU, :func:`allocator_peak_bytes` adds
-the caching allocator's peak of the whole process.
+state (AdamW's moments; its scalar step counters are not counted). FSDP's gathered weights and gradients
+(``gathered_states``) are counted by :class:`evenpipe.runtime.sharding.FsdpGradientSync` when it syncs. On a
+GPU, :func:`allocator_peak_bytes` adds the caching allocator's peak of the whole process.
 """
 
 from __future__ import annotations

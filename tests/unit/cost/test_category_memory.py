@@ -118,3 +118,29 @@ def test_a_tied_table_on_one_rank_counts_once_and_stays_whole_under_fsdp(capsys:
     want = 4 * (rest + table) if sharding == "none" else 4 * (rest / 2 + table)
     assert got["parameters"] == got["gradients"] == want
     assert got["optimizer_state"] == 2 * want
+    # FSDP gathers the rest whole (weights and gradients), the table not at all
+    assert got["gathered_states"] == (0 if sharding == "none" else 2 * 4 * rest)
+
+
+def test_fsdp_gathers_whole_weights_and_gradients_in_the_training_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    """Under --sharding full a rank also holds, during a step, its stages' whole weights and their unsharded
+    gradients, twice the unsharded weights' bytes (train measures gpt-tiny float32 at pp 2 x dp 2: 963584 and
+    931840 bytes); the fit check (stage_memory) counts them too."""
+    from evenpipe.cost.analytic_source import AnalyticSource
+    from evenpipe.cost.category_memory import with_conventions
+    from evenpipe.cost.hardware import hardware_preset
+    from evenpipe.cost.memory import GIB, stage_memory
+    from evenpipe.cost.parallel import ParallelConfig
+    from evenpipe.cost.specs import MODEL_PRESETS
+    for dtype in ("float32", "bfloat16"):
+        full = _estimate(capsys, "--sharding", "full", "--dtype", dtype)["peak_bytes_by_category"]
+        plain = _estimate(capsys, "--dtype", dtype)["peak_bytes_by_category"]
+        assert [c["gathered_states"] for c in full] == [2 * c["parameters"] for c in plain]
+        assert all(c["gathered_states"] == 0 for c in plain)
+        conventions = RuntimeConventions(dtype=TrainPrecision(dtype), sharding=StateSharding.FULL)
+        source = with_conventions(AnalyticSource(MODEL_PRESETS["gpt-tiny"], hardware_preset("h100-80gb")),
+                                  conventions)
+        ranks = stage_memory(source, ParallelConfig(pp=2, dp=2, global_batch=8))
+        assert [round(m.gathered * GIB) for m in ranks] == [c["gathered_states"] for c in full]
+    assert [c["gathered_states"] for c in _estimate(capsys, "--sharding", "full")["peak_bytes_by_category"]] == \
+        [963584, 931840]

@@ -3,10 +3,15 @@ over a source reproduces what each planner computed before (the analytic estimat
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from evenpipe.cost import ParallelConfig, Recompute, ScheduleFamily, hardware_preset, model_preset
 from evenpipe.cost.analytic_source import AnalyticSource
+from evenpipe.cost.category_memory import with_conventions
+from evenpipe.cost.profile import LayerKind
+from evenpipe.cost.runtime_memory import RuntimeConventions
 from evenpipe.cost.estimate import estimate, estimate_with
 from evenpipe.cost.memory import stage_memory
 from evenpipe.cost.profile_fit import ProfileModel, predict_step
@@ -89,13 +94,16 @@ def test_profiled_estimate_is_the_profiles_prediction(family: str, chunks: int, 
 
 
 def test_profiled_source_answers_selective_recomputation() -> None:
-    """Selective recomputation keeps what the profiled (fused-kernel) blocks keep, and re-runs each block's
-    attention core, its FLOP share of the profiled forward, in the input-gradient part of the backward."""
+    """Selective recomputation keeps what the profiled (fused-kernel) blocks keep but the kernel's fp32
+    log-sum-exp, and re-runs each block's attention core, its FLOP share of the profiled forward, in the
+    input-gradient part of the backward."""
     source = ProfiledSource(ProfileModel(make_profile(layers=8)))
     none, sel = (ParallelConfig(pp=2, global_batch=8, recompute=r) for r in (Recompute.NONE, Recompute.SELECTIVE))
     source.check(sel)
     shape = shape_of(source.model, sel)
-    assert source.layer_bytes(sel, 0, shape) == source.layer_bytes(none, 0, shape)
+    kept, whole = source.layer_bytes(sel, 0, shape), source.layer_bytes(none, 0, shape)
+    assert whole.layer_saved - kept.layer_saved == 4 * source.model.num_heads * shape.seq_len * shape.size
+    assert (kept.head, kept.embedding, kept.sent) == (whole.head, whole.embedding, whole.sent)
     core = source.layer_times(sel, 0, shape).selective_recompute
     assert 0 < core < source.layer_times(none, 0, shape).forward_compute
     assert source.layer_times(none, 0, shape).selective_recompute == 0
@@ -104,10 +112,44 @@ def test_profiled_source_answers_selective_recomputation() -> None:
         assert b.backward_input == pytest.approx(a.backward_input + blocks[s] * core)
 
 
+def _gpt_tiny_measured() -> ProfiledSource:
+    """A gpt-tiny profile whose float32 block saves what train measured at b = 1: 247808 B and its 16384 B input."""
+    p = make_profile(sizes=(1, 2))
+    layers = {k: tuple(dataclasses.replace(x, seq_len=64) for x in v) for k, v in p.layers.items()}
+    layers[LayerKind.BLOCK] = tuple(dataclasses.replace(x, saved_bytes=247808.0 * x.microbatch_size,
+                                                        input_saved_bytes=16384.0 * x.microbatch_size,
+                                                        weight_grad_bytes=247808.0 * x.microbatch_size)
+                                    for x in layers[LayerKind.BLOCK])
+    return ProfiledSource(ProfileModel(dataclasses.replace(p, layers=layers)))
+
+
+def test_profiled_source_divides_the_split_activations_and_parameters_over_tp() -> None:
+    """At tp 2 a gpt-tiny block keeps 165376 B for one micro-batch (train --tp 2 measures it: pipeline rank 0 of
+    1F1B at pp 2 holds 2·(2 blocks + 1024 B of tokens) + a 16384 B output = 679936 B), the split q/k/v, attention
+    output, MLP and log-sum-exp halved; its parameters are the analytic evenpipe source's (embedding and head
+    whole on every tensor-parallel rank)."""
+    source = _gpt_tiny_measured()
+    cfg = ParallelConfig(tp=2, pp=2, global_batch=8)
+    source.check(cfg)
+    shape = shape_of(source.model, cfg)
+    assert source.layer_bytes(cfg, 0, shape).layer_saved == 165376
+    assert source.layer_bytes(dataclasses.replace(cfg, tp=1), 0, shape).layer_saved == 264192
+    evenpipe = with_conventions(AnalyticSource(model_preset("gpt-tiny"), A100), RuntimeConventions())
+    for tp in (1, 2, 4):
+        c = dataclasses.replace(cfg, tp=tp)
+        assert source.param_counts(c).per_layer - evenpipe.param_counts(c).per_layer == \
+            source.param_counts(cfg).per_layer - evenpipe.param_counts(cfg).per_layer
+        assert (source.param_counts(c).embedding, source.param_counts(c).head) == (10, 20)
+
+
 def test_profiled_source_refuses_what_a_profile_cannot_answer() -> None:
     source = ProfiledSource(ProfileModel(make_profile(layers=8)))
-    with pytest.raises(ConfigError, match="tp 2"):
+    with pytest.raises(ConfigError, match="tp 2: the profiled model gpt-tiny is no preset"):
         source.check(ParallelConfig(tp=2, pp=2, global_batch=8))
+    with pytest.raises(ConfigError, match="--sequence-parallel"):
+        _gpt_tiny_measured().check(ParallelConfig(tp=2, pp=2, global_batch=8, sequence_parallel=True))
+    with pytest.raises(ConfigError, match="tp 8 does not divide the 4 attention heads"):
+        _gpt_tiny_measured().check(ParallelConfig(tp=8, pp=2, global_batch=8))
     with pytest.raises(ConfigError, match="budget"):
         ProfiledSource(ProfileModel(make_profile()), memory_budget_gib=0.0)
 

@@ -110,6 +110,21 @@ def test_block_bytes_are_one_blocks_whatever_the_chain() -> None:
     assert bytes_of[1] == bytes_of[3] and all(v[0] > 0 for v in bytes_of[1])
 
 
+def test_the_heads_weight_gradient_bytes_leave_out_what_the_loss_saved() -> None:
+    """The executor lets go of a stage's output (the loss) at ``I``, so the loss's saved tensors -- fp32
+    log-probabilities, int64 targets and the total weight, s·b·(4V + 8) + 4 bytes -- are not kept for ``W``; a
+    block (no node above its last linear saves anything) keeps all it saved."""
+    torch.set_num_threads(1)
+    cfg = model_config("gpt-tiny")
+    opts = ProfileOptions(model_name="gpt-tiny", model_config=cfg, microbatch_sizes=(1, 2), repeats=1, warmup=0,
+                          num_processes=1)
+    layers = measure_layers(opts)
+    for head, block in zip(layers[LayerKind.HEAD], layers[LayerKind.BLOCK]):
+        sb = head.microbatch_size * cfg.seq_len
+        assert head.saved_bytes - head.weight_grad_bytes == sb * (4 * cfg.vocab + 8) + 4
+        assert block.weight_grad_bytes == block.saved_bytes
+
+
 def test_a_chain_runs_every_block_in_it_and_times_per_block() -> None:
     """The chain's times are divided by its length, and every block in it runs forward and backward (its
     gradients accumulate from run to run, as over a step's micro-batches)."""
