@@ -83,6 +83,11 @@ CASES: dict[str, list[str]] = {
     "train documents missing tokenizer": [*TRAIN, "--documents", "{tmp}/text_docs.jsonl", "--tokenizer",
                                           "{tmp}/missing/tokenizer.json"],
     "train documents unknown policy": [*TRAIN, "--documents", "{tmp}/long_docs.jsonl", "--microbatching", "fifo"],
+    "train microbatch memory not a size": [*TRAIN, "--documents", "{tmp}/long_docs.jsonl", "--microbatch-memory",
+                                           "lots"],
+    "train microbatch memory without documents": [*TRAIN, "--microbatch-memory", "1MiB"],
+    "train microbatch memory without a profile": [*TRAIN, "--documents", "{tmp}/long_docs.jsonl",
+                                                  "--split-long-documents", "--microbatch-memory", "1MiB"],
     # estimate
     "estimate out under a file": [*EST, "--out", "{file}/pictures"],
     "estimate unknown hf model type": ["estimate", "--hf-config", "{tmp}/bert.json", "--gpu", "a100-80gb",

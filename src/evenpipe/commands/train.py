@@ -18,7 +18,7 @@ from evenpipe.schedule.family import ScheduleFamily
 if TYPE_CHECKING:
     from evenpipe.training.config import DataSource, ScheduleOptions, TrainConfig
 
-__all__ = ["add_arguments", "run", "build_config", "check_fits_machine", "header"]
+__all__ = ["add_arguments", "run", "build_config", "check_fits_machine", "header", "parse_size"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--documents into micro-batches: pad (one per row), pack (first fit, default) or balance")
     p.add_argument("--split-long-documents", action="store_true",
                    help="cut a --documents document longer than --seq-len + 1 tokens instead of refusing it")
+    p.add_argument("--microbatch-memory", default=None, metavar="SIZE",
+                   help="--documents: activation bytes one micro-batch may save on the largest stage, by the "
+                        "--predict profile's bytes per token (e.g. 200KiB, 64MiB, 2GiB or bytes); a document that "
+                        "alone needs more is refused (or cut with --split-long-documents)")
     p.add_argument("--eval-every", type=int, default=None,
                    help="report a held-out loss every N steps (the last 5%% of the data is held out)")
     p.add_argument("--eval-batches", type=int, default=4, help="global batches per evaluation")
@@ -180,7 +184,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
                          global_batch=args.global_batch or args.microbatch_size * args.microbatches * args.dp,
                          microbatching=args.microbatching, tokenizer=_abs(args.tokenizer),
                          split_long_documents=bool(args.split_long_documents),
-                         microbatch_order=args.microbatch_order),
+                         microbatch_order=args.microbatch_order,
+                         microbatch_memory=parse_size(args.microbatch_memory, "--microbatch-memory")),
         optimizer=OptimizerOptions(lr=args.lr, schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
                                    min_lr=args.min_lr, decay_steps=args.decay_steps, weight_decay=args.weight_decay,
                                    clip_grad_norm=args.clip_grad_norm),
@@ -247,6 +252,27 @@ def check_fits_machine(num_params: int, name: str, *, world: int) -> None:
         raise ConfigError(f"model {name} has {num_params / 1e9:.2f}B parameters: training it in {world} local "
                           f"process(es) needs about {need / 2**30:.1f} GiB but this machine has "
                           f"{have / 2**30:.1f} GiB available; use a smaller model (e.g. gpt-tiny, llama-mini)")
+
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_size(text: str | None, flag: str) -> int | None:
+    """``"64MiB"`` / ``"2GiB"`` / ``"200KiB"`` / ``"1e6"`` (bytes; KB, MB, GB are powers of ten) -> bytes, or
+    ConfigError naming ``flag``."""
+    if text is None:
+        return None
+    value = text.strip()
+    number = value.rstrip("BbIiKkMmGg ")
+    unit = value[len(number):].strip().lower()
+    try:
+        size = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(f"{flag} {text!r} must be a size: bytes, or a number with KiB, MiB, GiB (or KB, MB, GB), "
+                          "e.g. 64MiB") from None
+    if not size >= 1:
+        raise ConfigError(f"{flag} {text!r} must be at least 1 byte")
+    return int(size)
 
 
 def _source(args: argparse.Namespace) -> DataSource:

@@ -421,7 +421,7 @@ def rank_activation_peaks(source: CostSource, cfg: ParallelConfig) -> list[tuple
         # Full recomputation: one layer's full activations exist while it is recomputed and back-propagated.
         transient = act.layer_full if cfg.recompute is Recompute.FULL else 0.0
         sends = source.holds_sent_output and any(s != last for s in schedule.stages_of(r))
-        if shapes is not None and len(set(shapes)) > 1:  # unequal micro-batches: walk each one's bytes
+        if shapes is not None and (len(set(shapes)) > 1 or not shapes[0].padded):  # each micro-batch's own bytes
             acts = {sh: source.layer_bytes(cfg, r, sh) for sh in set(shapes)}
             full = cfg.recompute is Recompute.FULL
             units = [_units(acts[sh], layers, acts[sh].layer_full if full else 0.0) for sh in shapes]

@@ -188,6 +188,7 @@ class ProfiledSource:
         whole = tp_block_bytes(measured, self._model, tp=cfg.tp, microbatch_size=b, seq_len=s,
                                element_bytes=DTYPE_BYTES.get(self.fits.profile.machine.dtype, 4),
                                selective=cfg.recompute is Recompute.SELECTIVE)
+        whole += self._document_extra(shape) / cfg.tp
         # The profiled blocks run the fused kernel (SDPA), which saves no score matrix, only its log-sum-exp
         # (4·a·s·b bytes), which selective recomputation drops; tensor parallelism divides the tensors between
         # the column- and row-parallel linears (cost.split_activations).
@@ -203,6 +204,15 @@ class ProfiledSource:
                                head_weight_grad=max(0.0, head.saved_bytes + head.input_saved_bytes
                                                     - _freed_by_input_grad(head))
                                if cfg.schedule.traits.split_backward else 0.0)
+
+    def _document_extra(self, shape: MicrobatchShape) -> float:
+        """Bytes a block of a micro-batch of documents saves beyond the profiled plain rows: attention runs per
+        document (:mod:`evenpipe.models.layers`), so its output and the projection's input are two tensors of
+        ``tokens x hidden`` where the plain path shares one (measured: one ``hidden`` per token per block)."""
+        if shape.padded:
+            return 0.0
+        profile = self.fits.profile
+        return float(shape.num_tokens * profile.model.hidden * DTYPE_BYTES.get(profile.machine.dtype, 4))
 
     def param_counts(self, cfg: ParallelConfig) -> ParamCounts:
         info = self.fits.profile.model
@@ -249,6 +259,10 @@ class ProfiledSource:
                                             microbatch_size=shape.size, split_backward=split,
                                             seq_len=shape.seq_len, alternating=alternating, shape=shape)
                       for s in range(n)]
+            extra = self._document_extra(shape)
+            if extra:
+                stages = [dataclasses.replace(st, activation_bytes=st.activation_bytes + blocks * extra)
+                          for st, blocks in zip(stages, layout)]
             if selective:  # each block's attention core runs again in the input-gradient part of the backward
                 core = self.layer_times(cfg, 0, shape).selective_recompute
                 stages = [dataclasses.replace(st, backward_input=st.backward_input + blocks * core)

@@ -67,11 +67,17 @@ class MicrobatchBudget:
     """Rows per micro-batch (the micro-batch size ``b``)."""
     max_bytes: float | None = None
     """Predicted activation bytes one micro-batch may need (None: no limit beyond the token budget)."""
+    length_multiple: int | None = None
+    """None: a micro-batch's bytes are those of the tokens it computes. An integer ``m``: of the tokens the runtime
+    computes for it (:mod:`evenpipe.runtime.document_batches`): ``rows`` rows as long as its longest row rounded up
+    to a multiple of ``m`` (at most ``row_len``)."""
 
     def __post_init__(self) -> None:
         if self.row_len < 1 or self.rows < 1:
             raise ConfigError(f"a micro-batch budget needs row_len >= 1 and rows >= 1, got {self.row_len} and "
                               f"{self.rows}")
+        if self.length_multiple is not None and self.length_multiple < 1:
+            raise ConfigError(f"a micro-batch's length multiple must be >= 1, got {self.length_multiple}")
         if self.max_bytes is not None and self.max_bytes <= 0:
             raise ConfigError(f"the micro-batch memory budget must be > 0 bytes, got {self.max_bytes}")
 
@@ -79,6 +85,23 @@ class MicrobatchBudget:
     def tokens(self) -> int:
         """Token budget of one micro-batch: ``rows * row_len``."""
         return self.rows * self.row_len
+
+    def footprint(self, tokens: int, longest_row: int) -> int:
+        """Tokens whose activations a micro-batch of ``tokens`` real tokens, the longest row ``longest_row``,
+        keeps (see :attr:`length_multiple`)."""
+        m = self.length_multiple
+        if m is None:
+            return tokens
+        return self.rows * min(self.row_len, max(m, -(-longest_row // m) * m))
+
+    def widest_document(self, bytes_per_token: float) -> int:
+        """The longest document one micro-batch can hold within :attr:`max_bytes` (``row_len`` without one)."""
+        if self.max_bytes is None or bytes_per_token <= 0:
+            return self.row_len
+        if self.length_multiple is None:
+            return min(self.row_len, int(self.max_bytes // bytes_per_token))
+        widest = int(self.max_bytes // (bytes_per_token * self.rows))
+        return widest if widest >= self.row_len else widest // self.length_multiple * self.length_multiple
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -196,9 +219,16 @@ class _Bin:
 
     def row_for(self, length: int, budget: MicrobatchBudget, cost: MicrobatchCost) -> int | None:
         """The first row with room for a document of ``length`` (None if none, or memory would overflow)."""
-        if budget.max_bytes is not None and cost.bytes_per_token * (self.tokens + length) > budget.max_bytes:
-            return None
-        return next((i for i, u in enumerate(self.used) if u + length <= budget.row_len), None)
+        row = next((i for i, u in enumerate(self.used) if u + length <= budget.row_len), None)
+        if row is None or budget.max_bytes is None:
+            return row
+        if budget.length_multiple is None:
+            return None if cost.bytes_per_token * (self.tokens + length) > budget.max_bytes else row
+        # the emptiest row with room keeps the longest row shortest
+        row = min((i for i, u in enumerate(self.used) if u + length <= budget.row_len), key=lambda i: (self.used[i], i))
+        longest = max(max(self.used), self.used[row] + length)
+        fits = cost.bytes_per_token * budget.footprint(self.tokens + length, longest) <= budget.max_bytes
+        return row if fits else None
 
     def add(self, doc: int, length: int, row: int, cost: MicrobatchCost) -> None:
         self.rows[row].append(doc)
@@ -214,10 +244,13 @@ def _new_bin(budget: MicrobatchBudget, order: int = 0) -> _Bin:
 def _check_memory(lengths: Sequence[int], budget: MicrobatchBudget, cost: MicrobatchCost) -> None:
     if budget.max_bytes is None:
         return
-    worst = max(lengths, default=0)
-    if cost.bytes_per_token * worst > budget.max_bytes:
-        raise ConfigError(f"a document of {worst} tokens needs {cost.bytes_per_token * worst:.0f} bytes, more than "
-                          f"the micro-batch memory budget of {budget.max_bytes:.0f}")
+    worst = max(range(len(lengths)), key=lambda i: lengths[i], default=None)
+    if worst is None:
+        return
+    need = cost.bytes_per_token * budget.footprint(lengths[worst], lengths[worst])
+    if need > budget.max_bytes:
+        raise ConfigError(f"document {worst} of {lengths[worst]} tokens needs {need:.0f} bytes of activations, more "
+                          f"than the micro-batch memory budget of {budget.max_bytes:.0f}")
 
 
 # --- the three policies ----------------------------------------------------------------------------------------
@@ -229,7 +262,8 @@ def pad(lengths: Sequence[int], budget: MicrobatchBudget, cost: MicrobatchCost) 
     group: list[int] = []
     for d, n in enumerate(lengths):
         width = max([lengths[g] for g in group] + [n])
-        too_big = budget.max_bytes is not None and cost.bytes_per_token * width * (len(group) + 1) > budget.max_bytes
+        kept = width * (len(group) + 1) if budget.length_multiple is None else budget.footprint(0, width)
+        too_big = budget.max_bytes is not None and cost.bytes_per_token * kept > budget.max_bytes
         if group and (len(group) == budget.rows or too_big):
             out.append(_build([[g] for g in group], lengths, cost, padded=True))
             group = []
@@ -368,10 +402,11 @@ def _even_out(mbs: list[Microbatch], target: int | None, multiple: int, lengths:
     return mbs
 
 
-def first_fit_prefix(lengths: Iterable[int], budget: MicrobatchBudget, count: int) -> int:
+def first_fit_prefix(lengths: Iterable[int], budget: MicrobatchBudget, count: int,
+                     cost: MicrobatchCost = MicrobatchCost()) -> int:
     """How many leading documents first fit places into ``count`` micro-batches (it stops at the first that
-    would open one more); a document longer than a row ends the prefix too."""
-    cost = MicrobatchCost()
+    would open one more); a document longer than a row ends the prefix too (``cost``: its bytes per token, with
+    the budget's ``max_bytes``)."""
     bins: list[_Bin] = []
     taken = 0
     for n in lengths:

@@ -22,7 +22,7 @@ from evenpipe.cost.runtime_memory import RuntimeConventions, StateSharding, Trai
 from evenpipe.schedule.ir import Schedule
 
 __all__ = ["check_profile_for_training", "PredictedRun", "predicted_run", "prediction_table",
-           "report_prediction", "predicted_compute_s"]
+           "report_prediction", "predicted_compute_s", "profiled_source"]
 
 
 def check_profile_for_training(path: str, *, model_name: str, model_config: Any, dtype: str = "float32",
@@ -133,10 +133,15 @@ def category_prediction(profile_path: str, cfg: ParallelConfig, *, dtype: str,
     layers without it)."""
     if cfg.sequence_parallel:
         return None
-    profile = load_profile(profile_path)
+    return peak_bytes_by_category(profiled_source(profile_path, dtype=dtype, sharding=sharding), cfg)
+
+
+def profiled_source(profile_path: str, *, dtype: str, sharding: str) -> ProfiledSource:
+    """The profile's cost source with evenpipe's conventions for a run in ``dtype`` under ``--sharding``."""
     conventions = RuntimeConventions(dtype=TrainPrecision(dtype), sharding=StateSharding(sharding))
-    source = with_conventions(ProfiledSource(ProfileModel(profile)), conventions)
-    return peak_bytes_by_category(source, cfg)
+    source = with_conventions(ProfiledSource(ProfileModel(load_profile(profile_path))), conventions)
+    assert isinstance(source, ProfiledSource)
+    return source
 
 
 def category_table(predicted: Sequence[Mapping[str, int]] | None, measured: Sequence[Mapping[str, int]]) -> str:

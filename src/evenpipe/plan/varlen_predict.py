@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
+from evenpipe.cost.category_memory import peak_bytes_by_category
 from evenpipe.cost.estimate import Estimate, estimate_with
+from evenpipe.cost.parallel import stage_layers
 from evenpipe.cost.parallel import ParallelConfig
 from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.cost.source import CostSource, shape_of
@@ -37,7 +39,7 @@ from evenpipe.plan.microbatch import (Microbatch, MicrobatchBudget, MicrobatchCo
                                      parse_policy, plan_microbatches)
 
 __all__ = ["BatchPrediction", "Throughput", "microbatch_cost_of", "microbatch_shapes", "predict_batch",
-           "predict_policies", "predict_throughput"]
+           "predict_policies", "predict_throughput", "stage_bytes_per_token", "step_peak_bytes", "larger_peaks"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,8 +119,6 @@ def _shape(mb: Microbatch, lengths: Sequence[int], *, rows: int, seq_len: int, p
         longest = max((sum(run) for run in runs), default=0)
         width = min(seq_len, max(row_multiple, -(-longest // row_multiple) * row_multiple))
         squares = sum(n * n for run in runs for n in run) + sum((width - sum(run)) ** 2 for run in runs)
-        if width == seq_len and squares == rows * seq_len ** 2:
-            return MicrobatchShape(size=rows, seq_len=seq_len)
         return MicrobatchShape(size=rows, seq_len=seq_len, tokens=rows * width, squared_lengths=squares)
     docs = [lengths[d] for d in mb.documents]
     if not docs:
@@ -186,3 +186,36 @@ def predict_throughput(batches: Iterable[Sequence[int]], *, source: CostSource, 
         for p in chosen:
             out[p].append(predict_batch(batch, source=source, cfg=cfg, policy=p, cost=cost, row_multiple=row_multiple))
     return {p: Throughput(policy=p, batches=tuple(v)) for p, v in out.items()}
+
+
+def stage_bytes_per_token(source: CostSource, cfg: ParallelConfig) -> float:
+    """Activation bytes one micro-batch of documents saves per position it computes on ``cfg``'s largest stage
+    (its layers, kept input, and the embedding's or head's extras): ``cfg.microbatch_size`` full rows as the
+    runtime runs documents, divided by their positions (linear in them, as the profiled fits are)."""
+    s, b = source.model.seq_len, cfg.microbatch_size
+    shape = MicrobatchShape(size=b, seq_len=s, tokens=b * s, squared_lengths=b * s * s)
+    layers = stage_layers(source.model, cfg)
+    last = len(layers) - 1
+    act = source.layer_bytes(cfg, 0, shape)
+    units = [n * act.layer_saved + (act.boundary if st else act.embedding) + (act.head if st == last else 0.0)
+             for st, n in enumerate(layers)]
+    return max(units) / shape.num_tokens
+
+
+def step_peak_bytes(source: CostSource, cfg: ParallelConfig,
+                    shapes: Sequence[Sequence[MicrobatchShape]]) -> tuple[dict[str, int], ...]:
+    """Per pipeline rank, the predicted peak of every memory category of one step whose replicas run micro-batches
+    of ``shapes`` (per replica, in running order): each replica walked with its own shapes, the largest kept."""
+    out: tuple[dict[str, int], ...] = ()
+    for rep in shapes:
+        rep_cfg = dataclasses.replace(cfg, global_batch=len(rep) * cfg.microbatch_size * cfg.dp,
+                                      microbatch_shapes=tuple(rep))
+        out = larger_peaks(out, peak_bytes_by_category(source, rep_cfg))
+    return out
+
+
+def larger_peaks(a: Sequence[Mapping[str, int]], b: Sequence[Mapping[str, int]]) -> tuple[dict[str, int], ...]:
+    """Per rank and category the larger of two predictions (``a`` empty: ``b``)."""
+    if not a:
+        return tuple(dict(p) for p in b)
+    return tuple({c: max(x[c], y[c]) for c in x} for x, y in zip(a, b, strict=True))

@@ -13,6 +13,11 @@ a random order per epoch (a pure function of ``(seed, epoch)``), and each step t
 - ``pack`` / ``balance``: as many documents as first fit places into the step's ``dp x M`` micro-batches of ``b``
   rows (the same documents for both), grouped by :func:`evenpipe.plan.microbatch.plan_microbatches`.
 
+With a memory budget (``max_bytes``, ``train --microbatch-memory``), a micro-batch of ``rows x T`` positions saves
+``bytes_per_token`` per position on the largest stage, and the planner keeps that within the budget
+(:attr:`evenpipe.plan.microbatch.MicrobatchBudget.length_multiple`); a document that alone exceeds it is refused,
+named, or cut (``split_long``).
+
 Padding has token 0 and target ``-100`` (ignored by the loss). Each micro-batch's loss is the mean over its real
 tokens, and the step's loss the mean over micro-batches, as for fixed-length rows. Every rank computes the same
 plan; step ``k``'s documents depend on the steps before it, so the plan is built step by step from 0 (and cached).
@@ -32,6 +37,7 @@ from evenpipe.dataset import DocumentSet, load_documents
 from evenpipe.errors import ConfigError
 from evenpipe.plan.microbatch import (MicrobatchBudget, MicrobatchCost, MicrobatchPlan, Policy, first_fit_prefix,
                                       parse_policy, plan_microbatches)
+from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.runtime.data import Batch, MicroBatches
 
 if TYPE_CHECKING:
@@ -97,7 +103,8 @@ class DocumentBatches:
     def __init__(self, *, path: str, seq_len: int, vocab: int, seed: int, policy: "Policy | str",
                  num_replicas: int, num_microbatches: int, rows_per_microbatch: int, token_dtype: str = "uint16",
                  tokenizer: str | None = None, split_long: bool = False, length_multiple: int = 8,
-                 orderer: "MicrobatchOrderer | None" = None) -> None:
+                 orderer: "MicrobatchOrderer | None" = None,
+                 max_bytes: float | None = None, bytes_per_token: float = 1.0) -> None:
         self.policy = parse_policy(policy)
         self.orderer = orderer
         """Chooses each replica's micro-batch order by simulation (None: the planner's order)."""
@@ -109,16 +116,26 @@ class DocumentBatches:
         """Each micro-batch's length is a multiple of this (or ``seq_len``)."""
         docs = load_documents(path, token_dtype=token_dtype, tokenizer=tokenizer)
         docs.check_vocab(vocab)
-        self.docs: DocumentSet = docs.fit_to(seq_len + 1, split=split_long)
+        self.budget = MicrobatchBudget(row_len=seq_len, rows=rows_per_microbatch, max_bytes=max_bytes,
+                                       length_multiple=None if max_bytes is None else length_multiple)
+        self.cost = MicrobatchCost(per_token=1.0, per_square=1.0 / seq_len, bytes_per_token=bytes_per_token)
+        widest = self.budget.widest_document(bytes_per_token)
+        if widest < 1:
+            raise ConfigError(f"--microbatch-memory {max_bytes:.0f} bytes holds no micro-batch: one of "
+                              f"{rows_per_microbatch} row(s) of {length_multiple} positions saves "
+                              f"{bytes_per_token * rows_per_microbatch * length_multiple:.0f} bytes of activations "
+                              f"({bytes_per_token:.0f} per position on the largest stage)")
+        if widest < seq_len and not split_long:
+            _refuse_wide(docs, widest, max_bytes, bytes_per_token * rows_per_microbatch)
+        self.docs: DocumentSet = docs.fit_to(min(seq_len, widest) + 1, split=split_long)
         if len(self.docs) == 0:
             raise ConfigError(f"{path!r} holds no document of at least 2 tokens ({docs.num_skipped} skipped)")
         self.seq_len, self.seed = seq_len, seed
         self.replicas, self.per_replica, self.rows = num_replicas, num_microbatches, rows_per_microbatch
-        self.budget = MicrobatchBudget(row_len=seq_len, rows=rows_per_microbatch)
-        self.cost = MicrobatchCost(per_token=1.0, per_square=1.0 / seq_len)
         self._positions = np.diff(self.docs.offsets) - 1  # positions each document gives
         self._starts = [0]  # stream index of each planned step's first document
         self._orders: dict[int, np.ndarray] = {}
+        self._plans: dict[int, MicrobatchPlan] = {}
 
     @property
     def num_skipped(self) -> int:
@@ -154,7 +171,7 @@ class DocumentBatches:
         if self.policy is Policy.PAD:
             return self.replicas * self.per_replica * self.rows
         lengths = (int(self._positions[d]) for d in self._stream(start))
-        return first_fit_prefix(lengths, self.budget, self.replicas * self.per_replica)
+        return first_fit_prefix(lengths, self.budget, self.replicas * self.per_replica, self.cost)
 
     def step_documents(self, step: int) -> list[int]:
         """Document indices of training step ``step`` (0-based), in stream order."""
@@ -182,9 +199,40 @@ class DocumentBatches:
             raise ConfigError(f"packed documents fill dp x microbatches x microbatch-size = {expected} rows a step; "
                               f"got a global batch of {batch_size}")
         docs = self.step_documents(step)
-        plan = plan_microbatches([int(self._positions[d]) for d in docs], policy=self.policy, budget=self.budget,
-                                 cost=self.cost, num_replicas=self.replicas, num_microbatches=self.per_replica)
-        if self.orderer is not None:
-            plan = self._reordered(plan)
-        return planned_microbatches(plan, [self.docs.document(d) for d in docs], rows=self.rows,
+        return planned_microbatches(self.step_plan(step), [self.docs.document(d) for d in docs], rows=self.rows,
                                     seq_len=self.seq_len, multiple=self.multiple)
+
+    def step_plan(self, step: int) -> MicrobatchPlan:
+        """The micro-batches of ``step`` (indices into :meth:`step_documents`), each replica's in running order
+        (the orderer's, if any, chosen once per step: plans are kept)."""
+        plan = self._plans.get(step)
+        if plan is None:
+            plan = plan_microbatches(self.step_lengths(step), policy=self.policy, budget=self.budget, cost=self.cost,
+                                     num_replicas=self.replicas, num_microbatches=self.per_replica)
+            if self.orderer is not None:
+                plan = self._reordered(plan)
+            self._plans[step] = plan
+        return plan
+
+    def step_lengths(self, step: int) -> list[int]:
+        """Positions of each document of ``step`` (its tokens less one), in :meth:`step_documents` order."""
+        return [int(self._positions[d]) for d in self.step_documents(step)]
+
+    def step_shapes(self, step: int) -> tuple[tuple[MicrobatchShape, ...], ...]:
+        """Per replica, the shape of each micro-batch of ``step`` as the runtime computes it, in running order
+        (what the cost model prices: :func:`evenpipe.plan.varlen_predict.microbatch_shapes`)."""
+        from evenpipe.plan.varlen_predict import microbatch_shapes
+        return microbatch_shapes(self.step_plan(step), self.step_lengths(step), rows=self.rows,
+                                 seq_len=self.seq_len, row_multiple=self.multiple)
+
+
+def _refuse_wide(docs: DocumentSet, widest: int, max_bytes: float | None, bytes_per_row_token: float) -> None:
+    """ConfigError naming the first document whose micro-batch alone would exceed the memory budget."""
+    lengths = docs.lengths
+    wide = np.flatnonzero(lengths - 1 > widest)
+    if len(wide):
+        i = int(wide[0])
+        raise ConfigError(f"document {i} of {docs.source!r} has {int(lengths[i])} tokens: alone it needs more than "
+                          f"--microbatch-memory {max_bytes:.0f} bytes of activations (at most {widest + 1} tokens "
+                          f"fit, {bytes_per_row_token:.0f} bytes per position; {len(wide)} such document(s)); use "
+                          "--split-long-documents or a larger --microbatch-memory")

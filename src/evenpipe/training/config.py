@@ -228,6 +228,9 @@ class DataOptions:
     microbatch_order: str | None = None
     """Documents only: each step's micro-batch order, ``planned`` (the planner's, None) or ``simulated`` (chosen by
     :class:`evenpipe.plan.order_choice.MicrobatchOrderer`)."""
+    microbatch_memory: int | None = None
+    """Documents only: the activation bytes one micro-batch may save on its largest stage, by the profile's cost
+    model (``--predict``); None: no limit beyond the rows."""
 
     def __post_init__(self) -> None:
         _coerce(self, "source", parse_choice(DataSource, self.source, "data source"))
@@ -247,7 +250,8 @@ class DataOptions:
             given = [name for name, on in (("--microbatching", self.microbatching is not None),
                                            ("--tokenizer", self.tokenizer is not None),
                                            ("--split-long-documents", self.split_long_documents),
-                                           ("--microbatch-order", self.microbatch_order is not None)) if on]
+                                           ("--microbatch-order", self.microbatch_order is not None),
+                                           ("--microbatch-memory", self.microbatch_memory is not None)) if on]
             if given:
                 raise ConfigError(f"{given[0]} applies to documents only; add --documents PATH")
             return
@@ -259,6 +263,8 @@ class DataOptions:
             raise ConfigError("the data source 'documents' needs a file (--documents PATH)")
         if self.eval_every is not None:
             raise ConfigError("--eval-every is not supported with --documents yet (no held-out split of documents)")
+        if self.microbatch_memory is not None:
+            _at_least("microbatch-memory", self.microbatch_memory, 1)
 
     def eval_due(self, steps_done: int, total_steps: int) -> bool:
         """Whether to evaluate after ``steps_done`` steps."""
@@ -516,11 +522,43 @@ class TrainConfig:
                                    rows_per_microbatch=self.data.global_batch // (m * dp),
                                    token_dtype=self.data.token_dtype, tokenizer=self.data.tokenizer,
                                    split_long=self.data.split_long_documents,
-                                   length_multiple=math.lcm(8, self.runtime.tp), orderer=self._orderer())
+                                   length_multiple=math.lcm(8, self.runtime.tp), orderer=self._orderer(),
+                                   max_bytes=self.data.microbatch_memory,
+                                   bytes_per_token=self._bytes_per_token())
         from evenpipe.runtime.data import TokenBatches
         return TokenBatches(source=self.data.source, seq_len=self.seq_len, vocab=vocab, seed=self.data.seed,
                             path=self.data.path, token_dtype=self.data.token_dtype,
                             held_out=self.data.eval_every is not None)
+
+    def _bytes_per_token(self) -> float:
+        """With ``--microbatch-memory``: the profile's activation bytes per position of the largest stage."""
+        if self.data.microbatch_memory is None:
+            return 1.0
+        planned = self.parallel_config()
+        if self.output.predict is None or planned is None:
+            raise ConfigError("--microbatch-memory needs --predict PROFILE (the profile's bytes per token price each "
+                              "micro-batch) and one --recompute mode for every stage")
+        from evenpipe.plan.predict import profiled_source
+        from evenpipe.plan.varlen_predict import stage_bytes_per_token
+        source = profiled_source(self.output.predict, dtype=self.model.dtype.value,
+                                 sharding=self.runtime.sharding.value)
+        return stage_bytes_per_token(source, planned)
+
+    def parallel_config(self) -> Any:
+        """The planner's record of this run's parallelism (a :class:`evenpipe.cost.parallel.ParallelConfig`: what
+        its memory prediction takes); None when its stages recompute differently (the planner takes one mode for
+        every stage) or it offloads on other ranks than the first k (the planner's offload lever)."""
+        from evenpipe.cost.parallel import ParallelConfig
+        sched, rt, m = self.schedule, self.runtime, self.schedule.num_microbatches
+        if len(set(sched.recompute)) != 1 or sched.offload != tuple(range(len(sched.offload))):
+            return None
+        return ParallelConfig(tp=rt.tp, pp=sched.num_ranks, dp=rt.dp, chunks=sched.num_chunks or 1,
+                              microbatch_size=self.data.global_batch // (m * rt.dp),
+                              global_batch=self.data.global_batch, recompute=sched.recompute[0],
+                              schedule=sched.family, distributed_optimizer=rt.sharding is not Sharding.NONE,
+                              bpipe=sched.bpipe, sequence_parallel=rt.sequence_parallel,
+                              bpipe_budget=sched.bpipe_budget, layout=sched.layout,
+                              offload_ranks=len(sched.offload))
 
     @property
     def world_size(self) -> int:

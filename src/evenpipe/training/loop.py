@@ -386,7 +386,8 @@ def _gather_summary(job: _Job, report: RankReport, progress: _Progress, *, first
                             tokens_by_step=progress.tokens if job.config.data.source is DataSource.DOCUMENTS
                             else None)
         log.info("\n" + memory_table(summary, measured=job.measured))
-        prediction = _prediction(job, [r for r, _ in gathered], summary.peak_bytes_by_category)
+        prediction = _prediction(job, [r for r, _ in gathered], summary.peak_bytes_by_category,
+                                 steps=range(first_step, job.config.runtime.steps))
         _write_outputs(job, summary, [rec for _, rec in gathered if rec is not None], prediction)
         shared = [summary]
     with collective("the summary broadcast", 0):
@@ -394,8 +395,10 @@ def _gather_summary(job: _Job, report: RankReport, progress: _Progress, *, first
     return shared[0]
 
 
-def _prediction(job: _Job, reports: list[RankReport], measured: Any = ()) -> dict[str, Any] | None:
-    """With ``--predict``: log the profile's prediction against this run's measurement; its dict form."""
+def _prediction(job: _Job, reports: list[RankReport], measured: Any = (),
+                steps: range = range(0)) -> dict[str, Any] | None:
+    """With ``--predict``: log the profile's prediction against this run's measurement; its dict form. With
+    documents, the memory predicted is that of the micro-batches each step of ``steps`` ran."""
     out, cfg = job.config.output, job.config
     if not out.predict:
         return None
@@ -408,27 +411,17 @@ def _prediction(job: _Job, reports: list[RankReport], measured: Any = ()) -> dic
                             layout=stage_block_counts(model_config, job.schedule.num_stages, cfg.schedule.layout),
                             reports=reports, dtype=cfg.model.dtype.value)
     log.info("\n" + prediction_table(run))
-    planned = _parallel_config(cfg)
-    predicted = None if planned is None else category_prediction(
-        out.predict, planned, dtype=cfg.model.dtype.value, sharding=cfg.runtime.sharding.value)
+    planned = cfg.parallel_config()
+    predicted: tuple[dict[str, int], ...] | None
+    if planned is not None and cfg.data.source is DataSource.DOCUMENTS and planned.tp == 1:
+        from evenpipe.training.document_memory import documents_prediction
+        predicted = documents_prediction(job.data, steps, out.predict, planned, dtype=cfg.model.dtype.value,
+                                         sharding=cfg.runtime.sharding.value)
+    else:
+        predicted = None if planned is None else category_prediction(
+            out.predict, planned, dtype=cfg.model.dtype.value, sharding=cfg.runtime.sharding.value)
     log.info("\n" + category_table(predicted, measured))
     return {**run.to_dict(), "peak_bytes_by_category": list(predicted) if predicted is not None else None}
-
-
-def _parallel_config(cfg: TrainConfig) -> Any:
-    """The planner's record of this run's parallelism (what its memory prediction takes); None when its stages
-    recompute differently (the planner takes one mode for every stage) or it offloads on other ranks than the
-    first k (the planner's offload lever)."""
-    from evenpipe.cost.parallel import ParallelConfig
-    sched, rt, m = cfg.schedule, cfg.runtime, cfg.schedule.num_microbatches
-    if len(set(sched.recompute)) != 1 or sched.offload != tuple(range(len(sched.offload))):
-        return None
-    return ParallelConfig(tp=rt.tp, pp=sched.num_ranks, dp=rt.dp, chunks=sched.num_chunks or 1,
-                          microbatch_size=cfg.data.global_batch // (m * rt.dp), global_batch=cfg.data.global_batch,
-                          recompute=sched.recompute[0], schedule=sched.family,
-                          distributed_optimizer=rt.sharding is not Sharding.NONE, bpipe=sched.bpipe,
-                          sequence_parallel=rt.sequence_parallel,
-                          bpipe_budget=sched.bpipe_budget, layout=sched.layout, offload_ranks=len(sched.offload))
 
 
 def _write_outputs(job: _Job, summary: TrainSummary, recorders: list[Any],

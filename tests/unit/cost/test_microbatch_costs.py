@@ -14,7 +14,7 @@ from evenpipe.cost.flops import layer_forward_flops
 from evenpipe.cost.memory import build_cost_schedule, rank_activation_peaks, stage_memory
 from evenpipe.cost.microbatch_costs import bpipe_weights, config_sim_costs, microbatch_sim_costs
 from evenpipe.cost.profile_fit import ProfileModel
-from evenpipe.cost.profiled_source import ProfiledSource
+from evenpipe.cost.profiled_source import DTYPE_BYTES, ProfiledSource
 from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.cost.source import shape_of
 from evenpipe.errors import ConfigError
@@ -76,8 +76,16 @@ def test_profiled_source_prices_tokens_as_rows_of_a_one_length_profile() -> None
     one_row = source.stage_costs(dataclasses.replace(cfg, microbatch_size=1, global_batch=2),
                                  MicrobatchShape(size=1, seq_len=16))
     docs = source.stage_costs(cfg, MicrobatchShape.of_documents([10, 6], size=2, seq_len=16))
-    for a, b in zip(docs.stages, one_row.stages):
-        assert a.forward == pytest.approx(b.forward) and a.activation_bytes == pytest.approx(b.activation_bytes)
+    # a block of documents keeps one more [tokens, hidden] (attention per document, models.layers)
+    profile = source.fits.profile
+    extra = 16 * profile.model.hidden * DTYPE_BYTES[profile.machine.dtype]
+    for a, b, blocks in zip(docs.stages, one_row.stages, (2, 2)):
+        assert a.forward == pytest.approx(b.forward)
+        assert a.activation_bytes == pytest.approx(b.activation_bytes + blocks * extra)
+    whole = source.layer_bytes(cfg, 0, MicrobatchShape(size=1, seq_len=16))
+    as_documents = source.layer_bytes(cfg, 0, MicrobatchShape(size=1, seq_len=16, tokens=16, squared_lengths=256))
+    assert as_documents.layer_saved == pytest.approx(whole.layer_saved + extra)
+    assert as_documents.layer_weight_grad == whole.layer_weight_grad
 
 
 def test_microbatch_costs_fast_path_and_rows() -> None:
@@ -215,3 +223,6 @@ def test_category_peaks_take_each_micro_batch() -> None:
         assert v["own_activations"] <= f["own_activations"] and v["parameters"] == f["parameters"]
         assert v["communication_buffers"] <= f["communication_buffers"]
     assert varied[0]["own_activations"] < full[0]["own_activations"]
+    # every micro-batch of one shape that is not the padded one: walked at that shape
+    same = dataclasses.replace(cfg, microbatch_shapes=(_docs(300),) * 4)
+    assert peak_bytes_by_category(source, same)[0]["own_activations"] < full[0]["own_activations"]

@@ -57,6 +57,29 @@ def test_every_document_once_within_budgets_and_equal_counts(lengths: list[int],
 
 
 @settings(max_examples=150, deadline=None)
+@given(lengths=lengths_st, rows=st.integers(1, 4), multiple=st.sampled_from([1, 8, 16]),
+       widest=st.integers(8, ROW), policy=st.sampled_from(list(Policy)), replicas=st.integers(1, 3))
+def test_a_memory_budget_holds_for_the_runtime_shapes(lengths: list[int], rows: int, multiple: int, widest: int,
+                                                     policy: Policy, replicas: int) -> None:
+    """With ``length_multiple``, a micro-batch's bytes are those of the runtime's ``rows x T`` (``T`` its longest row
+    rounded up): none exceeds ``max_bytes``, and a document that alone would is refused, named."""
+    cost = MicrobatchCost(per_token=1.0, per_square=0.01, bytes_per_token=3.0)
+    budget = MicrobatchBudget(row_len=ROW, rows=rows, max_bytes=3.0 * rows * widest, length_multiple=multiple)
+    fitting = [n for n in lengths if n <= budget.widest_document(cost.bytes_per_token)]
+    if len(fitting) < len(lengths):
+        with pytest.raises(ConfigError, match=r"document \d+ of \d+ tokens needs"):
+            plan_microbatches(lengths, policy=policy, budget=budget, cost=cost, num_replicas=replicas)
+    if not fitting:
+        return
+    plan = plan_microbatches(fitting, policy=policy, budget=budget, cost=cost, num_replicas=replicas)
+    assert sorted(d for m in plan.microbatches for d in m.documents) == list(range(len(fitting)))
+    for m in plan.microbatches:
+        longest = max((sum(fitting[d] for d in row) for row in m.rows), default=0)
+        assert cost.bytes_per_token * budget.footprint(m.tokens, longest) <= budget.max_bytes
+    assert budget.footprint(0, budget.widest_document(cost.bytes_per_token)) * 3.0 <= budget.max_bytes
+
+
+@settings(max_examples=150, deadline=None)
 @given(lengths=lengths_st, budget=budget_st, cost=cost_st, replicas=st.integers(1, 3))
 def test_balance_is_at_least_as_even_as_pack(lengths: list[int], budget: MicrobatchBudget, cost: MicrobatchCost,
                                              replicas: int) -> None:
@@ -117,7 +140,8 @@ def test_pad_counts_padding_as_computed_time() -> None:
     ({"lengths": [3, 0]}, "document 1 has length 0"),
     ({"policy": "greedy"}, "unknown micro-batching policy 'greedy'; choose one of: pad, pack, balance"),
     ({"num_microbatches": 1, "lengths": [60, 60]}, "need at least 2 micro-batches"),
-    ({"max_bytes": 4.0}, "a document of 5 tokens needs 5 bytes, more than the micro-batch memory budget of 4"),
+    ({"max_bytes": 4.0}, "document 1 of 5 tokens needs 5 bytes of activations, more than the micro-batch memory "
+                          "budget of 4"),
 ])
 def test_bad_input_is_one_line(kwargs: dict, needle: str) -> None:
     args = {"lengths": [3, 5], "policy": "balance", "num_microbatches": None, "max_bytes": None, **kwargs}

@@ -83,7 +83,8 @@ def test_runtime_rows_price_whole_rows_of_the_longest_row() -> None:
     full = microbatch_shapes(plan_microbatches([2048, 2048], policy="pad", budget=MicrobatchBudget(
         row_len=2048, rows=2), cost=microbatch_cost_of(SOURCE, CFG)), [2048, 2048], rows=2, seq_len=2048,
         row_multiple=16)
-    assert full[0][0].padded  # whole rows of one document each
+    # whole rows of one document each: the padded shape's tokens, but run by document (not the padded fast path)
+    assert not full[0][0].padded and full[0][0].num_tokens == 2 * 2048 and full[0][0].sum_squares == 2 * 2048 ** 2
     with pytest.raises(ConfigError, match="row_multiple"):
         microbatch_shapes(plan, lengths, rows=2, seq_len=2048, row_multiple=0)
     assert predict_batch(lengths, source=SOURCE, cfg=CFG, policy="pack", row_multiple=8).computed_tokens == 272

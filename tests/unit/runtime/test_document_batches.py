@@ -150,3 +150,37 @@ def test_simulated_order_permutes_each_replicas_microbatches(tmp_path: pathlib.P
     assert report["choices"] == 8 and report["changed"] == changed > 0
     assert report["predicted_gain_mean"] >= 0.0 and report["choice_ms_max"] >= report["choice_ms_median"] >= 0.0
     assert "order" not in planned.report()
+
+
+@pytest.mark.parametrize("policy", ["pad", "pack", "balance"])
+def test_a_memory_budget_bounds_every_microbatch(tmp_path: pathlib.Path, policy: str) -> None:
+    """With ``max_bytes``, every micro-batch the runtime computes (its rows times its length, in positions) times
+    the bytes per position stays within the budget; documents too long for it alone are cut (or refused, named)."""
+    path, docs = _docs_file(tmp_path, count=60)
+    per_position, budget = 100.0, 100.0 * 2 * 10  # two rows of 10 positions: with multiples of 4, 8 fit
+    with pytest.raises(ConfigError, match=r"document \d+ of .* tokens: alone it needs more than --microbatch-memory 2000 "):
+        _batches(path, policy, max_bytes=budget, bytes_per_token=per_position)
+    data = _batches(path, policy, max_bytes=budget, bytes_per_token=per_position, split_long=True)
+    assert data.report()["cut"] > 0
+    shapes = [part.tokens.shape for s in range(4) for part in data.batch(s, 8).parts]
+    assert max(b * t * per_position for b, _, t in shapes) <= budget
+    assert max(t for _, _, t in shapes) == 8  # the budget binds: rows of 12 would exceed it
+    free = _batches(path, policy)
+    assert max(part.tokens.shape[-1] for part in free.batch(0, 8).parts) > 8
+    with pytest.raises(ConfigError, match="holds no micro-batch"):
+        _batches(path, policy, max_bytes=budget, bytes_per_token=budget, split_long=True)
+
+
+def test_step_shapes_are_the_runtime_shapes(tmp_path: pathlib.Path) -> None:
+    """``step_shapes`` (what the cost model prices) has each micro-batch's rows and positions as run, replica by
+    replica in running order, and its squared runs (each document, and each row's padding as one more run)."""
+    path, _ = _docs_file(tmp_path, count=40)
+    data = _batches(path, "balance")
+    for step in range(2):
+        parts = data.batch(step, 8).parts
+        shapes = [sh for rep in data.step_shapes(step) for sh in rep]
+        assert [sh.num_tokens for sh in shapes] == [p.tokens.shape[0] * p.tokens.shape[-1] for p in parts]
+        squares = [sum(int(n) ** 2 for row in p.tokens[:, 1] for n in torch.unique_consecutive(row,
+                       return_counts=True)[1]) for p in parts]
+        assert [sh.sum_squares for sh in shapes] == squares
+        assert all(not sh.padded for sh in shapes)
