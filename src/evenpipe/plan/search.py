@@ -281,7 +281,27 @@ def _schedule_options(space: SearchSpace) -> Iterator[tuple[ScheduleFamily, bool
 
 def enumerate_configs(model: ModelSpec, hw: Hardware | None, *, num_gpus: int, global_batch: int,
                       space: SearchSpace) -> Iterator[ParallelConfig]:
-    """Every structurally plausible configuration of ``num_gpus`` GPUs (``check_config`` may still reject some).
+    """Every structurally plausible configuration of ``num_gpus`` GPUs (``check_config`` may still reject some);
+    see :func:`_config_fields`."""
+    for fields in _config_fields(model, hw, num_gpus=num_gpus, global_batch=global_batch, space=space):
+        yield _config_of(fields)
+
+
+_ConfigFields = tuple[int, int, int, int, int, int, Recompute, bool, Attention, ScheduleFamily, bool, "int | None",
+                      bool, "tuple[int, ...] | None", int]
+"""A configuration's fields as :func:`_config_fields` yields them (a cheap key: no object, no validation)."""
+
+
+def _config_of(f: _ConfigFields) -> ParallelConfig:
+    return ParallelConfig(tp=f[0], pp=f[1], dp=f[2], chunks=f[3], microbatch_size=f[4], global_batch=f[5],
+                          recompute=f[6], sequence_parallel=f[7], attention=f[8], schedule=f[9],
+                          distributed_optimizer=f[10], bpipe_budget=f[11], bpipe=f[12], layout=f[13],
+                          offload_ranks=f[14])
+
+
+def _config_fields(model: ModelSpec, hw: Hardware | None, *, num_gpus: int, global_batch: int,
+                   space: SearchSpace) -> Iterator[_ConfigFields]:
+    """The fields of every configuration :func:`enumerate_configs` produces, in its order.
 
     tp divides the GPU count, the attention heads and the GPUs of one node (a tensor-parallel group never
     straddles two nodes); pp is at most the layer count;
@@ -316,19 +336,24 @@ def enumerate_configs(model: ModelSpec, hw: Hardware | None, *, num_gpus: int, g
                             for distopt in _distopt_options(dp, space):
                                 for recompute in space.recomputes:
                                     for offload in (0,) if evicts else _offload_options(pp, space):
-                                        yield ParallelConfig(
-                                            tp=tp, pp=pp, dp=dp, chunks=chunks, microbatch_size=mbs,
-                                            global_batch=global_batch, recompute=recompute,
-                                            sequence_parallel=space.sequence_parallel and tp > 1,
-                                            attention=space.attention, schedule=family,
-                                            distributed_optimizer=distopt,
-                                            bpipe_budget=space.bpipe_budget if evicts else None,
-                                            bpipe=bpipe, layout=layout, offload_ranks=offload)
+                                        yield (tp, pp, dp, chunks, mbs, global_batch, recompute,
+                                               space.sequence_parallel and tp > 1, space.attention, family,
+                                               distopt, space.bpipe_budget if evicts else None, bpipe, layout,
+                                               offload)
 
 
 _LIGHTER_RECOMPUTE: dict[Recompute, tuple[Recompute, ...]] = {
     Recompute.NONE: (), Recompute.SELECTIVE: (Recompute.NONE,), Recompute.FULL: (Recompute.NONE, Recompute.SELECTIVE)}
 """Recomputation policies that save less memory and cost less time than each policy."""
+
+
+@dataclass(slots=True)
+class _Checked:
+    """An enumerated configuration, the source's objection to it (None: none) and its work bound once asked."""
+
+    config: ParallelConfig
+    error: str | None
+    work: float | None = None
 
 
 @dataclass(order=True, slots=True)
@@ -367,6 +392,8 @@ class Searcher:
         self._estimates: dict[ParallelConfig, Estimate] = {}
         self._peaks: dict[ParallelConfig, tuple[float, ...]] = {}
         self._bounds: dict[ParallelConfig, float] = {}
+        self._checked: dict[_ConfigFields, _Checked] = {}
+        self._states: dict[ParallelConfig, bool] = {}
 
     @property
     def num_estimated(self) -> int:
@@ -454,16 +481,19 @@ class Searcher:
         """
         pending: list[_Pending] = []
         states_fit: dict[tuple[object, ...], bool] = {}
-        for cfg in enumerate_configs(self.model, self.hw, num_gpus=num_gpus, global_batch=global_batch,
+        checked = self._checked
+        for fields in _config_fields(self.model, self.hw, num_gpus=num_gpus, global_batch=global_batch,
                                      space=space):
+            entry = checked.get(fields)
+            if entry is None:  # each configuration is built and checked once over the searcher's searches
+                entry = checked[fields] = self._check(_config_of(fields), num_gpus)
+            cfg = entry.config
             if where is not None and not where(cfg):
                 continue
             counts.enumerated += 1
-            try:
-                self.source.check(cfg, num_gpus)
-            except EvenpipeError as e:
+            if entry.error is not None:
                 counts.invalid += 1
-                counts.last_error = str(e).splitlines()[0]
+                counts.last_error = entry.error
                 continue
             group = (cfg.tp, cfg.pp, cfg.dp, cfg.chunks, cfg.layout, cfg.distributed_optimizer)
             if group not in states_fit:
@@ -472,9 +502,21 @@ class Searcher:
                 counts.over_memory += 1
                 continue
             exact = self._bounds.get(cfg)
-            pending.append(_Pending(work_bound(self.source, cfg) if exact is None
-                                    else exact, len(pending), cfg, exact is not None))
+            if exact is None:
+                if entry.work is None:
+                    entry.work = work_bound(self.source, cfg)
+                pending.append(_Pending(entry.work, len(pending), cfg))
+            else:
+                pending.append(_Pending(exact, len(pending), cfg, True))
         return pending
+
+    def _check(self, cfg: ParallelConfig, num_gpus: int) -> _Checked:
+        """``cfg`` with the first line of the source's objection to it (None when it may run)."""
+        try:
+            self.source.check(cfg, num_gpus)
+        except EvenpipeError as e:
+            return _Checked(cfg, str(e).splitlines()[0])
+        return _Checked(cfg, None)
 
     def _dominated(self, cfg: ParallelConfig, fitting: set[ParallelConfig]) -> bool:
         """Whether a fitting twin with lighter recomputation is at least as fast: it computes no more, and (for
@@ -502,11 +544,16 @@ class Searcher:
         schedule = cfg.schedule if cfg.chunks > 1 else ScheduleFamily.ONE_F_ONE_B  # same placement, cheap
         probe = _replace_config(cfg, schedule=schedule, bpipe_budget=None, bpipe=False, microbatch_size=1,
                                 recompute=Recompute.FULL)
-        try:
-            states = layer_states_per_rank_gib(self.source, probe)
-        except EvenpipeError:
-            return True  # cannot probe this shape; let each configuration decide
-        return all(state <= self._room(r) for r, state in enumerate(states))
+        known = self._states.get(probe)
+        if known is None:
+            try:
+                states = layer_states_per_rank_gib(self.source, probe)
+            except EvenpipeError:
+                known = True  # cannot probe this shape; let each configuration decide
+            else:
+                known = all(state <= self._room(r) for r, state in enumerate(states))
+            self._states[probe] = known
+        return known
 
     def _branch_and_bound(self, pending: list[_Pending], top_k: int, per_family: bool, counts: _Counts,
                           seed: list[Candidate]
@@ -523,7 +570,12 @@ class Searcher:
         larger, so it was visited first. Once a micro-batch size overflows, larger ones with the same other
         choices are taken as over memory too (activations are b sequences times an in-flight count that never
         falls faster than 1/b).
+        With ``top_k`` 1 and no per-family bests, domination is transitive: a dominated configuration is at least as
+        slow as a fitting one visited before it, which already entered the top or could not, so what it
+        dominates in turn cannot enter either (ties never replace the best) and is skipped too (e.g. selective
+        recomputation with offload, when the same without either fits).
         """
+        transitive = top_k == 1 and not per_family
         heapq.heapify(pending)
         top: list[Candidate] = list(seed)  # sorted fastest first, at most top_k
         best: dict[ScheduleFamily, Candidate] = {}
@@ -545,6 +597,8 @@ class Searcher:
                     continue
             if self._dominated(cfg, fitting):
                 counts.dominated += 1
+                if transitive:  # at least as slow as a fitting one: it dominates as that one would
+                    fitting.add(cfg)
                 continue
             key = (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.bpipe, cfg.chunks, cfg.recompute, cfg.layout,
                    cfg.distributed_optimizer, cfg.offload_ranks)

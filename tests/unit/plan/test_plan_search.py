@@ -305,3 +305,19 @@ def test_the_bound_counts_every_ranks_own_gradient_reduction() -> None:
     bound = step_time_lower_bound(model, A100, cfg)
     assert bound >= b.rank_ends[last] + exposed > b.makespan
     assert bound <= estimate(model, A100, cfg).step_time_s
+
+
+
+def test_transitive_domination_keeps_the_best() -> None:
+    # with top 1, what a dominated configuration dominates is skipped too (e.g. selective recomputation with
+    # offload when the plain twin fits); the best is the one the search without that shortcut (top 2) finds, on
+    # every lever's space where memory binds (llama-7b on 8 x A100-40GB)
+    from evenpipe.plan.levers import MemoryLever, lever_space
+    model = model_preset("llama-7b")
+    base = SearchSpace(max_microbatch_size=8, max_chunks=4, attention=Attention.EAGER)
+    for lever in MemoryLever:
+        space = lever_space(base, lever)
+        one = Searcher(model, A100_40).search(num_gpus=8, global_batch=64, space=space, top_k=1)
+        two = Searcher(model, A100_40).search(num_gpus=8, global_batch=64, space=space, top_k=2)
+        assert (one.best.config, one.best.step_time_s) == (two.best.config, two.best.step_time_s), lever
+        assert one.stats.num_estimated <= two.stats.num_estimated
