@@ -188,14 +188,14 @@ class ProfiledSource:
         whole = tp_block_bytes(measured, self._model, tp=cfg.tp, microbatch_size=b, seq_len=s,
                                element_bytes=DTYPE_BYTES.get(self.fits.profile.machine.dtype, 4),
                                selective=cfg.recompute is Recompute.SELECTIVE)
-        extra = self._document_extra(shape) / cfg.tp  # freed by I: W keeps the projection's input either way
+        whole += self._document_extra(shape) / cfg.tp  # kept until W, as the block's other tensors (measured)
         # The profiled blocks run the fused kernel (SDPA), which saves no score matrix, only its log-sum-exp
         # (4·a·s·b bytes), which selective recomputation drops; tensor parallelism divides the tensors between
         # the column- and row-parallel linears (cost.split_activations).
         if cfg.recompute is Recompute.FULL:  # the stage keeps its input only, and rebuilds its layers one by one
-            return ActivationBytes(layer_full=whole + extra, layer_saved=0.0, layer_weight_grad=0.0, embedding=0.0,
+            return ActivationBytes(layer_full=whole, layer_saved=0.0, layer_weight_grad=0.0, embedding=0.0,
                                    head=0.0, sent=block.output_bytes, boundary=block.output_bytes)
-        return ActivationBytes(layer_full=whole + extra, layer_saved=whole + extra,
+        return ActivationBytes(layer_full=whole, layer_saved=whole,
                                # I leaves W all but what it freed (the nodes above the split nodes: a loss's)
                                layer_weight_grad=max(0.0, whole - _freed_by_input_grad(block)),
                                embedding=emb.saved_bytes + emb.input_saved_bytes,
