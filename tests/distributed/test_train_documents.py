@@ -110,14 +110,21 @@ def _freed_per_microbatch(trace_path: pathlib.Path) -> dict[tuple[int, int], flo
 def test_microbatch_memory_bounds_every_microbatch(tmp_path: pathlib.Path, profile: pathlib.Path) -> None:
     """``--microbatch-memory``: two rows of 16 positions would save about 1.5x the budget on the largest stage, so
     documents are cut to fit rows of 8, and every micro-batch's measured saved activations stay within it; the run's
-    own activations per rank are the prediction's within 5% (zb-h1, pack)."""
+    own activations per rank, and rank 0's peak step by step (the metrics line), are the prediction's within 5%
+    (zb-h1, pack)."""
     docs = _documents(tmp_path)
     budget = 240_000
     args = ["--model", "gpt-tiny", "--seq-len", str(SEQ), "--microbatches", "4", "--microbatch-size", "2",
             "--steps", "2", "--seed", "3", "--documents", str(docs), "--microbatching", "pack", "--timeout", "60",
             "--stages", "2", "--schedule", "zb-h1", "--predict", str(profile), "--microbatch-memory", str(budget),
-            "--split-long-documents", "--trace-json", str(tmp_path / "trace.json")]
+            "--split-long-documents", "--trace-json", str(tmp_path / "trace.json"), "--metrics",
+            str(tmp_path / "metrics.jsonl")]
     run, _ = run_train(args, tmp_path / "m.json", timeout_s=240)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(m["predicted_step_s"] > 0 for m in lines)
+    for m in lines:  # each step's own micro-batches: rank 0's measured peak against its prediction
+        assert abs(m["predicted_activation_bytes"] - m["peak_activation_bytes"]) <= TOLERANCE * m[
+            "peak_activation_bytes"], lines
     assert run["documents"]["cut"] > 0
     freed = _freed_per_microbatch(tmp_path / "trace.json")
     assert len(freed) == 2 * 4 and max(freed.values()) <= budget, freed

@@ -28,7 +28,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from evenpipe.cost.category_memory import peak_bytes_by_category
 from evenpipe.cost.estimate import Estimate, estimate_with
 from evenpipe.cost.parallel import stage_layers
 from evenpipe.cost.parallel import ParallelConfig
@@ -39,7 +38,7 @@ from evenpipe.plan.microbatch import (Microbatch, MicrobatchBudget, MicrobatchCo
                                      parse_policy, plan_microbatches)
 
 __all__ = ["BatchPrediction", "Throughput", "microbatch_cost_of", "microbatch_shapes", "predict_batch",
-           "predict_policies", "predict_throughput", "stage_bytes_per_token", "step_peak_bytes", "larger_peaks"]
+           "predict_policies", "predict_throughput", "stage_bytes_per_token", "larger_peaks"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,18 +199,6 @@ def stage_bytes_per_token(source: CostSource, cfg: ParallelConfig) -> float:
     units = [n * act.layer_saved + (act.boundary if st else act.embedding) + (act.head if st == last else 0.0)
              for st, n in enumerate(layers)]
     return max(units) / shape.num_tokens
-
-
-def step_peak_bytes(source: CostSource, cfg: ParallelConfig,
-                    shapes: Sequence[Sequence[MicrobatchShape]]) -> tuple[dict[str, int], ...]:
-    """Per pipeline rank, the predicted peak of every memory category of one step whose replicas run micro-batches
-    of ``shapes`` (per replica, in running order): each replica walked with its own shapes, the largest kept."""
-    out: tuple[dict[str, int], ...] = ()
-    for rep in shapes:
-        rep_cfg = dataclasses.replace(cfg, global_batch=len(rep) * cfg.microbatch_size * cfg.dp,
-                                      microbatch_shapes=tuple(rep))
-        out = larger_peaks(out, peak_bytes_by_category(source, rep_cfg))
-    return out
 
 
 def larger_peaks(a: Sequence[Mapping[str, int]], b: Sequence[Mapping[str, int]]) -> tuple[dict[str, int], ...]:

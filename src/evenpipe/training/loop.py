@@ -71,6 +71,9 @@ class _Job:
     """Saves the checkpoints (in the background unless --checkpoint-sync), when there is a directory."""
     slow: SlowRankWatch | None = None
     """Emulated slowdowns, per-rank compute gathered on rank 0, a slow rank named (issue 35)."""
+    forecast: Any = None
+    """Documents with ``--predict``, on rank 0: each step's prediction
+    (:class:`evenpipe.training.document_memory.DocumentForecast`)."""
 
 
 @dataclass(slots=True)
@@ -227,6 +230,16 @@ def _order_metrics(data: Any, dp: int) -> dict[str, float]:
             "order_choice_ms": 1e3 * sum(c.seconds for c in last)}
 
 
+def _forecast(config: TrainConfig, data: Any) -> Any:
+    """Documents with ``--predict`` (tensor parallelism 1, one recomputation mode): the per-step predictor."""
+    planned = config.parallel_config()
+    if config.data.source is not DataSource.DOCUMENTS or not config.output.predict or planned is None or planned.tp != 1:
+        return None
+    from evenpipe.training.document_memory import DocumentForecast
+    return DocumentForecast(data, config.output.predict, planned, dtype=config.model.dtype.value,
+                            sharding=config.runtime.sharding.value)
+
+
 def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSummary:
     """Run the whole job on this rank (torch.distributed from torchrun's environment); the job summary.
 
@@ -239,6 +252,8 @@ def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSumm
         log.info(f"documents: {docs['documents']} from {config.data.path} ({docs['skipped']} skipped, fewer than 2 "
                  f"tokens; {docs['cut']} cut into pieces)")
     job.slow = SlowRankWatch(config=config, schedule=job.schedule, pp_rank=job.groups.pp_rank, device=job.device)
+    if dist.get_rank() == 0:
+        job.forecast = _forecast(config, job.data)
     watch.rank = dist.get_rank()
     state = _resume(job, watch)
     if config.checkpoint.directory:
@@ -261,6 +276,8 @@ def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSumm
                 extra["eval_loss"] = _evaluate(job, watch)
                 progress.eval_losses.append((step + 1, extra["eval_loss"]))
             extra.update(_order_metrics(job.data, config.runtime.dp))
+            if job.forecast is not None:
+                extra.update(job.forecast.metrics(step))
             if sink is not None:
                 sink.write(metrics, **extra)
                 if "eval_loss" in extra:
@@ -413,10 +430,8 @@ def _prediction(job: _Job, reports: list[RankReport], measured: Any = (),
     log.info("\n" + prediction_table(run))
     planned = cfg.parallel_config()
     predicted: tuple[dict[str, int], ...] | None
-    if planned is not None and cfg.data.source is DataSource.DOCUMENTS and planned.tp == 1:
-        from evenpipe.training.document_memory import documents_prediction
-        predicted = documents_prediction(job.data, steps, out.predict, planned, dtype=cfg.model.dtype.value,
-                                         sharding=cfg.runtime.sharding.value)
+    if job.forecast is not None:
+        predicted = job.forecast.peaks(steps)
     else:
         predicted = None if planned is None else category_prediction(
             out.predict, planned, dtype=cfg.model.dtype.value, sharding=cfg.runtime.sharding.value)
