@@ -13,7 +13,7 @@ from evenpipe.cost.activations import ActivationBytes, activation_bytes
 from evenpipe.cost.flops import layer_forward_flops
 from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.states import (BYTES_GRAD, BYTES_MASTER, BYTES_OPTIMIZER, BYTES_WEIGHT, embedding_params_per_rank,
-                                  head_params_per_rank, layer_params_per_rank)
+                                  head_params, head_params_per_rank, layer_params_per_rank)
 from evenpipe.cost.parallel import ParallelConfig, check_config
 from evenpipe.cost.runtime_memory import Runtime, RuntimeConventions, scaled
 from evenpipe.cost.source import Holding, MicrobatchShape, ParamCounts, StateBytes
@@ -104,10 +104,9 @@ class AnalyticSource:
     def param_counts(self, cfg: ParallelConfig) -> ParamCounts:
         c = self.conventions
         if c is not None and c.runtime is Runtime.EVENPIPE:  # embedding and head replicated over tp
-            whole = dataclasses.replace(cfg, tp=1)
             return ParamCounts(per_layer=layer_params_per_rank(self.model, cfg.tp),
                                embedding=embedding_params_per_rank(self.model, 1),
-                               head=head_params_per_rank(self.model, whole))
+                               head=head_params(self.model, tp=1, pp=cfg.pp))
         return ParamCounts(per_layer=layer_params_per_rank(self.model, cfg.tp),
                            embedding=embedding_params_per_rank(self.model, cfg.tp),
                            head=head_params_per_rank(self.model, cfg))

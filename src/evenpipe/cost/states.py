@@ -8,7 +8,7 @@ from evenpipe.cost.parallel import ParallelConfig
 from evenpipe.cost.specs import Arch, ModelSpec
 
 __all__ = ["BYTES_WEIGHT", "BYTES_GRAD", "BYTES_OPTIMIZER", "BYTES_MASTER", "layer_params_per_rank",
-           "embedding_params_per_rank", "head_params_per_rank"]
+           "embedding_params_per_rank", "head_params_per_rank", "head_params"]
 
 BYTES_WEIGHT = 2
 """bf16 weights."""
@@ -41,6 +41,11 @@ def embedding_params_per_rank(model: ModelSpec, tp: int) -> float:
 
 def head_params_per_rank(model: ModelSpec, cfg: ParallelConfig) -> float:
     """Output-layer parameters on the last rank: untied head, or Megatron's tied copy when pp > 1."""
+    return head_params(model, tp=cfg.tp, pp=cfg.pp)
+
+
+def head_params(model: ModelSpec, *, tp: int, pp: int) -> float:
+    """:func:`head_params_per_rank` of a configuration with these tensor- and pipeline-parallel sizes."""
     norm = float(model.final_norm_params)
-    needs_matrix = not model.tied_embeddings or cfg.pp > 1
-    return norm + (-(-model.vocab // cfg.tp) * model.hidden if needs_matrix else 0.0)
+    needs_matrix = not model.tied_embeddings or pp > 1
+    return norm + (-(-model.vocab // tp) * model.hidden if needs_matrix else 0.0)
