@@ -2,10 +2,10 @@
 micro-batch as long as its longest row, and the first step's loss is the whole model's on the same documents with
 attention kept inside each.
 
-Memory (issue 34): with ``--predict PROFILE`` the run's own activations per pipeline rank are within 5% of the
-cost model's walk of the micro-batches each step ran (pad and balance, 1f1b, two replicas; pack under zb-h1); and
-under ``--microbatch-memory`` no micro-batch's measured saved activations (what its backward frees) exceed the
-budget."""
+Memory (issue 34): with ``--predict PROFILE`` the run's own activations and message buffers per pipeline rank are
+within 5% of the cost model's walk of the micro-batches each step ran (pad and balance, 1f1b, two replicas; pack
+under zb-h1); and under ``--microbatch-memory`` no micro-batch's measured saved activations (what its backward
+frees) exceed the budget."""
 
 from __future__ import annotations
 
@@ -39,12 +39,12 @@ def profile(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 def _own_activations_off(run: dict) -> list[str]:
-    """Ranks whose measured own activations differ from the predicted by more than TOLERANCE."""
+    """Ranks whose measured own activations (or message buffers) differ from the predicted by more than
+    TOLERANCE."""
     measured, predicted = run["peak_bytes_by_category"], run["prediction"]["peak_bytes_by_category"]
     assert len(measured) == len(predicted) and all(m["own_activations"] > 0 for m in measured)
-    return [f"rank {r}: measured {m['own_activations']}, predicted {p['own_activations']}"
-            for r, (m, p) in enumerate(zip(measured, predicted))
-            if abs(p["own_activations"] - m["own_activations"]) > TOLERANCE * m["own_activations"]]
+    return [f"rank {r} {c}: measured {m[c]}, predicted {p[c]}" for r, (m, p) in enumerate(zip(measured, predicted))
+            for c in ("own_activations", "communication_buffers") if abs(p[c] - m[c]) > TOLERANCE * m[c]]
 
 
 def _documents(tmp: pathlib.Path) -> pathlib.Path:

@@ -55,17 +55,20 @@ def offloaded_peak(schedule: Schedule, rank: int, unit_bytes: Sequence[float]) -
     return peak
 
 
-def message_buffer_peak(schedule: Schedule, rank: int, message_bytes: float) -> float:
-    """Peak bytes of pipeline messages in flight on ``rank`` (every message ``message_bytes``)."""
+def message_buffer_peak(schedule: Schedule, rank: int, message_bytes: "float | Sequence[float]") -> float:
+    """Peak bytes of pipeline messages in flight on ``rank`` (every message ``message_bytes``, or, a sequence,
+    each micro-batch's messages ``message_bytes[microbatch]``)."""
+    size = (lambda mb: float(message_bytes)) if isinstance(message_bytes, (int, float)) else \
+        (lambda mb: message_bytes[mb])  # type: ignore[index]
     pending: set[tuple[ActionKind, int, int]] = set()
     now = peak = 0.0
     sends = earlier = 0.0
     for a in schedule.actions[rank]:
         if a.kind in _POSTED:
             if a.kind in _PIPELINE:
-                now += message_bytes
+                now += size(a.microbatch)
                 if SEMANTICS[a.kind].sends:
-                    sends += message_bytes
+                    sends += size(a.microbatch)
                 else:
                     pending.add((a.kind, a.stage, a.microbatch))
                 peak = max(peak, now)
@@ -73,7 +76,7 @@ def message_buffer_peak(schedule: Schedule, rank: int, message_bytes: float) -> 
         taken = _TAKES.get(a.kind)
         if taken is not None and (taken, a.stage, a.microbatch) in pending:
             pending.discard((taken, a.stage, a.microbatch))
-            now -= message_bytes
+            now -= size(a.microbatch)
         now -= earlier
         earlier, sends = sends, 0.0
     return peak
@@ -84,7 +87,7 @@ def peak_bytes_by_category(source: CostSource, cfg: ParallelConfig) -> tuple[dic
     schedule = build_cost_schedule(cfg, source.plan_durations(cfg), bpipe_weights(source, cfg))
     layers = stage_layers(source.model, cfg)
     counts = source.param_counts(cfg)
-    # offloaded units and message buffers: of the largest micro-batch when they differ (an upper bound)
+    # offloaded units: of the largest micro-batch when they differ (an upper bound); messages: each micro-batch's
     shapes = cfg.microbatch_shapes
     shape = shape_of(source.model, cfg) if shapes is None else max(shapes, key=lambda sh: sh.num_tokens)
     last = schedule.num_stages - 1
@@ -100,11 +103,12 @@ def peak_bytes_by_category(source: CostSource, cfg: ParallelConfig) -> tuple[dic
         act = source.layer_bytes(cfg, r, shape)
         units = [n_layers * act.layer_saved + (act.boundary if s else act.embedding) + (act.head if s == last else 0.0)
                  for s, n_layers in enumerate(layers)]
+        sent = act.sent if shapes is None else [source.layer_bytes(cfg, r, sh).sent for sh in shapes]
         values = (n * b.parameters + t * tied.per_param.parameters, n * b.gradients + t * tied.per_param.gradients,
                   n * b.master + t * tied.per_param.master, n * b.optimizer + t * tied.per_param.optimizer,
                   n * b.gathered + t * tied.per_param.gathered,
                   peak.own_layers + peak.own_extra_embedding + peak.own_extra_head + held, peak.hosted,
-                  offloaded_peak(schedule, r, units), message_buffer_peak(schedule, r, act.sent))
+                  offloaded_peak(schedule, r, units), message_buffer_peak(schedule, r, sent))
         out.append({name: round(v) for name, v in zip(MEMORY_CATEGORIES, values)})
     return tuple(out)
 

@@ -192,14 +192,17 @@ class ProfiledSource:
         # The profiled blocks run the fused kernel (SDPA), which saves no score matrix, only its log-sum-exp
         # (4·a·s·b bytes), which selective recomputation drops; tensor parallelism divides the tensors between
         # the column- and row-parallel linears (cost.split_activations).
+        # documents: every message carries one more channel, each token's 0/1 document start (packed_forward)
+        flags = 0.0 if shape.padded else self._document_extra(shape) / self.fits.profile.model.hidden
+        sent = block.output_bytes + flags
         if cfg.recompute is Recompute.FULL:  # the stage keeps its input only, and rebuilds its layers one by one
             return ActivationBytes(layer_full=whole, layer_saved=0.0, layer_weight_grad=0.0, embedding=0.0,
-                                   head=0.0, sent=block.output_bytes, boundary=block.output_bytes)
+                                   head=0.0, sent=sent, boundary=sent)
         return ActivationBytes(layer_full=whole, layer_saved=whole,
                                # I leaves W all but what it freed (the nodes above the split nodes: a loss's)
                                layer_weight_grad=max(0.0, whole - _freed_by_input_grad(block)),
                                embedding=emb.saved_bytes + emb.input_saved_bytes,
-                               head=head.saved_bytes + head.input_saved_bytes, sent=block.output_bytes,
+                               head=head.saved_bytes + head.input_saved_bytes, sent=sent,
                                boundary=max(0.0, block.output_bytes - block.input_saved_bytes),
                                head_weight_grad=max(0.0, head.saved_bytes + head.input_saved_bytes
                                                     - _freed_by_input_grad(head))

@@ -233,7 +233,8 @@ def _order_metrics(data: Any, dp: int) -> dict[str, float]:
 def _forecast(config: TrainConfig, data: Any) -> Any:
     """Documents with ``--predict`` (tensor parallelism 1, one recomputation mode): the per-step predictor."""
     planned = config.parallel_config()
-    if config.data.source is not DataSource.DOCUMENTS or not config.output.predict or planned is None or planned.tp != 1:
+    documents = config.data.source is DataSource.DOCUMENTS
+    if not documents or not config.output.predict or planned is None or planned.tp != 1:
         return None
     from evenpipe.training.document_memory import DocumentForecast
     return DocumentForecast(data, config.output.predict, planned, dtype=config.model.dtype.value,

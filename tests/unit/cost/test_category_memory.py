@@ -144,3 +144,16 @@ def test_fsdp_gathers_whole_weights_and_gradients_in_the_training_dtype(capsys: 
         assert [round(m.gathered * GIB) for m in ranks] == [c["gathered_states"] for c in full]
     assert [c["gathered_states"] for c in _estimate(capsys, "--sharding", "full")["peak_bytes_by_category"]] == \
         [963584, 931840]
+
+
+@pytest.mark.parametrize("family", ["1f1b", "zb-h1"])
+def test_message_buffers_of_unequal_microbatches(family: str) -> None:
+    """Each micro-batch's messages at its own size (documents): equal sizes are the scalar walk; one micro-batch
+    twice as large raises a rank's peak by at most what its own messages add, never above every one that large."""
+    s = build_schedule(family, num_ranks=4, num_microbatches=8)
+    for r in range(4):
+        scalar = message_buffer_peak(s, r, 10.0)
+        assert message_buffer_peak(s, r, [10.0] * 8) == scalar
+        one_big = message_buffer_peak(s, r, [10.0] * 3 + [20.0] + [10.0] * 4)
+        assert scalar <= one_big <= min(2 * scalar, scalar + 10.0 * 2)
+    assert message_buffer_peak(s, 1, [10.0] * 3 + [20.0] + [10.0] * 4) > message_buffer_peak(s, 1, 10.0)

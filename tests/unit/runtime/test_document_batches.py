@@ -158,7 +158,8 @@ def test_a_memory_budget_bounds_every_microbatch(tmp_path: pathlib.Path, policy:
     the bytes per position stays within the budget; documents too long for it alone are cut (or refused, named)."""
     path, docs = _docs_file(tmp_path, count=60)
     per_position, budget = 100.0, 100.0 * 2 * 10  # two rows of 10 positions: with multiples of 4, 8 fit
-    with pytest.raises(ConfigError, match=r"document \d+ of .* tokens: alone it needs more than --microbatch-memory 2000 "):
+    with pytest.raises(ConfigError, match=r"document \d+ of .* tokens: alone it needs more than "
+                                          r"--microbatch-memory 2000 "):
         _batches(path, policy, max_bytes=budget, bytes_per_token=per_position)
     data = _batches(path, policy, max_bytes=budget, bytes_per_token=per_position, split_long=True)
     assert data.report()["cut"] > 0
