@@ -589,6 +589,9 @@ class Searcher:
             fam_best = fam.step_time_s if fam is not None else float("inf")
             if item.bound > kth and (not per_family or item.bound > fam_best):
                 counts.bounded += 1
+                if not per_family:  # every item left bounds at least this one, and kth only falls: all skipped
+                    counts.bounded += len(pending)
+                    break
                 continue
             if not item.exact:  # the work bound could not skip it: its place is that of its exact bound
                 bound = self.lower_bound(cfg)
