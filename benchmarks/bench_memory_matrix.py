@@ -6,7 +6,7 @@ be refused in one line (exit 2), by ``train`` and ``estimate`` alike.
 
 The estimate's source is a profile of the model measured here in the run's dtype (``estimate --profile``), made
 once per model and dtype under ``--out``. An axis is a name, its values and the ``train``/``estimate`` flags each
-value adds (:data:`AXES`); another axis (``--offload``, say) is one more entry.
+value adds (:data:`AXES`); host offload is one (``--only offload=none,all`` runs it; by default only ``none``).
 
 Run: ``nice -n 5 .venv/bin/python benchmarks/bench_memory_matrix.py [--quick] [--json] [--only AXIS=V[,V]]``.
 """
@@ -39,6 +39,8 @@ class Axis:
     flags: dict[str, tuple[str, ...]] = field(default_factory=dict)
     quick: tuple[str, ...] = ()
     """The values ``--quick`` keeps (all when empty)."""
+    default: tuple[str, ...] = ()
+    """The values run unless ``--only`` names the axis (all when empty)."""
 
     def args(self, value: str) -> tuple[str, ...]:
         return self.flags.get(value, (f"--{self.name}", value))
@@ -51,6 +53,7 @@ AXES = (
     Axis("sharding", ("none", "optimizer", "full")),
     Axis("schedule", ("1f1b", "zb-h1", "interleaved", "bpipe"),
          flags={"interleaved": ("--schedule", "interleaved", "--chunks", "2")}, quick=("1f1b", "interleaved")),
+    Axis("offload", ("none", "all"), flags={"none": (), "all": ("--offload", "all")}, default=("none",)),
 )
 QUICK = {"dtype": ("bfloat16",), "sharding": ("none", "full")}
 """Further restrictions of ``--quick`` (with each axis's own ``quick``)."""
@@ -151,7 +154,8 @@ def combos(quick: bool, only: dict[str, set[str]]) -> list[dict[str, str]]:
     for axis in AXES:
         vals = [v for v in axis.values if not quick or ((not axis.quick or v in axis.quick)
                                                         and v in QUICK.get(axis.name, axis.values))]
-        values.append([v for v in vals if axis.name not in only or v in only[axis.name]])
+        wanted = only.get(axis.name, set(axis.default or axis.values))
+        values.append([v for v in vals if v in wanted])
     return [dict(zip((a.name for a in AXES), vs)) for vs in itertools.product(*values)]
 
 
@@ -184,7 +188,7 @@ def table(outcomes: list[Outcome]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join((__doc__ or "").split("\n\n")[0].split()))
     parser.add_argument("--quick", action="store_true", help="a subset: bfloat16, sharding none and full, "
                         "1f1b and interleaved")
     parser.add_argument("--only", action="append", default=[], metavar="AXIS=V[,V]",
