@@ -108,8 +108,8 @@ class DocumentBatches:
         self.policy = parse_policy(policy)
         self.orderer = orderer
         """Chooses each replica's micro-batch order by simulation (None: the planner's order)."""
-        self.choices: list[OrderChoice] = []
-        """One per replica and step chosen so far (with an orderer)."""
+        self.choices: dict[int, tuple[OrderChoice, ...]] = {}
+        """Per step, one choice per replica (with an orderer)."""
         if length_multiple < 1:
             raise ConfigError(f"micro-batch lengths round up to a multiple of an integer >= 1, got {length_multiple}")
         self.multiple = length_multiple
@@ -148,7 +148,7 @@ class DocumentBatches:
         out: dict[str, Any] = {"documents": len(self.docs), "skipped": self.docs.num_skipped,
                                "cut": self.docs.num_split}
         if self.choices:
-            out["order"] = order_report(self.choices)
+            out["order"] = order_report([c for step in self.choices.values() for c in step])
         return out
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -180,16 +180,14 @@ class DocumentBatches:
         begin, end = self._starts[step], self._starts[step + 1]
         return list(itertools.islice(self._stream(begin), end - begin))
 
-    def _reordered(self, plan: MicrobatchPlan) -> MicrobatchPlan:
+    def _reordered(self, step: int, plan: MicrobatchPlan) -> MicrobatchPlan:
         """``plan`` with each replica's micro-batches in the order the orderer chose (every rank chooses alike:
         the choice is a pure function of the plan)."""
         assert self.orderer is not None
-        replicas = []
-        for mbs in plan.replicas:
-            choice = self.orderer.choose(mbs)
-            self.choices.append(choice)
-            replicas.append(tuple(mbs[i] for i in choice.order))
-        return dataclasses.replace(plan, replicas=tuple(replicas))
+        choices = tuple(self.orderer.choose(mbs) for mbs in plan.replicas)
+        self.choices[step] = choices
+        return dataclasses.replace(plan, replicas=tuple(tuple(mbs[i] for i in c.order)
+                                                        for mbs, c in zip(plan.replicas, choices)))
 
     def batch(self, step: int, batch_size: int) -> MicroBatches:
         """The global batch of ``step``: ``batch_size`` rows (``dp x M x b``) in ``dp x M`` micro-batches,
@@ -204,14 +202,17 @@ class DocumentBatches:
 
     def step_plan(self, step: int) -> MicrobatchPlan:
         """The micro-batches of ``step`` (indices into :meth:`step_documents`), each replica's in running order
-        (the orderer's, if any, chosen once per step: plans are kept)."""
+        (the orderer's, if any, chosen once per step: the plans of the last few steps are kept, older ones planned
+        again, alike, when asked)."""
         plan = self._plans.get(step)
         if plan is None:
             plan = plan_microbatches(self.step_lengths(step), policy=self.policy, budget=self.budget, cost=self.cost,
                                      num_replicas=self.replicas, num_microbatches=self.per_replica)
             if self.orderer is not None:
-                plan = self._reordered(plan)
+                plan = self._reordered(step, plan)
             self._plans[step] = plan
+            if len(self._plans) > 3:  # the three planned last (a prediction asks for the step just run)
+                del self._plans[next(iter(self._plans))]
         return plan
 
     def step_lengths(self, step: int) -> list[int]:

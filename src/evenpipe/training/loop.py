@@ -219,13 +219,12 @@ def _train_step(job: _Job, step: int) -> tuple[Any, float, float, int]:
     return result, lr, norm, tokens
 
 
-def _order_metrics(data: Any, dp: int) -> dict[str, float]:
+def _order_metrics(data: Any, step: int) -> dict[str, float]:
     """``--microbatch-order simulated``: the step's predicted gain of the chosen orders over the planner's (mean over
     replicas, the planner's cost units) and the milliseconds choosing took (summed), for the metrics line."""
-    choices = getattr(data, "choices", None)
-    if not choices:
+    last = getattr(data, "choices", {}).get(step)
+    if not last:
         return {}
-    last = choices[-dp:]
     return {"order_predicted_gain": sum(c.gain for c in last) / len(last),
             "order_choice_ms": 1e3 * sum(c.seconds for c in last)}
 
@@ -276,7 +275,7 @@ def train(config: TrainConfig, *, watchdog: Watchdog | None = None) -> TrainSumm
             if config.data.eval_due(step + 1, steps):
                 extra["eval_loss"] = _evaluate(job, watch)
                 progress.eval_losses.append((step + 1, extra["eval_loss"]))
-            extra.update(_order_metrics(job.data, config.runtime.dp))
+            extra.update(_order_metrics(job.data, step))
             if job.forecast is not None:
                 extra.update(job.forecast.metrics(step))
             if sink is not None:
