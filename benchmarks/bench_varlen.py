@@ -11,20 +11,25 @@ computes each document's length class, not the whole row, and attention runs onc
 costs its documents' squared lengths, not the row's). Policies:
 
 - ``pad``, ``pack``, ``balance``: as in ``train`` (``--microbatching``);
+- ``balance+simulated``: ``balance``'s micro-batches (the same documents, the same grouping), each step's order
+  chosen by simulating candidates (``train --microbatch-order simulated``,
+  :class:`evenpipe.plan.order_choice.MicrobatchOrderer`): the ratio ``balance+simulated/balance`` is the chosen
+  order's measured step against the planner's fixed order (issue 34, per-batch schedule choice); the JSON's
+  ``order_choice`` says how many orders changed, the predicted gain and the choosing time;
 - ``pad-fixed``: ``pad`` with every micro-batch a whole row (the runtime before micro-batches of their own length).
 
 The policies run in turn, ``--steps`` optimizer steps each, the order rotated every round, for ``--repeats``
 rounds, after one unmeasured step each. A step is timed from a barrier to the end of the optimizer step on every
 rank, the slowest rank's time kept. A policy's figure in a round is its real tokens (padding not counted) over its
-steps' time; the ratios balance/pad, balance/pack and pad/pad-fixed are taken round by round, and their median,
-min and max over rounds reported. Wall-clock figures mean something only on an otherwise idle host: the output
+steps' time; the ratios balance/pad, balance/pack, balance+simulated/balance and pad/pad-fixed are taken round by
+round, and their median, min and max over rounds reported. Wall-clock figures mean something only on an otherwise idle host: the output
 carries the host's load average (1 minute) before and after.
 
 Predicted tokens/s beside the measured (``--profile FILE``, an ``evenpipe profile`` of the same model at
-``--seq-len`` on this host): each measured step's documents, planned by the same policy, predicted by the simulator
-at each micro-batch's tokens and squared lengths (:func:`evenpipe.plan.varlen_predict.predict_batch`), real tokens
-over the predicted seconds. Without a profile (or for ``pad-fixed``, whose whole rows the planner does not price)
-the JSON's ``predicted_tokens_per_s`` is null.
+``--seq-len`` on this host): each measured step's micro-batches as the runtime ran them (their computed tokens and
+squared lengths, padding runs included, in running order: ``DocumentBatches.step_shapes``), simulated by
+:func:`evenpipe.cost.estimate.estimate_with`, real tokens over the predicted seconds. Without a profile the JSON's
+``predicted_tokens_per_s`` is null.
 
     .venv/bin/python -m evenpipe profile --model gpt-tiny --seq-len 1024 --microbatch-sizes 1,2 --processes 4 \
         --out varlen_profile.json
@@ -46,8 +51,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipe_probe import answers_or_exit  # noqa: E402
 
-POLICIES = ("pad", "pack", "balance", "pad-fixed")
-RATIOS = (("balance", "pad"), ("balance", "pack"), ("pad", "pad-fixed"))
+POLICIES = ("pad", "pack", "balance", "balance+simulated", "pad-fixed")
+RATIOS = (("balance", "pad"), ("balance", "pack"), ("balance+simulated", "balance"), ("pad", "pad-fixed"))
 LENGTH_MULTIPLE = 8
 
 
@@ -63,22 +68,25 @@ def write_documents(lengths: list[int], directory: pathlib.Path, *, vocab: int, 
     return path
 
 
-def predicted_tokens_per_s(policy: str, steps: list[list[int]], opts: dict[str, Any]) -> float | None:
-    """The simulator's real tokens/s for ``steps`` (each measured step's document lengths, in positions) planned by
-    ``policy`` on the profile's source; None without a profile or for ``pad-fixed``."""
-    if opts["profile"] is None or policy.endswith("-fixed"):
+def predicted_tokens_per_s(steps: list[dict[str, Any]], opts: dict[str, Any]) -> float | None:
+    """The simulator's real tokens/s for ``steps`` (each measured step's real tokens and its micro-batches' shapes
+    as the runtime ran them, in running order) on the profile's source; None without a profile."""
+    if opts["profile"] is None:
         return None
+    import dataclasses
+
     from evenpipe.cost import ParallelConfig, ScheduleFamily
+    from evenpipe.cost.estimate import estimate_with
     from evenpipe.cost.profile import load_profile
     from evenpipe.cost.profile_fit import ProfileModel
     from evenpipe.cost.profiled_source import ProfiledSource
-    from evenpipe.plan.varlen_predict import predict_batch
     source = ProfiledSource(ProfileModel(load_profile(opts["profile"], model=opts["model"])))
     b, m = opts["microbatch_size"], opts["microbatches"]
     cfg = ParallelConfig(pp=opts["stages"], chunks=opts["chunks"] or 1, microbatch_size=b, global_batch=b * m,
                          schedule=ScheduleFamily.parse(opts["schedule"]))
-    preds = [predict_batch(lengths, source=source, cfg=cfg, policy=policy, num_microbatches=m) for lengths in steps]
-    return sum(p.real_tokens for p in preds) / sum(p.step_s for p in preds)
+    seconds = sum(estimate_with(source, dataclasses.replace(cfg, microbatch_shapes=tuple(s["shapes"]))).step_time_s
+                  for s in steps)
+    return sum(s["real"] for s in steps) / seconds
 
 
 def _pipeline(policy: str, rank: int, world: int, groups: Any, opts: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +95,7 @@ def _pipeline(policy: str, rank: int, world: int, groups: Any, opts: dict[str, A
 
     from evenpipe.models import model_config
     from evenpipe.models.adapter import reference_model
+    from evenpipe.plan.order_choice import MicrobatchOrderer
     from evenpipe.runtime.document_batches import DocumentBatches
     from evenpipe.runtime.executor import PipelineExecutor
     from evenpipe.runtime.stages import build_stage_modules
@@ -103,22 +112,23 @@ def _pipeline(policy: str, rank: int, world: int, groups: Any, opts: dict[str, A
     ex = PipelineExecutor(schedule=schedule, stages=stages, groups=groups, loss_fn=built.loss,
                           stash=ActivationStash())
     params = list({id(p): p for s in stages.values() for p in s.parameters()}.values())
-    base = policy.removesuffix("-fixed")
+    base = policy.removesuffix("-fixed").removesuffix("+simulated")
+    orderer = MicrobatchOrderer(schedule) if policy.endswith("+simulated") else None
     data = DocumentBatches(path=opts["path"], seq_len=opts["seq_len"], vocab=cfg.vocab, seed=1, policy=base,
                            num_replicas=1, num_microbatches=opts["microbatches"],
-                           rows_per_microbatch=opts["microbatch_size"], split_long=True,
+                           rows_per_microbatch=opts["microbatch_size"], split_long=True, orderer=orderer,
                            length_multiple=opts["seq_len"] if policy.endswith("-fixed") else LENGTH_MULTIPLE)
     return {"ex": ex, "opt": torch.optim.AdamW(params, lr=1e-4), "data": data, "step": 0}
 
 
 def _timed_step(p: dict[str, Any], opts: dict[str, Any]) -> tuple[float, int, int]:
-    """One optimizer step: (slowest rank's seconds, real tokens, computed positions); its documents' lengths
-    (positions) are kept in ``p["lengths"]``."""
+    """One optimizer step: (slowest rank's seconds, real tokens, computed positions); its micro-batches' shapes
+    as run (one replica, running order) are kept in ``p["shapes"]``."""
     import torch
     import torch.distributed as dist
     data = p["data"]
     batch = data.batch(p["step"], opts["microbatches"] * opts["microbatch_size"])
-    p["lengths"] = [int(data._positions[d]) for d in data.step_documents(p["step"])]
+    p["shapes"] = data.step_shapes(p["step"])[0]
     p["step"] += 1
     dist.barrier()
     t0 = time.perf_counter()
@@ -133,6 +143,7 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from evenpipe.runtime.comm import build_groups
+    from evenpipe.runtime.document_batches import order_report
     torch.set_num_threads(1)
     groups = build_groups(world, 1)
     assert groups is not None
@@ -145,14 +156,16 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         order = names[r % len(names):] + names[:r % len(names)]
         row: dict[str, dict[str, Any]] = {}
         for name in order:
-            steps, lengths = [], []
+            steps, shapes = [], []
             for _ in range(opts["steps"]):
                 steps.append(_timed_step(pipes[name], opts))
-                lengths.append(pipes[name]["lengths"])
+                shapes.append({"real": steps[-1][1], "shapes": pipes[name]["shapes"]})
             seconds, real, computed = (sum(x[i] for x in steps) for i in range(3))
-            row[name] = {"seconds": seconds, "real_tokens": real, "computed_tokens": computed, "lengths": lengths}
+            row[name] = {"seconds": seconds, "real_tokens": real, "computed_tokens": computed, "steps": shapes}
         rounds.append(row)
-    return {"rounds": rounds}
+    orders = {name: order_report([c for step in sorted(p["data"].choices) for c in p["data"].choices[step]])
+              for name, p in pipes.items() if p["data"].choices}
+    return {"rounds": rounds, "orders": orders}
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -167,9 +180,9 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], opts: dict[str, Any]) -> 
         tps = [r[name]["real_tokens"] / r[name]["seconds"] for r in rounds]
         real = sum(r[name]["real_tokens"] for r in rounds)
         computed = sum(r[name]["computed_tokens"] for r in rounds)
-        steps = [lengths for r in rounds for lengths in r[name]["lengths"]]
+        steps = [step for r in rounds for step in r[name]["steps"]]
         policies[name] = {"real_tokens_per_s": _spread(tps), "padding": 1 - real / computed,
-                          "predicted_tokens_per_s": predicted_tokens_per_s(name, steps, opts)}
+                          "predicted_tokens_per_s": predicted_tokens_per_s(steps, opts)}
     ratios = {}
     for a, b in RATIOS:
         if a in opts["policies"] and b in opts["policies"]:
@@ -218,21 +231,26 @@ def main() -> None:
         load_after = os.getloadavg()[0]
     result = {"lengths": args.lengths or shipped_lengths_path().name, "documents": len(lengths),
               **{k: v for k, v in opts.items() if k != "path"},
-              "load_average_1min": [load_before, load_after], **summarize(ranks[0]["rounds"], opts)}
+              "load_average_1min": [load_before, load_after], **summarize(ranks[0]["rounds"], opts),
+              "order_choice": ranks[0]["orders"]}
     if args.json:
         print(json.dumps(result, indent=2))
         return
     print(f"{result['documents']} documents from {result['lengths']}; {args.model}, {args.schedule} P={args.stages} M={args.microbatches} b={args.microbatch_size}, rows of "
           f"{args.seq_len}; {args.repeats} rounds of {args.steps} steps a policy; load {load_before:.1f} -> "
           f"{load_after:.1f}")
-    print(f"{'policy':10s} {'real tokens/s (median, min-max)':>32s} {'padding':>8s} {'predicted':>10s}")
+    print(f"{'policy':18s} {'real tokens/s (median, min-max)':>32s} {'padding':>8s} {'predicted':>10s}")
     for name, row in result["policies"].items():
         t = row["real_tokens_per_s"]
         pred = row["predicted_tokens_per_s"]
-        print(f"{name:10s} {t['median']:14.0f} ({t['min']:.0f}-{t['max']:.0f}) {row['padding']:8.1%} "
+        print(f"{name:18s} {t['median']:14.0f} ({t['min']:.0f}-{t['max']:.0f}) {row['padding']:8.1%} "
               f"{'-' if pred is None else f'{pred:.0f}':>10s}")
     for name, r in result["ratios"].items():
-        print(f"{name:18s} {r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f})")
+        print(f"{name:26s} {r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f})")
+    for name, o in result["order_choice"].items():
+        print(f"{name}: {o['changed']} of {o['choices']} orders changed, predicted gain {o['predicted_gain_mean']:.1%} "
+              f"mean ({o['predicted_gain_max']:.1%} max), choosing {o['choice_ms_median']:.1f} ms median "
+              f"({o['choice_ms_max']:.1f} max)")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_varlen  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests" / "unit" / "cost"))
+from test_profile_fit import make_profile  # noqa: E402
+
 
 def _row(seconds: float, real: int, computed: int) -> dict:
-    return {"seconds": seconds, "real_tokens": real, "computed_tokens": computed, "lengths": [[real]]}
+    return {"seconds": seconds, "real_tokens": real, "computed_tokens": computed,
+            "steps": [{"real": real, "shapes": ()}]}
 
 
 def test_ratios_are_taken_round_by_round() -> None:
@@ -36,3 +40,34 @@ def test_documents_file_holds_the_lengths(tmp_path: pathlib.Path) -> None:
     tokens = np.fromfile(path, dtype=np.uint16)
     assert len(tokens) == 9 and tokens.max() < 7
     assert np.fromfile(tmp_path / "docs.idx", dtype="<i8").tolist() == [0, 3, 4, 9]
+
+
+def test_ratio_of_the_simulated_order_to_the_planned_one() -> None:
+    rounds = [{"balance": _row(1.0, 100, 100), "balance+simulated": _row(0.8, 100, 100)}]
+    out = bench_varlen.summarize(rounds, {"policies": ["balance", "balance+simulated"], "profile": None})
+    assert out["ratios"] == {"balance+simulated/balance": {"median": 1.25, "min": 1.25, "max": 1.25}}
+
+
+def test_prediction_prices_the_shapes_the_runtime_ran(tmp_path: pathlib.Path) -> None:
+    # two steps of the same real tokens: the one whose micro-batches compute more tokens is predicted slower,
+    # and the figure is all real tokens over the two simulated steps
+    import dataclasses
+
+    from evenpipe.cost import ParallelConfig, ScheduleFamily
+    from evenpipe.cost.estimate import estimate_with
+    from evenpipe.cost.profile_fit import ProfileModel
+    from evenpipe.cost.profiled_source import ProfiledSource
+    from evenpipe.cost.shape import MicrobatchShape
+    path = tmp_path / "profile.json"
+    path.write_text(make_profile().to_json())
+    opts = {"profile": str(path), "model": "gpt-tiny", "stages": 2, "chunks": None, "microbatch_size": 1,
+            "microbatches": 2, "schedule": "1f1b"}
+    short = (MicrobatchShape(size=1, seq_len=16, tokens=4, squared_lengths=16),) * 2
+    long = (MicrobatchShape(size=1, seq_len=16, tokens=16, squared_lengths=16 * 16),) * 2
+    cfg = ParallelConfig(pp=2, microbatch_size=1, global_batch=2, schedule=ScheduleFamily.ONE_F_ONE_B)
+    source = ProfiledSource(ProfileModel(make_profile()))
+    step = {sh: estimate_with(source, dataclasses.replace(cfg, microbatch_shapes=sh)).step_time_s
+            for sh in (short, long)}
+    assert step[long] > step[short]
+    got = bench_varlen.predicted_tokens_per_s([{"real": 16, "shapes": short}, {"real": 16, "shapes": long}], opts)
+    assert got == 32 / (step[short] + step[long])
