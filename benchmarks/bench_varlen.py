@@ -29,7 +29,10 @@ Predicted tokens/s beside the measured (``--profile FILE``, an ``evenpipe profil
 ``--seq-len`` on this host): each measured step's micro-batches as the runtime ran them (their computed tokens and
 squared lengths, padding runs included, in running order: ``DocumentBatches.step_shapes``), simulated by
 :func:`evenpipe.cost.estimate.estimate_with`, real tokens over the predicted seconds. Without a profile the JSON's
-``predicted_tokens_per_s`` is null.
+``predicted_tokens_per_s`` is null. With a profile, ``--traced-steps`` more steps per policy run traced after the
+rounds (not timed) and ``prediction_parts`` splits the prediction's error (:func:`decompose`): the measured
+pipeline against its replay with the measured computes (what the message model misses) and the computes' predicted
+over measured seconds (what the profile's fits miss).
 
     .venv/bin/python -m evenpipe profile --model gpt-tiny --seq-len 1024 --microbatch-sizes 1,2 --processes 4 \
         --out varlen_profile.json
@@ -89,6 +92,42 @@ def predicted_tokens_per_s(steps: list[dict[str, Any]], opts: dict[str, Any]) ->
     return sum(s["real"] for s in steps) / seconds
 
 
+def decompose(traced: list[dict[str, Any]], opts: dict[str, Any]) -> dict[str, float] | None:
+    """Where the prediction misses, from traced steps (each: its shapes and every rank's records): per step the
+    measured pipeline (first action to last, optimizer excluded), its replay (the schedule simulated with every
+    compute taking its measured time and the profile's links, :func:`evenpipe.sim.replay.replay`) and the
+    prediction (the profile's computes and links); and the computes summed over ranks, predicted and measured.
+    ``replay/measured`` is what the message model misses, ``compute predicted/measured`` what the compute fits do;
+    means over the traced steps. None without a profile or traced steps."""
+    if opts["profile"] is None or not traced:
+        return None
+    from evenpipe.cost.profile import load_profile
+    from evenpipe.cost.profile_fit import ProfileModel
+    from evenpipe.runtime.trace import measured_trace
+    from evenpipe.schedule import build_schedule
+    from evenpipe.sim.dispatch import simulate
+    from evenpipe.sim.replay import replay
+    model = ProfileModel(load_profile(opts["profile"], model=opts["model"]))
+    schedule = build_schedule(opts["schedule"], num_ranks=opts["stages"], num_microbatches=opts["microbatches"],
+                              num_chunks=opts["chunks"])
+
+    def computes(trace: Any) -> float:
+        return sum(r.end - r.start for acts in trace.actions for r in acts if not r.action.kind.is_transfer)
+    parts = {"measured_pipeline_s": 0.0, "replay_pipeline_s": 0.0, "predicted_pipeline_s": 0.0,
+             "measured_compute_s": 0.0, "predicted_compute_s": 0.0}
+    for step in traced:
+        costs = model.sim_costs(schedule, microbatch_size=opts["microbatch_size"], shapes=step["shapes"])
+        measured = measured_trace(schedule, step["records"])
+        predicted = simulate(schedule, costs)
+        for key, value in (("measured_pipeline_s", measured.step_time),
+                           ("replay_pipeline_s", replay(measured, costs).step_time),
+                           ("predicted_pipeline_s", predicted.step_time),
+                           ("measured_compute_s", computes(measured)), ("predicted_compute_s", computes(predicted))):
+            parts[key] += value / len(traced)
+    return {**parts, "replay/measured": parts["replay_pipeline_s"] / parts["measured_pipeline_s"],
+            "compute predicted/measured": parts["predicted_compute_s"] / parts["measured_compute_s"]}
+
+
 def _pipeline(policy: str, rank: int, world: int, groups: Any, opts: dict[str, Any]) -> dict[str, Any]:
     """One policy's executor, optimizer and documents (each policy its own copy of the same model)."""
     import torch
@@ -132,7 +171,7 @@ def _timed_step(p: dict[str, Any], opts: dict[str, Any]) -> tuple[float, int, in
     p["step"] += 1
     dist.barrier()
     t0 = time.perf_counter()
-    p["ex"].step(batch.tokens, batch.targets)
+    p["records"] = p["ex"].step(batch.tokens, batch.targets).records
     p["opt"].step()
     t = torch.tensor([time.perf_counter() - t0])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -141,6 +180,7 @@ def _timed_step(p: dict[str, Any], opts: dict[str, Any]) -> tuple[float, int, in
 
 def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     import torch
+    import torch.distributed as dist
 
     from evenpipe.runtime.comm import build_groups
     from evenpipe.runtime.document_batches import order_report
@@ -165,14 +205,23 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         rounds.append(row)
     orders = {name: order_report([c for step in sorted(p["data"].choices) for c in p["data"].choices[step]])
               for name, p in pipes.items() if p["data"].choices}
-    return {"rounds": rounds, "orders": orders}
+    traced: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for name in names if opts["profile"] is not None else ():
+        pipes[name]["ex"].trace = True
+        for _ in range(opts["traced_steps"]):
+            _timed_step(pipes[name], opts)
+            records: list[Any] = [None] * world
+            dist.all_gather_object(records, pipes[name]["records"])
+            traced[name].append({"shapes": pipes[name]["shapes"], "records": records})
+    return {"rounds": rounds, "orders": orders, "traced": traced}
 
 
 def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarize(rounds: list[dict[str, dict[str, Any]]], opts: dict[str, Any]) -> dict[str, Any]:
+def summarize(rounds: list[dict[str, dict[str, Any]]], opts: dict[str, Any],
+              traced: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
     """Per policy its measured real tokens/s (median over rounds, with min and max) and padding share; the ratios
     round by round."""
     policies = {}
@@ -182,7 +231,8 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], opts: dict[str, Any]) -> 
         computed = sum(r[name]["computed_tokens"] for r in rounds)
         steps = [step for r in rounds for step in r[name]["steps"]]
         policies[name] = {"real_tokens_per_s": _spread(tps), "padding": 1 - real / computed,
-                          "predicted_tokens_per_s": predicted_tokens_per_s(steps, opts)}
+                          "predicted_tokens_per_s": predicted_tokens_per_s(steps, opts),
+                          "prediction_parts": decompose((traced or {}).get(name, []), opts)}
     ratios = {}
     for a, b in RATIOS:
         if a in opts["policies"] and b in opts["policies"]:
@@ -206,32 +256,37 @@ def main() -> None:
     ap.add_argument("--microbatch-size", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2, help="measured steps per policy per round (default 2)")
     ap.add_argument("--repeats", type=int, default=5, help="rounds (default 5)")
+    ap.add_argument("--traced-steps", type=int, default=2,
+                    help="with --profile: steps per policy traced after the rounds, not timed, to split the "
+                         "prediction's error into computes and messages (default 2)")
     ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args()
     policies = args.policies.split(",")
     bad = [p for p in policies if p not in POLICIES]
-    if bad or args.repeats < 1 or args.steps < 1:
-        sys.exit(f"bench_varlen: policies must be among {', '.join(POLICIES)} (got {args.policies!r}); "
-                 "--repeats and --steps >= 1")
+    if bad or args.repeats < 1 or args.steps < 1 or args.traced_steps < 0:
+        print(f"bench_varlen: policies must be among {', '.join(POLICIES)} (got {args.policies!r}); "
+              "--repeats and --steps >= 1, --traced-steps >= 0", file=sys.stderr)
+        sys.exit(2)
     from evenpipe.errors import ConfigError
     from evenpipe.plan.lengths import read_lengths, shipped_lengths, shipped_lengths_path
     try:
         lengths = read_lengths(args.lengths) if args.lengths else shipped_lengths()
     except ConfigError as exc:
-        sys.exit(f"bench_varlen: {exc}")
+        print(f"bench_varlen: {exc}", file=sys.stderr)
+        sys.exit(2)
     with tempfile.TemporaryDirectory(prefix="evenpipe-varlen-") as tmp:
         path = write_documents(lengths, pathlib.Path(tmp), vocab=256, seed=0)
         opts = {"path": str(path), "policies": policies, "model": args.model, "profile": args.profile,
                 "stages": args.stages, "seq_len": args.seq_len, "schedule": args.schedule,
                 "chunks": args.chunks, "microbatches": args.microbatches, "microbatch_size": args.microbatch_size,
-                "steps": args.steps, "repeats": args.repeats}
+                "steps": args.steps, "repeats": args.repeats, "traced_steps": args.traced_steps}
         load_before = os.getloadavg()[0]
         ranks = answers_or_exit(args.stages, _worker, opts)
         load_after = os.getloadavg()[0]
     result = {"lengths": args.lengths or shipped_lengths_path().name, "documents": len(lengths),
               **{k: v for k, v in opts.items() if k != "path"},
-              "load_average_1min": [load_before, load_after], **summarize(ranks[0]["rounds"], opts),
+              "load_average_1min": [load_before, load_after], **summarize(ranks[0]["rounds"], opts, ranks[0]["traced"]),
               "order_choice": ranks[0]["orders"]}
     if args.json:
         print(json.dumps(result, indent=2))
@@ -247,6 +302,11 @@ def main() -> None:
               f"{'-' if pred is None else f'{pred:.0f}':>10s}")
     for name, r in result["ratios"].items():
         print(f"{name:26s} {r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f})")
+    for name, row in result["policies"].items():
+        if (d := row["prediction_parts"]) is not None:
+            print(f"{name}: pipeline measured {1e3 * d['measured_pipeline_s']:.0f} ms, replayed with its measured "
+                  f"computes {1e3 * d['replay_pipeline_s']:.0f}, predicted {1e3 * d['predicted_pipeline_s']:.0f}; "
+                  f"computes predicted/measured {d['compute predicted/measured']:.3f}")
     for name, o in result["order_choice"].items():
         print(f"{name}: {o['changed']} of {o['choices']} orders changed, predicted gain {o['predicted_gain_mean']:.1%} "
               f"mean ({o['predicted_gain_max']:.1%} max), choosing {o['choice_ms_median']:.1f} ms median "

@@ -71,3 +71,31 @@ def test_prediction_prices_the_shapes_the_runtime_ran(tmp_path: pathlib.Path) ->
     assert step[long] > step[short]
     got = bench_varlen.predicted_tokens_per_s([{"real": 16, "shapes": short}, {"real": 16, "shapes": long}], opts)
     assert got == 32 / (step[short] + step[long])
+
+
+def test_a_step_that_ran_as_predicted_decomposes_to_ones(tmp_path: pathlib.Path, monkeypatch) -> None:
+    # a "measured" trace that is the simulated one: its replay is itself and its computes are the predicted ones;
+    # a second, slower policy (its computes twice the profile's) shows in the compute ratio
+    from evenpipe.cost.profile_fit import ProfileModel
+    from evenpipe.cost.shape import MicrobatchShape
+    from evenpipe.runtime import trace as trace_module
+    from evenpipe.sim.dispatch import simulate
+    path = tmp_path / "profile.json"
+    path.write_text(make_profile().to_json())
+    opts = {"profile": str(path), "model": "gpt-tiny", "stages": 2, "chunks": None, "microbatch_size": 1,
+            "microbatches": 2, "schedule": "1f1b"}
+    shapes = (MicrobatchShape(size=1, seq_len=16, tokens=4, squared_lengths=16),
+              MicrobatchShape(size=1, seq_len=16, tokens=16, squared_lengths=256))
+    model = ProfileModel(make_profile())
+    monkeypatch.setattr(trace_module, "measured_trace", lambda sched, records: simulate(
+        sched, model.sim_costs(sched, microbatch_size=1, shapes=shapes)))
+    out = bench_varlen.decompose([{"shapes": shapes, "records": None}], opts)
+    assert out is not None
+    assert out["replay/measured"] == 1.0 and out["compute predicted/measured"] == 1.0
+    assert out["predicted_pipeline_s"] == out["measured_pipeline_s"] > 0
+    slow = make_profile(fixed=3.0)  # every compute slower than the profile the prediction reads
+    monkeypatch.setattr(trace_module, "measured_trace", lambda sched, records: simulate(
+        sched, ProfileModel(slow).sim_costs(sched, microbatch_size=1, shapes=shapes)))
+    out = bench_varlen.decompose([{"shapes": shapes, "records": None}], opts)
+    assert out is not None and out["compute predicted/measured"] < 1.0
+    assert bench_varlen.decompose([], opts) is None
