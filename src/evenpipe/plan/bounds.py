@@ -194,10 +194,11 @@ def step_bound(source: CostSource, cfg: ParallelConfig) -> float:
 
     ``max(makespan, rank 0's end + its exposed data-parallel reduction, each rank's own end + its exposed
     reduction) + optimizer step (+ the source's fixed cost)``, where the reductions and the optimizer step count
-    the transformer layers' parameters only (not embedding or head), a reduction hides behind at most one
-    micro-batch's backward work of its rank (``estimate`` hides it behind the last one's), and the optimizer step
-    is rank 0's when every rank waits for all, else the shortest rank's. Remembered per :func:`_pipeline_key`,
-    data parallelism and the optimizer's sharding (all it depends on).
+    what ``estimate`` counts on each rank (its layers, the embedding on rank 0, the head on rank p-1: under
+    evenpipe's runtime both are replicated over tp, which makes rank 0's reduction markedly longer), a reduction
+    hides behind at most one micro-batch's backward work of its rank (``estimate`` hides it behind the last
+    one's), and the optimizer step is the longest rank's when every rank waits for all, else the shortest's.
+    Remembered per :func:`_pipeline_key`, data parallelism and the optimizer's sharding (all it depends on).
     """
     pipeline_key = _pipeline_key(source, cfg)
     key = (pipeline_key, cfg.dp, cfg.distributed_optimizer)
@@ -207,10 +208,10 @@ def step_bound(source: CostSource, cfg: ParallelConfig) -> float:
 def _step_bound(source: CostSource, cfg: ParallelConfig, b: PipelineBounds) -> float:
     placement = stage_layout(cfg.schedule, cfg.pp, cfg.chunks)
     layers = stage_layers(source.model, cfg)
-    layers_on = [0] * len(b.rank_ends)  # estimate's ranks hold these and more (embedding, head)
+    layers_on = [0] * len(b.rank_ends)
     for n, r in zip(layers, placement):
         layers_on[r] += n
-    held = [Holding(layers=n) for n in layers_on]
+    held = [Holding(layers=n, embedding=r == 0, head=r == cfg.pp - 1) for r, n in enumerate(layers_on)]
     dps = [source.reduce_time(cfg, r, h) for r, h in enumerate(held)]
     overlap = source.reduction_overlaps_backward
     hidden = b.rank_hideable[0] if overlap else 0.0
@@ -219,7 +220,7 @@ def _step_bound(source: CostSource, cfg: ParallelConfig, b: PipelineBounds) -> f
     for end, dp_r, hide in zip(b.rank_ends, dps, b.rank_hideable):
         pipeline = max(pipeline, end + max(0.0, dp_r - (hide if overlap else 0.0)))
     if source.optimizer_waits_for_all_ranks:
-        opt = source.optimizer_time(cfg, 0, held[0])
+        opt = max(source.optimizer_time(cfg, r, h) for r, h in enumerate(held))
     else:
         opt = min(source.optimizer_time(cfg, r, h) for r, h in enumerate(held))
     return pipeline + opt + source.step_overhead_s

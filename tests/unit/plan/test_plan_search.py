@@ -18,9 +18,13 @@ from evenpipe.cost import (
     memory_per_stage,
     model_preset,
 )
+from evenpipe.cost.analytic_source import AnalyticSource
+from evenpipe.cost.estimate import estimate_with
+from evenpipe.cost.runtime_memory import Runtime, RuntimeConventions, TrainPrecision
+from evenpipe.cost.timing import Efficiency
 from evenpipe.errors import ConfigError, EvenpipeError
 from evenpipe.plan import Searcher, SearchSpace, enumerate_configs, plan_configs, step_time_lower_bound
-from evenpipe.plan.bounds import work_lower_bound
+from evenpipe.plan.bounds import step_bound, work_lower_bound
 from evenpipe.schedule import ScheduleFamily
 
 A100 = hardware_preset("a100-80gb")
@@ -321,3 +325,46 @@ def test_transitive_domination_keeps_the_best() -> None:
         two = Searcher(model, A100_40).search(num_gpus=8, global_batch=64, space=space, top_k=2)
         assert (one.best.config, one.best.step_time_s) == (two.best.config, two.best.step_time_s), lever
         assert one.stats.num_estimated <= two.stats.num_estimated
+
+
+def _evenpipe_source(model: ModelSpec, hw: Hardware) -> AnalyticSource:
+    """The analytic source under plan's default conventions (evenpipe's runtime, bf16)."""
+    return AnalyticSource(model, hw, Efficiency(),
+                          conventions=RuntimeConventions(runtime=Runtime.EVENPIPE, dtype=TrainPrecision.BFLOAT16))
+
+
+@pytest.mark.parametrize("name,gpus,batch", [("gpt-1.7b", 8, 32), ("llama-7b", 8, 16)])
+def test_lower_bound_holds_under_the_evenpipe_runtime(name: str, gpus: int, batch: int) -> None:
+    """Under evenpipe's runtime the embedding and the head are replicated over tp, so rank 0 and the last rank
+    reduce and step markedly more than their layers: the bound counts them as the estimate does, and stays below
+    it for every family, with BPipe and with host offload."""
+    model = model_preset(name)
+    source = _evenpipe_source(model, A100)
+    space = SearchSpace(max_microbatch_size=2, max_chunks=2, schedules=SPACE.schedules + NEW_FAMILIES,
+                        offload_fractions=(0.0, 0.5, 1.0))
+    checked = 0
+    for cfg in enumerate_configs(model, A100, num_gpus=gpus, global_batch=batch, space=space):
+        try:
+            source.check(cfg, gpus)
+            est = estimate_with(source, cfg)
+        except EvenpipeError:
+            continue
+        assert step_bound(source, cfg) <= est.step_time_s * (1 + 1e-9), cfg.describe()
+        checked += 1
+    assert checked > 100
+
+
+def test_the_bound_counts_the_replicated_embedding() -> None:
+    """gpt3-175b at tp 4 under evenpipe's runtime: rank 0 holds the whole embedding (Megatron's runtime a quarter
+    of it), so its gradient reduction is longer and the bound higher than under Megatron's conventions, whose
+    stage costs are the same."""
+    model = model_preset("gpt3-175b")
+    cfg = ParallelConfig(tp=4, pp=8, dp=32, chunks=6, microbatch_size=1, global_batch=1536,
+                         recompute=Recompute.NONE, sequence_parallel=True, attention=Attention.FLASH,
+                         schedule=ScheduleFamily.INTERLEAVED, distributed_optimizer=True)
+    megatron = AnalyticSource(model, A100, Efficiency(), conventions=RuntimeConventions(
+        runtime=Runtime.MEGATRON, dtype=TrainPrecision.BFLOAT16))
+    evenpipe = _evenpipe_source(model, A100)
+    low, high = step_bound(megatron, cfg), step_bound(evenpipe, cfg)
+    assert high > low + 0.05  # about 0.15 s more reduction on rank 0
+    assert high <= estimate_with(evenpipe, cfg).step_time_s
