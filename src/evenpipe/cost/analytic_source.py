@@ -43,6 +43,14 @@ class AnalyticSource:
     """Achieved fractions of the hardware peaks."""
     conventions: RuntimeConventions | None = None
     """Model-state bytes (and the activations' element size) of this runtime; None: Megatron's."""
+    _hash: int = field(init=False, repr=False, compare=False)
+    """The hash of the fields above, taken once: the planner's memos key by the source on every look-up."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.model, self.hw, self.efficiency, self.conventions)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def name(self) -> str:

@@ -8,11 +8,11 @@ shares a node since tp divides ``gpus_per_node``, and pipeline ranks r and r' sh
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from evenpipe.errors import ConfigError, parse_choice
 from evenpipe.schedule.family import ScheduleFamily, Transform
+from evenpipe.schedule.memo import KeyEnum
 
 from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.shape import MicrobatchShape
@@ -22,7 +22,7 @@ __all__ = ["Recompute", "Attention", "ParallelConfig", "check_config", "check_pi
            "end_lighter_layout", "balanced_layout", "stage_layers", "split_bpipe", "join_bpipe", "candidate_layouts", "describe_layout"]
 
 
-class Recompute(enum.Enum):
+class Recompute(KeyEnum):
     """Activation recomputation (Korthikanti et al. 2022)."""
 
     NONE = "none"
@@ -37,7 +37,7 @@ class Recompute(enum.Enum):
         return parse_choice(cls, name, "recompute mode")
 
 
-class Attention(enum.Enum):
+class Attention(KeyEnum):
     """Attention kernel: the one enum of the cost model, the planner and the torch models."""
 
     EAGER = "eager"

@@ -13,7 +13,7 @@ there; ``tests/unit/plan`` checks the result against ``estimate`` on many config
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from evenpipe.cost import Efficiency, Hardware, ModelSpec, ParallelConfig, Recompute, stage_layers
 from evenpipe.cost.analytic_source import AnalyticSource
@@ -211,19 +211,39 @@ def _step_bound(source: CostSource, cfg: ParallelConfig, b: PipelineBounds) -> f
     layers_on = [0] * len(b.rank_ends)
     for n, r in zip(layers, placement):
         layers_on[r] += n
-    held = [Holding(layers=n, embedding=r == 0, head=r == cfg.pp - 1) for r, n in enumerate(layers_on)]
-    dps = [source.reduce_time(cfg, r, h) for r, h in enumerate(held)]
+    dps = _per_rank(source, layers_on, lambda r, h: source.reduce_time(cfg, r, h))
     overlap = source.reduction_overlaps_backward
     hidden = b.rank_hideable[0] if overlap else 0.0
     pipeline = max(b.makespan, b.first_rank_end + max(0.0, dps[0] - hidden))
     # every rank reduces its own gradients after its last compute, hiding at most one micro-batch's backward
     for end, dp_r, hide in zip(b.rank_ends, dps, b.rank_hideable):
         pipeline = max(pipeline, end + max(0.0, dp_r - (hide if overlap else 0.0)))
-    if source.optimizer_waits_for_all_ranks:
-        opt = max(source.optimizer_time(cfg, r, h) for r, h in enumerate(held))
-    else:
-        opt = min(source.optimizer_time(cfg, r, h) for r, h in enumerate(held))
+    opts = _per_rank(source, layers_on, lambda r, h: source.optimizer_time(cfg, r, h))
+    opt = max(opts) if source.optimizer_waits_for_all_ranks else min(opts)
     return pipeline + opt + source.step_overhead_s
+
+
+def _per_rank(source: CostSource, layers_on: list[int], time_of: Callable[[int, Holding], float]) -> list[float]:
+    """``time_of(rank, what it holds)`` of every rank: its layers, the embedding on rank 0 and the head on the last
+    rank. A uniform source is asked once per layer count of the ranks in between (rank 0 then stands for all, and
+    the ranks of a balanced layout hold alike)."""
+    last = len(layers_on) - 1
+
+    def holding(r: int) -> Holding:
+        return Holding(layers=layers_on[r], embedding=r == 0, head=r == last)
+    if not source.uniform:
+        return [time_of(r, holding(r)) for r in range(last + 1)]
+    seen: dict[int, float] = {}
+    out = []
+    for r, n in enumerate(layers_on):
+        if r == 0 or r == last:
+            out.append(time_of(0, holding(r)))
+            continue
+        t = seen.get(n)
+        if t is None:
+            t = seen[n] = time_of(0, holding(r))
+        out.append(t)
+    return out
 
 
 _WORK_MARGIN = 1.0 - 1e-9

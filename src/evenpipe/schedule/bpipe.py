@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 from itertools import accumulate
+from typing import Callable
 
 from evenpipe.errors import ConfigError
 from evenpipe.schedule.comm import derive_communication
@@ -365,8 +366,7 @@ def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int, earl
     count = len(acts)
     units = _UNITS
 
-    def size(ks: list[tuple[int, int]]) -> float:
-        return len(ks) if weights is None else sum(weights[k[1]] for k in ks)
+    size: Callable[[list[tuple[int, int]]], float] = len if weights is None else _weigher(weights)
     held: float = 0
     away: set[tuple[int, int]] = set()
     evictable: set[tuple[int, int]] = set()  # own units forwarded, not yet used, never evicted
@@ -429,6 +429,11 @@ def _evict_and_load(acts: tuple[Action, ...], budget: int, *, partner: int, earl
         if keys[i] in evict_after_forward and kinds[i] is _F:
             out.append(evict_after_forward[keys[i]])
     return out
+
+
+def _weigher(weights: Weights) -> Callable[[list[tuple[int, int]]], float]:
+    """The units of a list of ``(stage, micro-batch)`` keys, each micro-batch counting its weight."""
+    return lambda ks: sum(weights[k[1]] for k in ks)
 
 
 def _leaving_first(victims: list[tuple[int, int]], over: float, weights: Weights | None) -> int:

@@ -120,15 +120,21 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
     return full
 
 
-@functools.lru_cache(maxsize=16)  # schedules are immutable: the planner's memory count and its estimate, a
-# configuration and its BPipe twin, build on one compute order (and so share its BPipe transform)
 def compute_order(family: ScheduleFamily, *, num_ranks: int, num_microbatches: int,
                   num_chunks: int | None = None, plan_durations: tuple[int, int, int] | None = None,
                   link_plan: LinkPlan | None = None) -> Schedule:
     """The compute-only schedule of ``family`` after checking the sizes (``ConfigError`` when out of range);
-    the same object for the same arguments while it is among the last few asked for."""
-    P, M = num_ranks, num_microbatches
+    the same object for the same arguments while it is among the last few asked for (however they are passed:
+    an omitted argument and its default ask for one schedule)."""
     V = family.traits.chunks.chunks(num_chunks) if num_chunks is None else num_chunks
+    return _compute_order(family, num_ranks, num_microbatches, V, plan_durations, link_plan)
+
+
+@functools.lru_cache(maxsize=16)  # schedules are immutable: the planner's memory count and its estimate, a
+# configuration and its BPipe twin, build on one compute order (and so share its BPipe transform)
+def _compute_order(family: ScheduleFamily, P: int, M: int, V: int, plan_durations: tuple[int, int, int] | None,
+                   link_plan: LinkPlan | None) -> Schedule:
+    """:func:`compute_order`, remembered by positional arguments (the chunks resolved)."""
     if P < 1:
         raise ConfigError(f"num_ranks must be >= 1, got {P}")
     if M < 1:

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from evenpipe.errors import parse_choice
+from evenpipe.schedule.memo import KeyEnum
 
 __all__ = ["ChunkRule", "FamilyTraits", "Ordering", "Placement", "ScheduleFamily", "Transform", "TRAITS"]
 
 
-class ScheduleFamily(enum.Enum):
+class ScheduleFamily(KeyEnum):
     """A named schedule preset. The value is its name on the command line."""
 
     GPIPE = "gpipe"
@@ -61,7 +62,7 @@ class ScheduleFamily(enum.Enum):
         return self.traits.chunks is ChunkRule.CHOSEN
 
 
-class Placement(enum.Enum):
+class Placement(KeyEnum):
     """Where a family puts its stages."""
 
     LINEAR = "one stage per rank: stage s on rank s"

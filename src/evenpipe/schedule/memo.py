@@ -5,17 +5,27 @@ planner search asks for a few thousand keys; the bound keeps a long-lived proces
 :class:`RecentMemo` keeps the most recently used values (optionally within a weight budget), and
 :class:`ObjectMemo` is one keyed by an immutable object's identity (a schedule) plus a value: the witness timing, BPipe's
 transform and pair plans, memory states and the simulator's compiled shape are each asked for again of the very
-schedule object they were computed from, and keep only the most recently used few.
+schedule object they were computed from, and keep only the most recently used few. :class:`KeyEnum` is an enum
+cheap to hash, for the enums these keys hold.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
 from typing import Any, Callable, Generic, Hashable, TypeVar
 
-__all__ = ["Memo", "ObjectMemo", "RecentMemo"]
+__all__ = ["KeyEnum", "Memo", "ObjectMemo", "RecentMemo"]
 
 V = TypeVar("V")
+
+
+class KeyEnum(enum.Enum):
+    """An enum whose members hash by identity (they are singletons, compared by identity): a C-level hash, where
+    Enum's own runs Python code on every look-up, and a planner search hashes memo keys holding a schedule family,
+    recomputation or attention kernel some 10^5 times."""
+
+    __hash__ = object.__hash__
 
 
 class Memo(Generic[V]):
@@ -29,8 +39,10 @@ class Memo(Generic[V]):
 
     def get(self, key: Hashable, make: Callable[[], V]) -> V:
         values = self.values
-        if key in values:
-            return values[key]
+        try:
+            return values[key]  # one hash of the key when it is known (the usual case)
+        except KeyError:
+            pass
         if len(values) >= self.limit:
             values.clear()
         value = values[key] = make()

@@ -164,3 +164,14 @@ def test_evenpipe_boundary_message_shrinks_by_tp_under_sequence_parallelism() ->
     for tp, sp, want in ((1, False, whole), (2, False, whole), (2, True, whole / 2), (4, True, whole / 4)):
         cfg = ParallelConfig(pp=4, tp=tp, sequence_parallel=sp, microbatch_size=2, global_batch=16)
         assert source.layer_bytes(cfg, 1, shape).sent == want, (tp, sp)
+
+
+def test_analytic_source_hash_taken_once_follows_its_fields() -> None:
+    """The source keeps its hash (every memo of the planner keys by it): equal sources hash alike, and a
+    replaced field gives another key."""
+    a, b = AnalyticSource(GPT, A100), AnalyticSource(GPT, A100)
+    keys = {a: "a"}
+    assert a == b and hash(a) == hash(b) and keys[b] == "a"
+    other = dataclasses.replace(a, efficiency=dataclasses.replace(a.efficiency, dp_overlap=False))
+    assert other != a and other not in keys
+    assert with_conventions(a, RuntimeConventions()) not in keys

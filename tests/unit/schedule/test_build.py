@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from evenpipe.errors import ConfigError
-from evenpipe.schedule import ActionKind, ScheduleFamily, build_schedule, validate
+from evenpipe.schedule import ActionKind, ScheduleFamily, build_schedule, compute_order, validate
 
 
 def test_unknown_family_lists_valid_names() -> None:
@@ -66,3 +66,13 @@ def test_single_rank_has_no_transfers() -> None:
     for family in ScheduleFamily:
         s = build_schedule(family, num_ranks=1, num_microbatches=3)
         assert all(a.kind.is_compute for acts in s.actions for a in acts)
+
+
+def test_compute_order_is_one_object_however_its_defaults_are_passed() -> None:
+    """The planner's memory count passes fewer arguments than ``build_schedule`` does: both must get the same
+    compute order object, so that BPipe's transform (remembered by that object) runs once for both."""
+    bare = compute_order(ScheduleFamily.INTERLEAVED, num_ranks=4, num_microbatches=8)
+    spelled = compute_order(ScheduleFamily.INTERLEAVED, num_ranks=4, num_microbatches=8, num_chunks=2,
+                            plan_durations=None, link_plan=None)
+    assert spelled is bare
+    assert compute_order(ScheduleFamily.INTERLEAVED, num_ranks=4, num_microbatches=8, num_chunks=4) is not bare

@@ -1,8 +1,8 @@
-"""The two bounded memos the pure layers cache derived values in."""
+"""The bounded memos the pure layers cache derived values in, and the enum their keys hold."""
 
 from __future__ import annotations
 
-from evenpipe.schedule.memo import Memo, ObjectMemo
+from evenpipe.schedule.memo import KeyEnum, Memo, ObjectMemo
 
 
 class _Thing:
@@ -52,3 +52,13 @@ def test_object_memo_keeps_more_small_objects_within_the_budget() -> None:
     big = _Thing(8)
     memo.get(big, None, lambda: 0)
     assert [obj for obj, _, _ in memo.entries.values()] == [big]  # 8 + 3 > 10: only the newest one stays
+
+
+def test_key_enum_hashes_by_identity_and_keys_dicts_by_member() -> None:
+    class Colour(KeyEnum):
+        RED = "red"
+        BLUE = "blue"
+
+    assert hash(Colour.RED) == object.__hash__(Colour.RED) and hash(Colour.RED) != hash(Colour.BLUE)
+    seen = {Colour.RED: 1, Colour.BLUE: 2}
+    assert seen[Colour("red")] == 1 and Colour["BLUE"] in seen and "red" not in seen
