@@ -59,3 +59,54 @@ def test_a_slow_rank_never_named_skips_the_replanned_run(monkeypatch: pytest.Mon
 def test_measured_takes_the_median_from_a_step_on() -> None:
     s = _summary([1.0, 2.0, 3.0, 4.0, 5.0], [], None)  # 0-based steps 1..5
     assert bench_uneven.measured(s) == 3.0 and bench_uneven.measured(s, 4) == 4.5
+
+
+def _brute_recovery(blocks: int, ranks: int, slow: int, factor: float) -> float:
+    """Recovery of the best whole-block layout, by trying every layout (each rank >= 1 block)."""
+    import itertools
+    cost = [factor if r == slow else 1.0 for r in range(ranks)]
+    best = min(max(n * c for n, c in zip(split, cost)) for split in itertools.product(range(1, blocks), repeat=ranks)
+               if sum(split) == blocks)
+    even = blocks // ranks
+    return (even * factor - best) / (even * factor - even)
+
+
+@pytest.mark.parametrize("blocks,ranks", [(8, 2), (10, 2), (8, 4), (16, 4)])
+def test_recovery_bounds_whole_blocks_match_a_brute_force_and_stay_under_the_ideal(blocks: int, ranks: int) -> None:
+    b = bench_uneven.recovery_bounds(blocks, ranks, 1, 1.5)
+    assert b["layout"] == pytest.approx(_brute_recovery(blocks, ranks, 1, 1.5))
+    assert b["layout"] <= b["ideal"] + 1e-9 and sum(b["best_layout"]) == blocks
+
+
+def test_recovery_bound_at_two_ranks_is_60_percent() -> None:
+    """8 blocks, rank 1 1.5x: even 4+4 takes 6 (rank 1), balanced n0 = 1.5 n1 gives n1 = 3.2 and 4.8, against 4
+    unslowed: (6 - 4.8) / (6 - 4) = 0.6; whole blocks 5+3 take max(5, 4.5) = 5: 0.5."""
+    b = bench_uneven.recovery_bounds(8, 2, 1, 1.5)
+    assert b["ideal"] == pytest.approx(0.6) and b["layout"] == pytest.approx(0.5) and b["best_layout"] == [5, 3]
+
+
+def _result(stages: int, blocks: int, steps: int = 200) -> dict:
+    return {"stages": stages, "factor": 1.5, "false_alarm_steps": steps,
+            "recovery_bounds": bench_uneven.recovery_bounds(blocks, stages, 1, 1.5)}
+
+
+def test_notes_name_the_targets_a_run_cannot_show() -> None:
+    (two,) = bench_uneven.target_notes(_result(2, 8), 8)
+    assert "P=2" in two and "60%" in two and "70%" in two
+    (coarse,) = bench_uneven.target_notes(_result(4, 8), 8)
+    assert "8 blocks on 4 ranks" in coarse and "0%" in coarse
+    assert bench_uneven.target_notes(_result(4, 32), 32) == []
+    assert "12 steps" in bench_uneven.target_notes(_result(4, 32, steps=12), 32)[0]
+    assert bench_uneven.core_note(2, 2) == [] and "4 training processes on 2 cores" in bench_uneven.core_note(4, 2)[0]
+
+
+def test_best_microbatches_takes_the_largest_simulated_gain() -> None:
+    import bench_latency
+    import bench_latency_measured
+    M, gains = bench_latency_measured.best_microbatches(2, 1.0, blocks=4)
+    assert set(gains) == {2, 4, 8, 16} and gains[M] == max(gains.values())
+    base, ours = bench_latency.compare(2, 4, 1.0)
+    assert gains[4] == pytest.approx(1 - min(t for t, _ in ours) / min(t for t, _ in base))
+    M1, gains1 = bench_latency_measured.best_microbatches(2, 1.0, blocks=2)  # too few blocks for the V
+    base1, ours1 = bench_latency.compare(2, M1, 1.0)
+    assert gains1[M1] == pytest.approx(1 - ours1[0][0] / min(base1[0][0], base1[2][0]))

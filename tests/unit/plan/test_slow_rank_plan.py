@@ -73,6 +73,42 @@ def test_against_a_prediction_a_longer_step_is_not_slow_and_a_steady_model_error
     assert alarm.factor == pytest.approx(1.5)
 
 
+def _host_noise(rng: random.Random, base: list[float], host: float, scale: float = 0.10) -> list[float]:
+    """One step on a shared host: every rank slowed by the same ``host`` factor, each with its own noise."""
+    return [b * host * rng.uniform(1 - scale, 1 + scale) for b in base]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_host_slowdown_varying_step_to_step_raises_no_alarm_over_200_steps(ranks: int) -> None:
+    """Other jobs slow every rank alike, 1x to 3x and different each step (a profile's prediction given): at P=2
+    the one peer is the reference and the host's factor cancels as it does against P-1 peers."""
+    rng = random.Random(11)
+    base = BASE[:ranks]
+    det = SlowRankDetector(num_ranks=ranks, predicted_s=base)
+    hosts = [1.0] * 10 + [rng.uniform(1.0, 3.0) for _ in range(190)]
+    assert _run(det, [_host_noise(rng, base, h) for h in hosts]) == []
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("slow", [0, 1])
+def test_one_rank_1_5x_slower_under_a_varying_host_is_named_within_5_steps(ranks: int, slow: int) -> None:
+    """The same varying host, and from 0-based step 20 rank ``slow`` takes 1.5x as long: named within 5 slowed
+    steps (the default patience, 4), its factor near 1.5, and no other rank named -- at P=2 the fast peer's factor
+    is 1/1.5, not a slow rank."""
+    rng = random.Random(5 + ranks + slow)
+    base = BASE[:ranks]
+    det = SlowRankDetector(num_ranks=ranks, predicted_s=base)
+    start = 20
+    steps = []
+    for i in range(60):
+        step = _host_noise(rng, base, rng.uniform(1.0, 3.0), scale=0.05)
+        steps.append([c * (1.5 if i >= start and r == slow else 1.0) for r, c in enumerate(step)])
+    alarms = _run(det, steps)
+    assert [a.rank for _, a in alarms] == [slow]  # type: ignore[attr-defined]
+    step, alarm = alarms[0]
+    assert step - start <= 5 and alarm.factor == pytest.approx(1.5, rel=0.1)  # type: ignore[attr-defined]
+
+
 def test_a_spike_shorter_than_patience_is_ignored() -> None:
     det = SlowRankDetector(num_ranks=4)
     steps = [list(BASE) for _ in range(8)]
