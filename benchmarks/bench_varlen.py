@@ -34,9 +34,12 @@ rounds (not timed) and ``prediction_parts`` splits the prediction's error (:func
 pipeline against its replay with the measured computes (what the message model misses) and the computes' predicted
 over measured seconds (what the profile's fits miss).
 
-    .venv/bin/python -m evenpipe profile --model gpt-tiny --seq-len 1024 --microbatch-sizes 1,2 --processes 4 \
+    .venv/bin/python -m evenpipe profile --model gpt-tiny --seq-len 256,1024 --microbatch-sizes 1,2 --processes 4 \
         --out varlen_profile.json
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_varlen.py --profile varlen_profile.json
+
+(Two or more sequence lengths: a profile of one length fits no squared-length term, so it cannot tell a packed row's
+attention from a whole row's.)
 """
 
 from __future__ import annotations

@@ -342,6 +342,14 @@ def balance(lengths: Sequence[int], budget: MicrobatchBudget, cost: MicrobatchCo
     but not for packed rows. A local search then moves single documents off the slowest micro-batch while that
     helps, and the result is never worse than first fit into the same number of micro-batches (both are computed
     and the one with the faster slowest micro-batch is kept), so ``balance`` is at least as even as ``pack``.
+
+    Even is not the same as a faster pipeline step. No grouping lowers the slowest micro-batch below the longest
+    document alone, and with the documents of a step fixed the total work is too (time is linear in tokens and
+    squared lengths); what is left is the spread, and a pipeline gains from cheap micro-batches at its fill and
+    drain (:func:`pipeline_order`), which evening removes. With the shipped lengths split at rows of 1024 (b=1,
+    M=8), the longest document is the slowest micro-batch of every step, and the simulator (1f1b, P=4, a
+    gpt-tiny profile) predicts micro-batches of exactly equal time 3% slower than first fit's; ``balance`` is
+    predicted 1-4% slower than ``pack`` there and with b = 2 or 4 rows of 1024 or rows of 2048.
     """
     packed = pack(lengths, budget, cost)
     count = len(packed) if count is None else count
