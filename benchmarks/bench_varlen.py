@@ -101,7 +101,10 @@ def decompose(traced: list[dict[str, Any]], opts: dict[str, Any]) -> dict[str, f
     compute taking its measured time and the profile's links, :func:`evenpipe.sim.replay.replay`) and the
     prediction (the profile's computes and links); and the computes summed over ranks, predicted and measured.
     ``replay/measured`` is what the message model misses, ``compute predicted/measured`` what the compute fits do;
-    means over the traced steps. None without a profile or traced steps."""
+    means over the traced steps. ``measured_concurrency`` (:func:`concurrency`) beside the profile's processes:
+    on a CPU host of fewer cores than ranks the profile times every compute with all its processes computing at
+    once, so computes that overlap fewer others run faster than profiled. None without a profile or traced
+    steps."""
     if opts["profile"] is None or not traced:
         return None
     from evenpipe.cost.profile import load_profile
@@ -117,7 +120,8 @@ def decompose(traced: list[dict[str, Any]], opts: dict[str, Any]) -> dict[str, f
     def computes(trace: Any) -> float:
         return sum(r.end - r.start for acts in trace.actions for r in acts if not r.action.kind.is_transfer)
     parts = {"measured_pipeline_s": 0.0, "replay_pipeline_s": 0.0, "predicted_pipeline_s": 0.0,
-             "measured_compute_s": 0.0, "predicted_compute_s": 0.0}
+             "measured_compute_s": 0.0, "predicted_compute_s": 0.0, "measured_concurrency": 0.0,
+             "predicted_concurrency": 0.0}
     for step in traced:
         costs = model.sim_costs(schedule, microbatch_size=opts["microbatch_size"], shapes=step["shapes"])
         measured = measured_trace(schedule, step["records"])
@@ -125,10 +129,23 @@ def decompose(traced: list[dict[str, Any]], opts: dict[str, Any]) -> dict[str, f
         for key, value in (("measured_pipeline_s", measured.step_time),
                            ("replay_pipeline_s", replay(measured, costs).step_time),
                            ("predicted_pipeline_s", predicted.step_time),
-                           ("measured_compute_s", computes(measured)), ("predicted_compute_s", computes(predicted))):
+                           ("measured_compute_s", computes(measured)), ("predicted_compute_s", computes(predicted)),
+                           ("measured_concurrency", concurrency(measured)),
+                           ("predicted_concurrency", concurrency(predicted))):
             parts[key] += value / len(traced)
     return {**parts, "replay/measured": parts["replay_pipeline_s"] / parts["measured_pipeline_s"],
-            "compute predicted/measured": parts["predicted_compute_s"] / parts["measured_compute_s"]}
+            "compute predicted/measured": parts["predicted_compute_s"] / parts["measured_compute_s"],
+            "profile_processes": model.profile.machine.num_processes}
+
+
+def concurrency(trace: Any) -> float:
+    """How many ranks compute at once, as a compute sees it: over every compute of ``trace``, the time-weighted
+    number of computes running during it (itself included); 1.0 when computes never overlap."""
+    spans = [(r.start, r.end) for acts in trace.actions for r in acts
+             if not r.action.kind.is_transfer and r.end > r.start]
+    busy = sum(e - s for s, e in spans)
+    shared = sum(max(0.0, min(e, e2) - max(s, s2)) for s, e in spans for s2, e2 in spans)
+    return shared / busy if busy > 0 else 1.0
 
 
 def _pipeline(policy: str, rank: int, world: int, groups: Any, opts: dict[str, Any]) -> dict[str, Any]:
@@ -309,7 +326,9 @@ def main() -> None:
         if (d := row["prediction_parts"]) is not None:
             print(f"{name}: pipeline measured {1e3 * d['measured_pipeline_s']:.0f} ms, replayed with its measured "
                   f"computes {1e3 * d['replay_pipeline_s']:.0f}, predicted {1e3 * d['predicted_pipeline_s']:.0f}; "
-                  f"computes predicted/measured {d['compute predicted/measured']:.3f}")
+                  f"computes predicted/measured {d['compute predicted/measured']:.3f}, ranks computing at once "
+                  f"{d['measured_concurrency']:.2f} measured, {d['predicted_concurrency']:.2f} predicted (profiled "
+                  f"with {d['profile_processes']})")
     for name, o in result["order_choice"].items():
         print(f"{name}: {o['changed']} of {o['choices']} orders changed, predicted gain {o['predicted_gain_mean']:.1%} "
               f"mean ({o['predicted_gain_max']:.1%} max), choosing {o['choice_ms_median']:.1f} ms median "

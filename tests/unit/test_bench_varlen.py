@@ -99,3 +99,15 @@ def test_a_step_that_ran_as_predicted_decomposes_to_ones(tmp_path: pathlib.Path,
     out = bench_varlen.decompose([{"shapes": shapes, "records": None}], opts)
     assert out is not None and out["compute predicted/measured"] < 1.0
     assert bench_varlen.decompose([], opts) is None
+
+
+def test_concurrency_is_the_time_weighted_overlap_of_computes() -> None:
+    from types import SimpleNamespace
+
+    def rec(start: float, end: float, transfer: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(start=start, end=end, action=SimpleNamespace(kind=SimpleNamespace(is_transfer=transfer)))
+    apart = SimpleNamespace(actions=[[rec(0.0, 1.0)], [rec(1.0, 2.0), rec(0.0, 5.0, transfer=True)]])
+    assert bench_varlen.concurrency(apart) == 1.0  # a transfer is no compute
+    half = SimpleNamespace(actions=[[rec(0.0, 1.0)], [rec(0.5, 1.5)]])
+    assert bench_varlen.concurrency(half) == 1.5  # each overlaps the other for half its time
+    assert bench_varlen.concurrency(SimpleNamespace(actions=[[], []])) == 1.0
