@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from evenpipe.schedule.memo import Memo
 from evenpipe.sim.costs import Link, SimCosts
 
 from evenpipe.cost.activations import ActivationBytes, activation_bytes
 from evenpipe.cost.flops import layer_forward_flops
 from evenpipe.cost.hardware import Hardware
 from evenpipe.cost.states import (BYTES_GRAD, BYTES_MASTER, BYTES_OPTIMIZER, BYTES_WEIGHT, embedding_params_per_rank,
-                                  head_params, head_params_per_rank, layer_params_per_rank)
+                                  head_params, layer_params_per_rank)
 from evenpipe.cost.parallel import ParallelConfig, check_config
 from evenpipe.cost.runtime_memory import Runtime, RuntimeConventions, scaled
 from evenpipe.cost.source import Holding, MicrobatchShape, ParamCounts, StateBytes
@@ -22,6 +23,9 @@ from evenpipe.cost.timing import (Efficiency, LayerTimes, cost_plan_durations, d
                                   optimizer_step_time, pipeline_link, stage_sim_costs)
 
 __all__ = ["AnalyticSource"]
+
+_param_counts: Memo[ParamCounts] = Memo(1 << 12)
+""":meth:`AnalyticSource.param_counts` by source, tp and pp."""
 
 
 def _check_shape(model: ModelSpec, shape: MicrobatchShape, cfg: ParallelConfig) -> MicrobatchShape | None:
@@ -110,14 +114,18 @@ class AnalyticSource:
         return dataclasses.replace(scaled(act, c.dtype.element_bytes / 2), sent=sent)
 
     def param_counts(self, cfg: ParallelConfig) -> ParamCounts:
+        tp, pp = cfg.tp, cfg.pp  # all the counts depend on (the bounds ask per rank, thousands of times a search)
+        return _param_counts.get((self, tp, pp), lambda: self._param_counts(tp, pp))
+
+    def _param_counts(self, tp: int, pp: int) -> ParamCounts:
         c = self.conventions
         if c is not None and c.runtime is Runtime.EVENPIPE:  # embedding and head replicated over tp
-            return ParamCounts(per_layer=layer_params_per_rank(self.model, cfg.tp),
+            return ParamCounts(per_layer=layer_params_per_rank(self.model, tp),
                                embedding=embedding_params_per_rank(self.model, 1),
-                               head=head_params(self.model, tp=1, pp=cfg.pp))
-        return ParamCounts(per_layer=layer_params_per_rank(self.model, cfg.tp),
-                           embedding=embedding_params_per_rank(self.model, cfg.tp),
-                           head=head_params_per_rank(self.model, cfg))
+                               head=head_params(self.model, tp=1, pp=pp))
+        return ParamCounts(per_layer=layer_params_per_rank(self.model, tp),
+                           embedding=embedding_params_per_rank(self.model, tp),
+                           head=head_params(self.model, tp=tp, pp=pp))
 
     def state_bytes(self, cfg: ParallelConfig, rank: int) -> StateBytes:
         if self.conventions is not None:
