@@ -16,8 +16,7 @@ from evenpipe.schedule.generate import gpipe, interleaved, looped_bfs, one_f_one
 from evenpipe.schedule.generate.capped import capped_zero_bubble
 from evenpipe.schedule.generate.building_block import building_block_v
 from evenpipe.schedule.generate.dualpipe_v import dualpipe_v
-from evenpipe.schedule.generate.latency_aware import LinkPlan, latency_aware
-from evenpipe.schedule.generate.latency_comm import place_messages
+from evenpipe.schedule.generate.latency_plan import LinkPlan
 from evenpipe.schedule.generate.zb_v import zb_v
 from evenpipe.schedule.columns import Columns
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
@@ -112,6 +111,7 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
         if offload_ranks:
             full = offload_beside_bpipe(full, ranks=offload_ranks)
     elif fam.traits.ordering is Ordering.LATENCY_AWARE:  # receives posted by the planned times, not a witness's
+        from evenpipe.schedule.generate.latency_comm import place_messages  # this family only: imported when used
         full = place_messages(compute, _link_plan(link_plan, plan_durations))
     else:
         full = derive_communication(compute)
@@ -158,6 +158,7 @@ def _compute_order(family: ScheduleFamily, P: int, M: int, V: int, plan_duration
     if family.traits.ordering is Ordering.MEMORY_CAPPED:
         return _capped(family, P, M, V, plan_durations or (1, 1, 1))
     if family.traits.ordering is Ordering.LATENCY_AWARE:
+        from evenpipe.schedule.generate.latency_aware import latency_aware  # this family only: imported when used
         return latency_aware(num_ranks=P, num_microbatches=M, plan=_link_plan(link_plan, plan_durations),
                              stage_to_rank=traits.stage_to_rank(P, V))
     if family.traits.ordering is Ordering.BUILDING_BLOCK:
