@@ -198,7 +198,10 @@ def uneven(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]:
             "detected_after_steps": replan and replan["step"] - args.slow_from,  # slowed steps until named
             "detected_rank": replan and replan["rank"], "detected_factor": replan and replan["factor"],
             "slow_even_alarms": even["slow_ranks"]["alarms"],
-            "false_alarms": len(base["slow_ranks"]["alarms"]), "false_alarm_steps": args.false_alarm_steps}
+            "false_alarms": len(base["slow_ranks"]["alarms"]), "false_alarm_steps": args.false_alarm_steps,
+            # per rank, the baseline's most consecutive steps over the threshold: the margin to its patience
+            "false_alarm_longest_streak": base["slow_ranks"].get("longest_streak"),
+            "patience": base["slow_ranks"].get("patience")}
 
 
 def latency(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]:
@@ -273,7 +276,8 @@ def main() -> int:
           f"{'-' if bounds['layout'] is None else format(bounds['layout'], '.0%')} (whole blocks, "
           f"{bounds['best_layout']}); predicted recovery {predicted}")
     print(f"recovery {recovery}; {named}; false alarms "
-          f"{result['false_alarms']} in {result['false_alarm_steps']} steps; latency-aware gain "
+          f"{result['false_alarms']} in {result['false_alarm_steps']} steps (longest streaks "
+          f"{result['false_alarm_longest_streak']} of {result['patience']}); latency-aware gain "
           f"{result['latency']['gain']:+.1%} ({result['latency']['link']} ms); load {load0} -> {result['load_after']}, "
           f"{result['seconds']:.0f} s")
     for note in result["notes"]:

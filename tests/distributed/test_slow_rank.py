@@ -32,6 +32,7 @@ def test_an_emulated_slow_rank_is_slower_and_named(tmp_path: pathlib.Path) -> No
     assert ratio > 1.2, (ratio, steps)
     named = [a for a in watch["alarms"] if a["rank"] == 1]
     assert named and named[0]["factor"] > 1.3 and named[0]["step"] > SLOW_FROM, watch["alarms"]
+    assert watch["longest_streak"][1] >= watch["patience"], watch["longest_streak"]
     replan = json.loads((tmp_path / "replan.json").read_text())
     assert replan["rank"] == 1 and sum(replan["layout"]) == sum(replan["previous_layout"])
     assert replan["layout"][1] < replan["previous_layout"][1], replan

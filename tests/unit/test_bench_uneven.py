@@ -29,7 +29,8 @@ def test_recovery_detection_and_false_alarms_from_the_runs(monkeypatch: pytest.M
 
     def train(args, out, name, steps, *extra):
         seen.append((name, extra))
-        return {"baseline": _summary(base, [{"rank": 3}], None), "slow_even": _summary(even, [], replan),
+        return {"baseline": {**_summary(base, [{"rank": 3}], None),
+                             "slow_ranks": {"alarms": [{"rank": 3}], "longest_streak": [0, 1, 0, 4], "patience": 4}}, "slow_even": _summary(even, [], replan),
                 "slow_replanned": _summary(fixed, [], None)}[name]
     monkeypatch.setattr(bench_uneven, "train", train)
     monkeypatch.setattr(bench_uneven, "predicted_step", lambda args, s, slow: (0.1, [2, 2, 2, 2]))
@@ -37,6 +38,7 @@ def test_recovery_detection_and_false_alarms_from_the_runs(monkeypatch: pytest.M
     result = bench_uneven.uneven(args, tmp_path)
     assert result["recovery"] == pytest.approx((0.20 - 0.12) / (0.20 - 0.10))
     assert result["detected_after_steps"] == 3 and result["false_alarms"] == 1
+    assert result["false_alarm_longest_streak"] == [0, 1, 0, 4] and result["patience"] == 4
     assert ("slow_replanned", ("--emulate-slow-rank", "1:1.5", "--layout", "3,1,2,2")) in seen
     assert seen[1] == ("slow_even", ("--emulate-slow-rank", "1:1.5@6"))
 

@@ -15,6 +15,10 @@ is named once (:class:`SlowRankAlarm`). Thresholds: 1.3x for 4 steps by default 
 independent ±15% noise reaches 1.3 only at both extremes; under other jobs' load (load 12 on 2 cores, gpt-tiny at
 P=4) single steps read 0.3-4x, and in 100 steps one rank stayed above 1.3 for 3 steps in a row but none for 4
 (``benchmarks/bench_uneven.py`` counts false alarms). Four steps still name a rank within the 5 steps asked.
+At P=2 the peers' median is the one other rank: a host slowdown still cancels, but another job's process sharing
+one rank's core makes that rank slow, for as long as it runs -- at load 4 (gpt-mini, 64 tokens, P=2, 2 cores) one
+rank read 1.3-1.7x for 4 steps once in 200, a false alarm; :attr:`SlowRankDetector.longest_streak` gives a run's
+margin to ``patience``.
 
 A rank that is slow from the first step is its own reference and is not named; with a profile its calibration
 shows it (the report's ``calibration``).
@@ -93,6 +97,8 @@ class SlowRankDetector:
     """Per rank, the predicted compute seconds of one step of ``predicted_work`` (None: the work alone)."""
     predicted_work: float = 1.0
     alarms: list[SlowRankAlarm] = field(default_factory=list)
+    longest_streak: list[int] = field(default_factory=list)
+    """Per rank, its most consecutive slow steps so far (against ``patience``: the margin of a run with no alarm)."""
     _warm: list[list[float]] = field(default_factory=list)
     _reference: list[float] | None = None
     _streak: list[list[tuple[float, Sequence[float]]]] = field(default_factory=list)
@@ -104,6 +110,7 @@ class SlowRankDetector:
             raise ConfigError(f"predicted compute seconds must be {self.num_ranks} values > 0, "
                               f"got {list(self.predicted_s)}")
         self._streak = [[] for _ in range(self.num_ranks)]
+        self.longest_streak = [0] * self.num_ranks
 
     @property
     def calibration(self) -> list[float] | None:
@@ -135,6 +142,7 @@ class SlowRankDetector:
                 self._streak[r] = []
                 continue
             self._streak[r].append((factor, compute_s))
+            self.longest_streak[r] = max(self.longest_streak[r], len(self._streak[r]))
             if len(self._streak[r]) == self.config.patience and not any(a.rank == r for a in self.alarms):
                 named = named or self._alarm(r)
         return named

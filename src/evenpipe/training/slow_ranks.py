@@ -100,7 +100,7 @@ class SlowRankWatch:
         return {"threshold": cfg.threshold, "patience": cfg.patience,
                 "against": "predicted" if self.detector.predicted_s is not None else "its first steps",
                 "predicted_compute_s": list(self.detector.predicted_s or []),
-                "calibration": self.detector.calibration,
+                "calibration": self.detector.calibration, "longest_streak": list(self.detector.longest_streak),
                 "rank_compute_s": self.steps_compute_s, "alarms": [a.to_dict() for a in self.detector.alarms],
                 "replan": self.replan}
 

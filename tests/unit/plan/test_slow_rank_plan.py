@@ -114,7 +114,7 @@ def test_a_spike_shorter_than_patience_is_ignored() -> None:
     steps = [list(BASE) for _ in range(8)]
     steps += [[c * (2.0 if r == 1 else 1.0) for r, c in enumerate(BASE)] for _ in range(2)]
     steps += [list(BASE) for _ in range(5)]
-    assert _run(det, steps) == []
+    assert _run(det, steps) == [] and det.longest_streak == [0, 2, 0, 0]
 
 
 def test_bad_thresholds_are_refused() -> None:
