@@ -439,9 +439,10 @@ def layer_states_per_rank_gib(source: CostSource, cfg: ParallelConfig) -> tuple[
     layers = stage_layers(source.model, cfg)
     schedule = counting_schedule(cfg)  # cached; only its stage placement is read
     per_layer = source.param_counts(cfg).per_layer
-    out = []
-    for r in range(cfg.pp):
+
+    def layer_gib(r: int) -> float:
         b = source.state_bytes(cfg, r)
-        out.append(per_layer * (b.parameters + b.gradients + (b.master + b.optimizer)) / GIB
-                   * sum(layers[s] for s in schedule.stages_of(r)))
-    return tuple(out)
+        return per_layer * (b.parameters + b.gradients + (b.master + b.optimizer)) / GIB
+    alike = layer_gib(0) if source.uniform else None  # rank 0 stands for every rank of a uniform source
+    return tuple((layer_gib(r) if alike is None else alike) * sum(layers[s] for s in schedule.stages_of(r))
+                 for r in range(cfg.pp))

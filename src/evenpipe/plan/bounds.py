@@ -13,7 +13,7 @@ there; ``tests/unit/plan`` checks the result against ``estimate`` on many config
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from evenpipe.cost import Efficiency, Hardware, ModelSpec, ParallelConfig, Recompute, stage_layers
 from evenpipe.cost.analytic_source import AnalyticSource
@@ -76,21 +76,20 @@ def pipeline_bounds(costs: SimCosts, stage_to_rank: tuple[int, ...], num_microba
     for s, r in enumerate(stage_to_rank):
         if s < lowest[r]:
             lowest[r] = s
-    for each in ([rows] if per_mb is None else [_rows(row, recompute) for row in per_mb]):
-        for s, r in enumerate(stage_to_rank):
-            forward, backward, backward_input, extra, _ = each[s]
+    if per_mb is None:  # one pass (the planner's usual case)
+        for (forward, backward, backward_input, extra, _), r in zip(rows, stage_to_rank):
             work[r] += forward + backward + extra
             work_to_last_i[r] += forward + extra + (backward_input if split_backward else backward)
-        if per_mb is not None:
-            mb_hide = [0.0] * num_ranks
-            for s, r in enumerate(stage_to_rank):
-                mb_hide[r] += each[s][1] + each[s][3]
-            hideable = [max(a, b) for a, b in zip(hideable, mb_hide)]
-    if per_mb is None:
-        for s, r in enumerate(stage_to_rank):
-            hideable[r] += rows[s][1] + rows[s][3]  # B, or I + W: the same sum
+            hideable[r] += backward + extra  # B, or I + W: the same sum
         total, total_to_last_i = [m * w for w in work], [m * w for w in work_to_last_i]
     else:  # sums over the micro-batches, shrunk below their rounding
+        for each in [_rows(row, recompute) for row in per_mb]:
+            mb_hide = [0.0] * num_ranks
+            for (forward, backward, backward_input, extra, _), r in zip(each, stage_to_rank):
+                work[r] += forward + backward + extra
+                work_to_last_i[r] += forward + extra + (backward_input if split_backward else backward)
+                mb_hide[r] += backward + extra
+            hideable = [max(a, b) for a, b in zip(hideable, mb_hide)]
         total = [w * _SUM_MARGIN for w in work]
         total_to_last_i = [w * _SUM_MARGIN for w in work_to_last_i]
     prefix_f, prefix_i = _prefixes(rows, stage_to_rank, costs)
@@ -206,44 +205,35 @@ def step_bound(source: CostSource, cfg: ParallelConfig) -> float:
 
 
 def _step_bound(source: CostSource, cfg: ParallelConfig, b: PipelineBounds) -> float:
-    placement = stage_layout(cfg.schedule, cfg.pp, cfg.chunks)
-    layers = stage_layers(source.model, cfg)
-    layers_on = [0] * len(b.rank_ends)
-    for n, r in zip(layers, placement):
-        layers_on[r] += n
-    dps = _per_rank(source, layers_on, lambda r, h: source.reduce_time(cfg, r, h))
+    dps, opts = _rank_times(source, cfg, _layers_on(source.model, cfg))
     overlap = source.reduction_overlaps_backward
     hidden = b.rank_hideable[0] if overlap else 0.0
     pipeline = max(b.makespan, b.first_rank_end + max(0.0, dps[0] - hidden))
     # every rank reduces its own gradients after its last compute, hiding at most one micro-batch's backward
     for end, dp_r, hide in zip(b.rank_ends, dps, b.rank_hideable):
         pipeline = max(pipeline, end + max(0.0, dp_r - (hide if overlap else 0.0)))
-    opts = _per_rank(source, layers_on, lambda r, h: source.optimizer_time(cfg, r, h))
     opt = max(opts) if source.optimizer_waits_for_all_ranks else min(opts)
     return pipeline + opt + source.step_overhead_s
 
 
-def _per_rank(source: CostSource, layers_on: list[int], time_of: Callable[[int, Holding], float]) -> list[float]:
-    """``time_of(rank, what it holds)`` of every rank: its layers, the embedding on rank 0 and the head on the last
-    rank. A uniform source is asked once per layer count of the ranks in between (rank 0 then stands for all, and
-    the ranks of a balanced layout hold alike)."""
+def _rank_times(source: CostSource, cfg: ParallelConfig, layers_on: list[int]) -> tuple[list[float], list[float]]:
+    """Every rank's data-parallel reduction and optimizer step over what it holds: its layers, the embedding on
+    rank 0 and the head on the last rank. A uniform source is asked once per distinct holding (rank 0 then stands
+    for all, and the middle ranks of a balanced layout hold alike)."""
     last = len(layers_on) - 1
-
-    def holding(r: int) -> Holding:
-        return Holding(layers=layers_on[r], embedding=r == 0, head=r == last)
-    if not source.uniform:
-        return [time_of(r, holding(r)) for r in range(last + 1)]
-    seen: dict[int, float] = {}
-    out = []
+    uniform = source.uniform
+    seen: dict[tuple[int, bool, bool], tuple[float, float]] = {}
+    dps, opts = [], []
     for r, n in enumerate(layers_on):
-        if r == 0 or r == last:
-            out.append(time_of(0, holding(r)))
-            continue
-        t = seen.get(n)
-        if t is None:
-            t = seen[n] = time_of(0, holding(r))
-        out.append(t)
-    return out
+        key = (n, r == 0, r == last)
+        times = seen.get(key) if uniform else None
+        if times is None:
+            held = Holding(layers=n, embedding=key[1], head=key[2])
+            asked = 0 if uniform else r
+            times = seen[key] = (source.reduce_time(cfg, asked, held), source.optimizer_time(cfg, asked, held))
+        dps.append(times[0])
+        opts.append(times[1])
+    return dps, opts
 
 
 _WORK_MARGIN = 1.0 - 1e-9
@@ -272,21 +262,34 @@ def work_bound(source: CostSource, cfg: ParallelConfig) -> float:
     configuration on it, without the exact bound, whenever it already cannot win.
     """
     ranks = (0,) if source.uniform else tuple(range(cfg.pp))  # the fastest rank's layer bounds every rank's
-    shapes = cfg.microbatch_shapes or (shape_of(source.model, cfg),) * cfg.num_microbatches
+    traits = cfg.schedule.traits
     key = (source, ranks, cfg.tp, cfg.microbatch_size, cfg.sequence_parallel, cfg.attention, cfg.recompute,
-           cfg.chunks > 1, cfg.schedule.traits.split_backward, cfg.microbatch_shapes)
+           cfg.chunks > 1, traits.split_backward, cfg.microbatch_shapes)
+    per_layer = _layer_work.get(key, lambda: _layer_work_of(source, cfg, ranks))
+    where = (source.model.num_layers, traits.placement, cfg.pp, cfg.chunks, cfg.layout)
+    busiest = _busiest_layers.get(where, lambda: _busiest_layers_of(source.model, cfg))
+    return cfg.num_microbatches * busiest * per_layer * _WORK_MARGIN
 
-    def layer_work() -> float:  # per micro-batch (the mean, for unequal ones)
-        if cfg.microbatch_shapes is None:
-            return min(_work(source.layer_times(cfg, r, shapes[0]), cfg.recompute) for r in ranks)
-        return min(sum(_work(source.layer_times(cfg, r, sh), cfg.recompute) for sh in shapes)
-                   for r in ranks) / len(shapes) * _SUM_MARGIN
 
-    def busiest_layers() -> int:
-        per_rank = [0] * cfg.pp
-        for n, r in zip(stage_layers(source.model, cfg), stage_layout(cfg.schedule, cfg.pp, cfg.chunks)):
-            per_rank[r] += n
-        return max(per_rank)
-    per_layer = _layer_work.get(key, layer_work)
-    where = (source.model.num_layers, cfg.schedule.traits.placement, cfg.pp, cfg.chunks, cfg.layout)
-    return cfg.num_microbatches * _busiest_layers.get(where, busiest_layers) * per_layer * _WORK_MARGIN
+def _layer_work_of(source: CostSource, cfg: ParallelConfig, ranks: tuple[int, ...]) -> float:
+    """:func:`work_bound`'s work of one layer per micro-batch (the mean, for unequal ones) on the fastest of
+    ``ranks``."""
+    if cfg.microbatch_shapes is None:
+        shape = shape_of(source.model, cfg)
+        return min(_work(source.layer_times(cfg, r, shape), cfg.recompute) for r in ranks)
+    shapes = cfg.microbatch_shapes
+    return min(sum(_work(source.layer_times(cfg, r, sh), cfg.recompute) for sh in shapes)
+               for r in ranks) / len(shapes) * _SUM_MARGIN
+
+
+def _busiest_layers_of(model: ModelSpec, cfg: ParallelConfig) -> int:
+    """The most transformer layers any rank of ``cfg`` holds."""
+    return max(_layers_on(model, cfg))
+
+
+def _layers_on(model: ModelSpec, cfg: ParallelConfig) -> list[int]:
+    """Transformer layers each rank of ``cfg`` holds, over all its stages."""
+    per_rank = [0] * cfg.pp
+    for n, r in zip(stage_layers(model, cfg), stage_layout(cfg.schedule, cfg.pp, cfg.chunks)):
+        per_rank[r] += n
+    return per_rank
