@@ -12,6 +12,7 @@ there; ``tests/unit/plan`` checks the result against ``estimate`` on many config
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -20,12 +21,13 @@ from evenpipe.cost.analytic_source import AnalyticSource
 from evenpipe.cost.microbatch_costs import config_sim_costs
 from evenpipe.cost.source import CostSource, Holding, shape_of
 from evenpipe.cost.timing import LayerTimes
+from evenpipe.plan.reload_bound import reload_waits
 from evenpipe.schedule import ScheduleFamily
 from evenpipe.schedule.memo import Memo
 from evenpipe.sim.costs import SimCosts, StageCosts
 
-__all__ = ["PipelineBounds", "pipeline_bounds", "step_time_lower_bound", "step_bound", "stage_layout",
-           "work_lower_bound", "work_bound"]
+__all__ = ["PipelineBounds", "pipeline_bounds", "step_time_lower_bound", "step_bound", "offload_bound",
+           "stage_layout", "work_lower_bound", "work_bound"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineBounds:
@@ -202,6 +204,23 @@ def step_bound(source: CostSource, cfg: ParallelConfig) -> float:
     pipeline_key = _pipeline_key(source, cfg)
     key = (pipeline_key, cfg.dp, cfg.distributed_optimizer)
     return _bound_cache.get(key, lambda: _step_bound(source, cfg, _pipeline_bounds_of(source, cfg, pipeline_key)))
+
+
+def offload_bound(source: CostSource, cfg: ParallelConfig) -> float:
+    """:func:`step_bound` with each offloading rank's end delayed by the idle time its exposed reloads cost at
+    least (:mod:`evenpipe.plan.reload_bound`); :func:`step_bound` itself without host offload (or under BPipe).
+    It walks the schedule's compute order, so a search asks it only of what the step bound could not skip."""
+    if not cfg.offload_ranks or cfg.uses_bpipe:
+        return step_bound(source, cfg)
+    pipeline_key = _pipeline_key(source, cfg)
+
+    def bound() -> float:
+        b = _pipeline_bounds_of(source, cfg, pipeline_key)
+        waits = reload_waits(cfg, config_sim_costs(source, cfg), source.plan_durations(cfg))
+        ends = tuple(end + w for end, w in zip(b.rank_ends, waits))
+        return _step_bound(source, cfg, dataclasses.replace(b, rank_ends=ends, makespan=max(b.makespan, *ends)))
+    key = (pipeline_key, cfg.dp, cfg.distributed_optimizer, cfg.schedule, cfg.offload_ranks)
+    return _bound_cache.get(key, bound)
 
 
 def _step_bound(source: CostSource, cfg: ParallelConfig, b: PipelineBounds) -> float:

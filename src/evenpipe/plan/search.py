@@ -46,7 +46,7 @@ from evenpipe.cost.estimate import estimate_with
 from evenpipe.cost.memory import layer_states_per_rank_gib, stage_memory
 from evenpipe.cost.source import CostSource, shape_of
 from evenpipe.errors import ConfigError, EvenpipeError
-from evenpipe.plan.bounds import step_bound, work_bound
+from evenpipe.plan.bounds import offload_bound, step_bound, work_bound
 from evenpipe.schedule import ScheduleFamily
 from evenpipe.schedule.family import Transform
 
@@ -342,6 +342,9 @@ def _config_fields(model: ModelSpec, hw: Hardware | None, *, num_gpus: int, glob
                                                offload)
 
 
+_TWIN_MARGIN = 1.0 - 1e-12
+"""Shrinks a twin's estimate below the rounding by which an equal step could come out smaller."""
+
 _LIGHTER_RECOMPUTE: dict[Recompute, tuple[Recompute, ...]] = {
     Recompute.NONE: (), Recompute.SELECTIVE: (Recompute.NONE,), Recompute.FULL: (Recompute.NONE, Recompute.SELECTIVE)}
 """Recomputation policies that save less memory and cost less time than each policy."""
@@ -532,11 +535,36 @@ class Searcher:
                 return True
         return False
 
+    def _offload_floor(self, cfg: ParallelConfig, skipped: dict[ParallelConfig, float]) -> float:
+        """A lower bound on the step time of ``cfg``, which offloads activations to host memory, tighter than its
+        step bound: the offload bound (:func:`~evenpipe.plan.bounds.offload_bound`, its exposed reloads), and what
+        is known of a twin never slower than it, as :meth:`_dominated` takes them: the estimate, when one is
+        cached, of the same offloading on fewer ranks (the same computes and messages, fewer host copies), and the
+        estimate or floor (``skipped``) of a lighter recomputation that moves no more bytes.
+        (BPipe gets no such floor: its schedule posts some receives earlier than its plain twin's, which can make
+        it a little faster.)"""
+        floor = offload_bound(self.source, cfg)
+        for k in range(cfg.offload_ranks):
+            est = self._estimates.get(_replace_config(cfg, offload_ranks=k))
+            if est is not None:
+                floor = max(floor, est.step_time_s * _TWIN_MARGIN)
+        for r in _LIGHTER_RECOMPUTE[cfg.recompute]:
+            twin = _replace_config(cfg, recompute=r)
+            known = skipped.get(twin)
+            if known is None and (est := self._estimates.get(twin)) is not None:
+                known = est.step_time_s * _TWIN_MARGIN
+            if known is not None and known > floor and self._moves_no_more(twin, cfg):
+                floor = known
+        return floor
+
     def _moves_no_more(self, a: ParallelConfig, b: ParallelConfig) -> bool:
-        """Whether every stage of ``a`` saves (and so evicts) no more bytes than the same stage of ``b``."""
+        """Whether every stage of ``a`` moves (evicts or offloads) no more bytes per micro-batch than the same stage
+        of ``b``: a fully recomputed micro-batch moves its checkpoint, another its saved activations."""
         costs_a = self.source.stage_costs(a, shape_of(self.model, a))
         costs_b = self.source.stage_costs(b, shape_of(self.model, b))
-        return all(sa.activation_bytes <= sb.activation_bytes and sa.checkpoint_bytes <= sb.checkpoint_bytes
+        full_a, full_b = a.recompute is Recompute.FULL, b.recompute is Recompute.FULL
+        return all((sa.checkpoint_bytes if full_a else sa.activation_bytes)
+                   <= (sb.checkpoint_bytes if full_b else sb.activation_bytes)
                    for sa, sb in zip(costs_a.stages, costs_b.stages))
 
     def _states_fit(self, cfg: ParallelConfig) -> bool:
@@ -581,6 +609,7 @@ class Searcher:
         best: dict[ScheduleFamily, Candidate] = {}
         fitting: set[ParallelConfig] = set()
         overflow_at: dict[tuple[object, ...], int] = {}  # choices except b -> smallest b that overflowed
+        skipped: dict[ParallelConfig, float] = {}  # offloading configurations skipped on their floor -> that floor
         while pending:
             item = heapq.heappop(pending)
             cfg = item.config
@@ -602,6 +631,11 @@ class Searcher:
                 counts.dominated += 1
                 if transitive:  # at least as slow as a fitting one: it dominates as that one would
                     fitting.add(cfg)
+                continue
+            floor = self._offload_floor(cfg, skipped) if cfg.offload_ranks and not cfg.uses_bpipe else 0.0
+            if floor > kth and (not per_family or floor > fam_best):  # skipped where it stands: the others'
+                skipped[cfg] = floor  # order is kept
+                counts.bounded += 1
                 continue
             key = (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.bpipe, cfg.chunks, cfg.recompute, cfg.layout,
                    cfg.distributed_optimizer, cfg.offload_ranks)

@@ -79,10 +79,12 @@ def test_best_per_schedule_matches_exhaustive(exhaustive_40gb: list[tuple[float,
 
 def test_dominated_configurations_are_really_slower(exhaustive_40gb: list[tuple[float, ParallelConfig]]) -> None:
     # the dominance rule: all else equal, lighter recomputation is never slower (under BPipe: when it also
-    # evicts no more bytes)
+    # evicts no more bytes, which with eager attention it never does: selective recomputation saves less, full
+    # recomputation evicts only its checkpoint; test_moving_activations_never_makes_a_step_faster checks BPipe and
+    # offload with flash attention)
     by_cfg = {c: t for t, c in exhaustive_40gb}
     searcher = Searcher(SMALL, A100_40)
-    checked = {ScheduleFamily.BPIPE: 0, ScheduleFamily.ONE_F_ONE_B: 0}
+    checked = {ScheduleFamily.ONE_F_ONE_B: 0}
     for cfg, t in by_cfg.items():
         for lighter in (Recompute.NONE, Recompute.SELECTIVE):
             if lighter is cfg.recompute or (lighter is Recompute.SELECTIVE and cfg.recompute is Recompute.NONE):
@@ -368,3 +370,36 @@ def test_the_bound_counts_the_replicated_embedding() -> None:
     low, high = step_bound(megatron, cfg), step_bound(evenpipe, cfg)
     assert high > low + 0.05  # about 0.15 s more reduction on rank 0
     assert high <= estimate_with(evenpipe, cfg).step_time_s
+
+
+def test_moving_fewer_activations_never_makes_a_step_slower() -> None:
+    """What the search's dominance rule and its offload floor (``Searcher._offload_floor``) take: a configuration
+    offloading on more ranks is never faster than the same offloading on fewer, and under offload or BPipe a
+    lighter recomputation that moves no more bytes is never slower (a fully recomputed micro-batch moves only its
+    checkpoint, so with offload full recomputation can beat selective, and the rule must not take it as
+    dominated); checked on every configuration of a small space, fitting or not, under evenpipe's runtime, with
+    flash attention (selective recomputation saves as much as none) and eager (it saves less)."""
+    source = _evenpipe_source(SMALL, A100)
+    searcher = Searcher.over(source)
+    times = {}
+    for attention in (Attention.FLASH, Attention.EAGER):
+        space = SearchSpace(max_microbatch_size=2, max_chunks=2, distributed_optimizer=True, attention=attention,
+                            offload_fractions=(0.0, 0.25, 0.5, 1.0))
+        for cfg in enumerate_configs(SMALL, A100, num_gpus=8, global_batch=16, space=space):
+            try:
+                source.check(cfg, 8)
+                times[cfg] = estimate_with(source, cfg).step_time_s
+            except EvenpipeError:
+                continue
+    checked = {"offload": 0, "recompute with offload": 0, "recompute with bpipe": 0}
+    lighter = {Recompute.SELECTIVE: (Recompute.NONE,), Recompute.FULL: (Recompute.NONE, Recompute.SELECTIVE)}
+    for cfg, t in times.items():
+        twins = [("offload", dataclasses.replace(cfg, offload_ranks=k)) for k in range(cfg.offload_ranks)]
+        if cfg.uses_bpipe or cfg.offload_ranks:
+            what = "recompute with bpipe" if cfg.uses_bpipe else "recompute with offload"
+            twins += [(what, dataclasses.replace(cfg, recompute=r)) for r in lighter.get(cfg.recompute, ())]
+        for what, twin in twins:
+            if twin in times and (what == "offload" or searcher._moves_no_more(twin, cfg)):
+                assert t >= times[twin] * (1 - 1e-12), (what, cfg.describe())
+                checked[what] += 1
+    assert all(n > 5 for n in checked.values()), checked
