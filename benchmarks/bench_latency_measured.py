@@ -7,7 +7,9 @@ slow, measured on this machine (issue 35 point 4).
     .venv/bin/python benchmarks/bench_latency_measured.py --stages 2 --latency 1 --json-out DIR/latency.json
 
 1. A stage's forward ``F`` is measured first: the median forward of a 1f1b run without delays (``train
-   --trace-json``).
+   --trace-json``), with its fused backward ``B``, and a zb-h1 run's ``I`` and ``W``: latency-aware always splits
+   the backward, which on a CPU costs more than the fused ``B`` (gpt-tiny, b=8: I+W about 1.2 B), so its gain
+   is also given against each baseline alone (``gain_vs``; zb-h1 splits too).
 2. Every pair of pipeline ranks gets ``--emulate-link-delay`` of ``--latency`` x ``F`` (each message lands that
    long after it is sent; the sender goes on, see :mod:`evenpipe.runtime.emulation`).
 3. Each round runs every schedule once, in an order that rotates from round to round (``train --json-out``: the
@@ -50,15 +52,32 @@ def _train(args: argparse.Namespace, out: pathlib.Path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
-def forward_s(args: argparse.Namespace, out: pathlib.Path) -> float:
-    """Median forward of one stage in a 1f1b run without delays."""
-    from evenpipe.schedule.ir import ActionKind
+def compute_ms(args: argparse.Namespace, out: pathlib.Path) -> dict[str, float]:
+    """Median milliseconds of a stage's F and fused B (a 1f1b run) and of its I and W (a zb-h1 run), no delays."""
     from evenpipe.sim.trace import Trace
-    trace_path = out / "forward_trace.json"
-    _train(args, out / "forward.json", "--schedule", "1f1b", "--steps", str(max(3, args.steps // 2)),
-           "--trace-json", str(trace_path))
-    trace = Trace.from_json(trace_path.read_text())
-    return statistics.median(r.duration for r in trace.compute_records() if r.kind is ActionKind.FORWARD)
+    medians: dict[str, float] = {}
+    for family in ("1f1b", "zb-h1"):
+        trace_path = out / f"{family}_trace.json"
+        _train(args, out / f"{family}_free.json", "--schedule", family, "--steps", str(max(3, args.steps // 2)),
+               "--trace-json", str(trace_path))
+        by_kind: dict[str, list[float]] = {}
+        for r in Trace.from_json(trace_path.read_text()).compute_records():
+            by_kind.setdefault(r.kind.value, []).append(r.duration * 1e3)
+        medians.update({k: statistics.median(v) for k, v in by_kind.items() if k not in medians})
+    return medians
+
+
+def split_note(ms: dict[str, float], gains: dict[str, float]) -> list[str]:
+    """A note when the split backward (I then W) costs more than the fused B here: latency-aware always splits."""
+    if not {"B", "I", "W"} <= set(ms):
+        return []
+    extra = (ms["I"] + ms["W"]) / ms["B"] - 1
+    if extra < 0.05:
+        return []
+    vs = ", ".join(f"{n} {g:+.1%}" for n, g in gains.items())
+    return [f"the split backward costs {extra:.0%} more than the fused B on this host (I+W {ms['I'] + ms['W']:.2f} "
+            f"ms, B {ms['B']:.2f} ms): latency-aware always splits, 1f1b and interleaved do not; its median gain "
+            f"against each baseline: {vs} (zb-h1 splits too)"]
 
 
 def schedules(args: argparse.Namespace, blocks: int) -> dict[str, list[str]]:
@@ -123,14 +142,15 @@ def main() -> int:
     chosen, gains = best_microbatches(args.stages, args.latency, blocks)
     args.microbatches = args.microbatches or chosen
     host0, load0, t0 = host_state(), _load(), time.perf_counter()
-    f = forward_s(args, args.out)
+    ms = compute_ms(args, args.out)
+    f = ms["F"] / 1e3
     delay_ms = args.latency * f * 1e3
     links = [x for a in range(args.stages) for b in range(a + 1, args.stages)
              for x in ("--emulate-link-delay", f"{a}-{b}:{delay_ms:.4f}")]
     runs = schedules(args, blocks)
     names = list(runs)
-    print(f"{args.model} P={args.stages} M={args.microbatches}: forward {f * 1e3:.2f} ms, every link "
-          f"{delay_ms:.2f} ms ({args.latency:g} forward); load {load0}")
+    print(f"{args.model} P={args.stages} M={args.microbatches}: every link {delay_ms:.2f} ms ({args.latency:g} "
+          f"forward); a stage's " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()) + f" ms; load {load0}")
     ratios: list[float] = []
     rounds: list[dict[str, float]] = []
     for rep in range(args.repeats):
@@ -143,11 +163,13 @@ def main() -> int:
               + f"  ratio {ratios[-1]:.3f}", flush=True)
         rounds.append(steps)
     med, sim = statistics.median(ratios), simulated_ratio(args, names)
+    gain_vs = {n: 1 - statistics.median(r["latency-aware"] / r[n] for r in rounds) for n in names
+               if n != "latency-aware"}
     seconds = time.perf_counter() - t0
     print(f"latency-aware / best baseline: median {med:.3f} (gain {1 - med:+.1%}), spread {min(ratios):.3f}-"
           f"{max(ratios):.3f} over {len(ratios)} rounds; simulated {sim:.3f}; "
           f"load {load0} -> {_load()}, {seconds:.0f} s")
-    notes = core_note(args.stages, host0["cores"])
+    notes = core_note(args.stages, host0["cores"]) + split_note(ms, gain_vs)
     if 1 - sim < GAIN_TARGET:
         notes.append(f"the simulator's gain at P={args.stages} M={args.microbatches} latency {args.latency:g} is "
                      f"{1 - sim:.1%}, below the issue's measured {GAIN_TARGET:.0%}: the target cannot be shown here "
@@ -157,6 +179,7 @@ def main() -> int:
     if args.json_out:
         result = {"model": args.model, "stages": args.stages, "microbatches": args.microbatches,
                   "microbatch_size": args.microbatch_size, "latency_forwards": args.latency, "forward_s": f,
+                  "compute_ms": ms, "gain_vs": gain_vs,
                   "link_delay_ms": delay_ms, "steps": args.steps, "repeats": args.repeats, "rounds_step_s": rounds,
                   "ratios": ratios, "median_ratio": med, "gain": 1 - med, "simulated_ratio": sim,
                   "simulated_gain_by_microbatches": {str(m): g for m, g in gains.items()},

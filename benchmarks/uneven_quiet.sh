@@ -5,10 +5,10 @@
 #   benchmarks/uneven_quiet.sh OUT_DIR            # the measurement
 #   benchmarks/uneven_quiet.sh OUT_DIR --quick    # a short check that it runs (numbers noisy)
 #
-# 1. bench_uneven at P=2: gpt-mini at 64 tokens, M=4, b=1 (about a quarter of a second a step on this host);
-#    rank 1 emulated 1.5x slower from step 10, 200 baseline steps for false alarms, a 5 ms delay on link 0-1.
-#    At P=2 a re-planned layout recovers at most 60% (50% with gpt-mini's 8 blocks): the JSON's
-#    predicted_recovery is what to compare the measured recovery with (notes).
+# 1. bench_uneven at P=2: benchmarks/data/deep_llama_config.json (32 blocks of hidden 128, 64 tokens), M=4, b=2
+#    (about a quarter of a second a step on this host); rank 1 emulated 1.5x slower from step 10, 200 baseline
+#    steps for false alarms, a 5 ms delay on link 0-1. At P=2 a re-planned layout recovers at most 60% (56% in
+#    whole blocks, 19+13): the JSON's predicted_recovery is what to compare the measured recovery with (notes).
 # 2. bench_latency_measured at P=2: gpt-tiny, every message one stage forward late, 3 rounds (M=16, the M the
 #    simulator gives the largest gain at P=2).
 # 3. bench_latency_measured at P=4 (M=4) when under 4.5 minutes have gone: 4 processes on 2 cores, so its
@@ -36,8 +36,8 @@ part() {  # part NAME LIMIT_S COMMAND...: run it with a time limit, log its seco
     tail -n 8 "$out/$name.txt"
 }
 
-part uneven_p2 300 "$py" benchmarks/bench_uneven.py --stages 2 --model gpt-mini --seq-len 64 --microbatches 4 \
-    --microbatch-size 1 --profile-sizes 1 --slow-rank 1 --factor 1.5 $quick \
+part uneven_p2 300 "$py" benchmarks/bench_uneven.py --stages 2 --hf-config benchmarks/data/deep_llama_config.json \
+    --microbatches 4 --microbatch-size 2 --profile-sizes 2 --slow-rank 1 --factor 1.5 $quick \
     --out "$out/uneven_p2" --json-out "$out/uneven_p2.json"
 part latency_p2 150 "$py" benchmarks/bench_latency_measured.py --stages 2 --latency 1 --repeats 3 $quick \
     --out "$out/latency_p2" --json-out "$out/latency_p2.json"

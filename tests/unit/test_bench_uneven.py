@@ -112,3 +112,11 @@ def test_best_microbatches_takes_the_largest_simulated_gain() -> None:
     M1, gains1 = bench_latency_measured.best_microbatches(2, 1.0, blocks=2)  # too few blocks for the V
     base1, ours1 = bench_latency.compare(2, M1, 1.0)
     assert gains1[M1] == pytest.approx(1 - ours1[0][0] / min(base1[0][0], base1[2][0]))
+
+
+def test_split_note_only_when_the_split_backward_costs_more_here() -> None:
+    import bench_latency_measured
+    (note,) = bench_latency_measured.split_note({"F": 2.5, "B": 4.0, "I": 1.6, "W": 3.0}, {"1f1b": -0.05, "zb-h1": 0.12})
+    assert "15% more" in note and "1f1b -5.0%" in note and "zb-h1 +12.0%" in note
+    assert bench_latency_measured.split_note({"F": 2.5, "B": 4.0, "I": 2.0, "W": 2.0}, {"1f1b": 0.1}) == []
+    assert bench_latency_measured.split_note({"F": 2.5, "B": 4.0}, {"1f1b": 0.1}) == []
