@@ -14,7 +14,6 @@ from evenpipe.commands.model_args import (add_gpus_per_node_argument, add_model_
                                          add_runtime_arguments, conventions_from_args, parse_layout,
                                          source_from_args)
 from evenpipe.cost import Attention, Hardware, ModelSpec, Recompute
-from evenpipe.cost.profiled_source import ProfiledSource
 from evenpipe.cost.source import CostSource
 from evenpipe.cost.parallel import describe_layout, join_bpipe, split_bpipe
 from evenpipe.errors import ConfigError, choice_error
@@ -193,6 +192,7 @@ def _measured_table(result: PlanResult) -> list[str]:
 
 def _profiled_sizes(source: CostSource) -> tuple[int, ...] | None:
     """The micro-batch sizes a profile measured (None for an analytic source)."""
+    from evenpipe.cost.profiled_source import ProfiledSource  # a measured source only: off an analytic plan's path
     return source.fits.profile.microbatch_sizes if isinstance(source, ProfiledSource) else None
 
 

@@ -27,7 +27,6 @@ from evenpipe.cost.categories import MEMORY_CATEGORIES
 from evenpipe.cost.microbatch_costs import bpipe_weights
 from evenpipe.cost.memory import build_cost_schedule, rank_activation_peaks, tied_table
 from evenpipe.cost.parallel import ParallelConfig, stage_layers
-from evenpipe.cost.profiled_source import ProfiledSource
 from evenpipe.cost.runtime_memory import Runtime, RuntimeConventions
 from evenpipe.cost.source import CostSource, shape_of
 
@@ -119,6 +118,7 @@ def with_conventions(source: CostSource, conventions: RuntimeConventions) -> Cos
     ``conventions.dtype`` is refused in one line (its activations are that dtype's)."""
     if isinstance(source, AnalyticSource):
         return dataclasses.replace(source, conventions=conventions)
+    from evenpipe.cost.profiled_source import ProfiledSource  # a measured source only: off an analytic plan's path
     if isinstance(source, ProfiledSource):
         measured = source.fits.profile.machine.dtype
         if conventions.runtime is Runtime.EVENPIPE and measured != conventions.dtype.value:
