@@ -214,7 +214,9 @@ def latency(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]:
         s = train(args, out, f"link_{family}", args.link_steps, "--schedule", family, "--emulate-link-delay", link)
         steps[family] = measured(s)
     best = min(steps["1f1b"], steps["zb-h1"])
-    return {"link": link, "measured_step_s": steps, "gain": (best - steps["latency-aware"]) / best}
+    # latency-aware always splits the backward, as zb-h1 does and 1f1b does not: its gain against each alone
+    return {"link": link, "measured_step_s": steps, "gain": (best - steps["latency-aware"]) / best,
+            "gain_vs": {n: (steps[n] - steps["latency-aware"]) / steps[n] for n in ("1f1b", "zb-h1")}}
 
 
 def main() -> int:
@@ -288,7 +290,9 @@ def main() -> int:
     print(f"recovery {recovery}; {named}; false alarms "
           f"{result['false_alarms']} in {result['false_alarm_steps']} steps (longest streaks "
           f"{result['false_alarm_longest_streak']} of {result['patience']}); latency-aware gain "
-          f"{result['latency']['gain']:+.1%} ({result['latency']['link']} ms); load {load0} -> {result['load_after']}, "
+          f"{result['latency']['gain']:+.1%} ({result['latency']['link']} ms; against 1f1b "
+          f"{result['latency']['gain_vs']['1f1b']:+.1%}, zb-h1 {result['latency']['gain_vs']['zb-h1']:+.1%}); "
+          f"load {load0} -> {result['load_after']}, "
           f"{result['seconds']:.0f} s")
     for note in result["notes"]:
         print(f"note: {note}")

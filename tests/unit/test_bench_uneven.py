@@ -120,3 +120,19 @@ def test_split_note_only_when_the_split_backward_costs_more_here() -> None:
     assert "15% more" in note and "1f1b -5.0%" in note and "zb-h1 +12.0%" in note
     assert bench_latency_measured.split_note({"F": 2.5, "B": 4.0, "I": 2.0, "W": 2.0}, {"1f1b": 0.1}) == []
     assert bench_latency_measured.split_note({"F": 2.5, "B": 4.0}, {"1f1b": 0.1}) == []
+
+
+@pytest.mark.parametrize("stages,link", [(2, "0-1:5.0"), (4, "1-2:5.0")])
+def test_the_slow_link_is_the_middle_one_and_the_gain_is_given_against_each(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, stages: int, link: str) -> None:
+    step = {"1f1b": 0.20, "zb-h1": 0.25, "latency-aware": 0.18}
+    seen = []
+
+    def train(args, out, name, steps, *extra):
+        seen.append(extra)
+        return _summary([step[extra[1]]] * 3, [], None)
+    monkeypatch.setattr(bench_uneven, "train", train)
+    args = argparse.Namespace(stages=stages, link_delay_ms=5.0, link_steps=4)
+    result = bench_uneven.latency(args, tmp_path)
+    assert result["link"] == link and all(e[-1] == link for e in seen)
+    assert result["gain"] == pytest.approx(0.1) and result["gain_vs"]["zb-h1"] == pytest.approx(0.28)
