@@ -2,7 +2,10 @@
 
     .venv/bin/python benchmarks/bench_uneven.py --out bench_uneven_out --json          # profiles gpt-mini first
     .venv/bin/python benchmarks/bench_uneven.py --profile profile.json --quick         # a short check that it runs
-    .venv/bin/python benchmarks/bench_uneven.py --stages 2 --seq-len 64 --out DIR --json  # a core per process here
+    .venv/bin/python benchmarks/bench_uneven.py --stages 2 --hf-config benchmarks/data/deep_llama_config.json \
+        --microbatches 4 --profile-sizes 2 --out DIR --json-out DIR/uneven.json   # P=2: a core per process here
+    # the P=4 (a host with 4 cores): --stages 4 --microbatches 8 on the same config (gpt-mini's 8 blocks
+    # cannot move work off a slow rank at P=4); benchmarks/uneven_quiet.sh runs P=2 with the latency bench
 
 Side by side in one run (P local processes, 4 by default, ``train --predict PROFILE`` each; the profile is
 measured with P processes and every prediction is for that P):
