@@ -27,7 +27,7 @@ from evenpipe.schedule.memo import Memo
 from evenpipe.sim.costs import SimCosts, StageCosts
 
 __all__ = ["PipelineBounds", "pipeline_bounds", "step_time_lower_bound", "step_bound", "offload_bound",
-           "stage_layout", "work_lower_bound", "work_bound"]
+           "bound_with_ends", "stage_layout", "work_lower_bound", "work_bound"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineBounds:
@@ -217,10 +217,17 @@ def offload_bound(source: CostSource, cfg: ParallelConfig) -> float:
     def bound() -> float:
         b = _pipeline_bounds_of(source, cfg, pipeline_key)
         waits = reload_waits(cfg, config_sim_costs(source, cfg), source.plan_durations(cfg))
-        ends = tuple(end + w for end, w in zip(b.rank_ends, waits))
-        return _step_bound(source, cfg, dataclasses.replace(b, rank_ends=ends, makespan=max(b.makespan, *ends)))
+        return bound_with_ends(source, cfg, [end + w for end, w in zip(b.rank_ends, waits)])
     key = (pipeline_key, cfg.dp, cfg.distributed_optimizer, cfg.schedule, cfg.offload_ranks)
     return _bound_cache.get(key, bound)
+
+
+def bound_with_ends(source: CostSource, cfg: ParallelConfig, ends: Sequence[float]) -> float:
+    """:func:`step_bound` with each rank's last compute ending no earlier than ``ends[r]`` (a lower bound known
+    from elsewhere: exposed reloads, a simulation of the compute order)."""
+    b = _pipeline_bounds_of(source, cfg, _pipeline_key(source, cfg))
+    rank_ends = tuple(max(a, e) for a, e in zip(b.rank_ends, ends))
+    return _step_bound(source, cfg, dataclasses.replace(b, rank_ends=rank_ends, makespan=max(b.makespan, *rank_ends)))
 
 
 def _step_bound(source: CostSource, cfg: ParallelConfig, b: PipelineBounds) -> float:

@@ -47,6 +47,7 @@ from evenpipe.cost.memory import layer_states_per_rank_gib, stage_memory
 from evenpipe.cost.source import CostSource, shape_of
 from evenpipe.errors import ConfigError, EvenpipeError
 from evenpipe.plan.bounds import offload_bound, step_bound, work_bound
+from evenpipe.plan.order_bound import order_bound
 from evenpipe.schedule import ScheduleFamily
 from evenpipe.schedule.family import Transform
 
@@ -442,6 +443,11 @@ class Searcher:
             bound = self._bounds[cfg] = step_bound(self.source, cfg)
         return bound
 
+    def order_bound(self, cfg: ParallelConfig) -> float:
+        """Step-time lower bound of ``cfg`` from its compute order simulated on free links (see
+        :mod:`evenpipe.plan.order_bound`; several times cheaper than :meth:`estimate`)."""
+        return order_bound(self.source, cfg)
+
     def search(self, *, num_gpus: int, global_batch: int, space: SearchSpace | None = None, top_k: int = 10,
                best_per_schedule: bool = False,
                where: Callable[[ParallelConfig], bool] | None = None,
@@ -649,6 +655,12 @@ class Searcher:
                 counts.over_memory += 1
                 overflow_at[key] = min(overflow_at.get(key, cfg.microbatch_size), cfg.microbatch_size)
                 continue
+            if kth < math.inf or (per_family and fam_best < math.inf):
+                floor = self.order_bound(cfg)
+                if floor > kth and (not per_family or floor > fam_best):  # its compute order alone is too slow
+                    fitting.add(cfg)  # it fits: what it dominates cannot win either
+                    counts.bounded += 1
+                    continue
             try:
                 cand = Candidate(config=cfg, estimate=self.estimate(cfg))
             except EvenpipeError as e:  # the full-length schedule may break a rule the truncated one kept

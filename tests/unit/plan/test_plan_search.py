@@ -24,7 +24,8 @@ from evenpipe.cost.runtime_memory import Runtime, RuntimeConventions, TrainPreci
 from evenpipe.cost.timing import Efficiency
 from evenpipe.errors import ConfigError, EvenpipeError
 from evenpipe.plan import Searcher, SearchSpace, enumerate_configs, plan_configs, step_time_lower_bound
-from evenpipe.plan.bounds import step_bound, work_lower_bound
+from evenpipe.plan.bounds import offload_bound, step_bound, work_lower_bound
+from evenpipe.plan.order_bound import order_bound
 from evenpipe.schedule import ScheduleFamily
 
 A100 = hardware_preset("a100-80gb")
@@ -339,7 +340,7 @@ def _evenpipe_source(model: ModelSpec, hw: Hardware) -> AnalyticSource:
 def test_lower_bound_holds_under_the_evenpipe_runtime(name: str, gpus: int, batch: int) -> None:
     """Under evenpipe's runtime the embedding and the head are replicated over tp, so rank 0 and the last rank
     reduce and step markedly more than their layers: the bound counts them as the estimate does, and stays below
-    it for every family, with BPipe and with host offload."""
+    it for every family, with BPipe and with host offload; so do the offload and compute-order bounds."""
     model = model_preset(name)
     source = _evenpipe_source(model, A100)
     space = SearchSpace(max_microbatch_size=2, max_chunks=2, schedules=SPACE.schedules + NEW_FAMILIES,
@@ -351,7 +352,8 @@ def test_lower_bound_holds_under_the_evenpipe_runtime(name: str, gpus: int, batc
             est = estimate_with(source, cfg)
         except EvenpipeError:
             continue
-        assert step_bound(source, cfg) <= est.step_time_s * (1 + 1e-9), cfg.describe()
+        for bound in (step_bound, offload_bound, order_bound):  # the search's floors too
+            assert bound(source, cfg) <= est.step_time_s * (1 + 1e-9), (bound.__name__, cfg.describe())
         checked += 1
     assert checked > 100
 
