@@ -383,9 +383,10 @@ def stage_memory(source: CostSource, cfg: ParallelConfig) -> tuple[StageMemory, 
     counts = source.param_counts(cfg)
     last = schedule.num_stages - 1
     out: list[StageMemory] = []
+    rank_layers = _layers_per_rank(schedule, layers)
     for r, (peak, held) in enumerate(rank_activation_peaks(source, cfg)):
         per_param = source.state_bytes(cfg, r)
-        n_params = counts.per_layer * sum(layers[s] for s in schedule.stages_of(r))
+        n_params = counts.per_layer * rank_layers[r]
         state = per_param.parameters + per_param.gradients + (per_param.master + per_param.optimizer)
         tied = tied_table(source, cfg, schedule, r)
         emb_state = ((counts.embedding - tied.params) * state + tied.params * tied.per_param.total
@@ -444,5 +445,14 @@ def layer_states_per_rank_gib(source: CostSource, cfg: ParallelConfig) -> tuple[
         b = source.state_bytes(cfg, r)
         return per_layer * (b.parameters + b.gradients + (b.master + b.optimizer)) / GIB
     alike = layer_gib(0) if source.uniform else None  # rank 0 stands for every rank of a uniform source
-    return tuple((layer_gib(r) if alike is None else alike) * sum(layers[s] for s in schedule.stages_of(r))
-                 for r in range(cfg.pp))
+    return tuple((layer_gib(r) if alike is None else alike) * n
+                 for r, n in enumerate(_layers_per_rank(schedule, layers)))
+
+
+def _layers_per_rank(schedule: Schedule, layers: Sequence[int]) -> list[int]:
+    """Transformer layers each rank of ``schedule`` holds, given each stage's ``layers`` (one pass over the
+    stages)."""
+    out = [0] * schedule.num_ranks
+    for n, r in zip(layers, schedule.stage_to_rank):
+        out[r] += n
+    return out

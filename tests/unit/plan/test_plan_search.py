@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 
@@ -405,3 +406,19 @@ def test_moving_fewer_activations_never_makes_a_step_slower() -> None:
                 assert t >= times[twin] * (1 - 1e-12), (what, cfg.describe())
                 checked[what] += 1
     assert all(n > 5 for n in checked.values()), checked
+
+
+def test_search_pauses_cyclic_collection_and_restores_it() -> None:
+    """A search allocates ~10^5 acyclic objects; collections meanwhile would only scan the growing caches. The
+    pause ends with the search, also when it raises."""
+    seen: list[bool] = []
+
+    def where(cfg: ParallelConfig) -> bool:
+        seen.append(gc.isenabled())
+        return True
+    assert gc.isenabled()
+    Searcher(SMALL, A100).search(num_gpus=4, global_batch=8, space=SPACE, where=where)
+    assert seen and not any(seen) and gc.isenabled()
+    with pytest.raises(ConfigError):
+        Searcher(SMALL, A100).search(num_gpus=4, global_batch=8, space=SPACE, where=lambda cfg: False)
+    assert gc.isenabled()
