@@ -1,5 +1,6 @@
-"""The compute-order bound (:mod:`evenpipe.plan.order_bound`): its longest path is the simulator's step on free
-links, float for float, and it closes the gap a memory-capped V schedule's own order leaves."""
+"""The compute-order bound (:mod:`evenpipe.plan.order_bound`): its longest path is the simulator's step of the
+compute order (implicit messages, each its link's transfer time, never queued), and it closes the gap a
+memory-capped V schedule's own order leaves."""
 
 from __future__ import annotations
 
@@ -13,17 +14,17 @@ from evenpipe.cost.estimate import estimate_with
 from evenpipe.cost.runtime_memory import Runtime, RuntimeConventions, TrainPrecision
 from evenpipe.cost.timing import Efficiency
 from evenpipe.plan.bounds import step_bound
-from evenpipe.plan.order_bound import free_ends, order_bound
+from evenpipe.plan.order_bound import free_ends, message_delays, order_bound
 from evenpipe.schedule import ScheduleFamily, add_recompute, compute_order
 from evenpipe.sim import simulate
-from evenpipe.sim.costs import SimCosts, StageCosts
+from evenpipe.sim.costs import Link, SimCosts, StageCosts
 
 
 @pytest.mark.parametrize("family,v,plan", [
     (ScheduleFamily.ONE_F_ONE_B, 1, None), (ScheduleFamily.INTERLEAVED, 2, None), (ScheduleFamily.ZB_H1, 1, None),
     (ScheduleFamily.ZB_V, 2, None), (ScheduleFamily.V_HALF, 2, (2, 2, 1)), (ScheduleFamily.V_MIN, 2, (2, 3, 1)),
     (ScheduleFamily.GPIPE, 1, None), (ScheduleFamily.BPIPE, 1, None)])
-def test_free_ends_are_the_simulated_step_on_free_links(family: ScheduleFamily, v: int,
+def test_free_ends_are_the_simulated_compute_order(family: ScheduleFamily, v: int,
                                                         plan: tuple[int, int, int] | None) -> None:
     rng = random.Random(7)
     for p, m in ((4, 8), (3, 6)):
@@ -32,11 +33,14 @@ def test_free_ends_are_the_simulated_step_on_free_links(family: ScheduleFamily, 
             if recompute:
                 order = add_recompute(order)
             stages = [StageCosts(forward=rng.uniform(0.5, 2), backward_input=rng.uniform(0.5, 2),
-                                 backward_weight=rng.uniform(0.1, 1), recompute=rng.uniform(0.5, 2))
-                      for _ in range(order.num_stages)]
-            trace = simulate(order, SimCosts.from_stages(stages))
-            want = tuple(max(trace.action_times(r)[1]) for r in range(p))
-            assert free_ends(order, stages) == want, (p, m, recompute)
+                                 backward_weight=rng.uniform(0.1, 1), recompute=rng.uniform(0.5, 2),
+                                 output_bytes=1.0) for _ in range(order.num_stages)]
+            for costs in (SimCosts.from_stages(stages),  # free links, and links taking time
+                          SimCosts.from_stages(stages, default_link=Link(latency_s=0.05, bandwidth_bytes_per_s=4.0))):
+                trace = simulate(order, costs)  # a compute order: its messages are implicit, never queued
+                want = tuple(max(trace.action_times(r)[1]) for r in range(p))
+                got = free_ends(order, stages, message_delays(order.stage_to_rank, costs))
+                assert got == pytest.approx(want, rel=1e-12, abs=1e-12), (p, m, recompute)
 
 
 def test_the_order_bound_sees_the_memory_cap() -> None:
