@@ -13,7 +13,7 @@ module from source, a cost that grows with the code's size and that no user pays
 The new side is this checkout's ``src``, put first on ``PYTHONPATH`` like the baseline's.
 
 Run: ``.venv/bin/python benchmarks/bench_cli.py --baseline /tmp/base/src [--repeat 3]
-[--case simulate|plan|explain|explain-memory|imports]``.
+[--case simulate|plan|explain|explain-memory|imports] [--new-args "--runtime megatron"]``.
 """
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, metavar="SRC", help="baseline src directory (omit: this one only)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--case", choices=sorted(CASES), action="append")
+    parser.add_argument("--new-args", default="", metavar="ARGS",
+                        help="options added to the new side's evenpipe command only, for a baseline that lacks them "
+                             "(e.g. \"--runtime megatron\" to run the baseline's very search)")
     parser.add_argument("--bytecode", choices=("cached", "none"), default="cached",
                         help="cached: byte-compile both trees first and read the bytecode (default); none: compile "
                              "every module from source in every run")
@@ -93,6 +96,7 @@ def main() -> None:
     if args.baseline is not None and not os.path.isdir(os.path.join(args.baseline, "evenpipe")):
         parser.error(f"--baseline {args.baseline!r} holds no evenpipe package; give a src directory")
     bytecode = args.bytecode == "cached"
+    extra = args.new_args.split()
     sides = {"new": HERE_SRC} if args.baseline is None else {"baseline": args.baseline, "new": HERE_SRC}
     if bytecode:
         for src in sides.values():
@@ -106,7 +110,8 @@ def main() -> None:
         outputs: dict[str, str] = {}
         for i in range(args.repeat):
             for name, src in sides.items():
-                wall, cpu, load, out = _run(cmd, src, bytecode=bytecode)
+                side_cmd = cmd + extra if name == "new" and cmd[0] != "-c" else cmd
+                wall, cpu, load, out = _run(side_cmd, src, bytecode=bytecode)
                 walls[name].append(wall)
                 cpus[name].append(cpu)
                 if name in outputs and outputs[name] != out:
