@@ -354,10 +354,12 @@ _LIGHTER_RECOMPUTE: dict[Recompute, tuple[Recompute, ...]] = {
 
 @dataclass(slots=True)
 class _Checked:
-    """An enumerated configuration, the source's objection to it (None: none) and its work bound once asked."""
+    """An enumerated configuration, the source's objection to it (None: none) once checked, and its work bound
+    once asked."""
 
     config: ParallelConfig
-    error: str | None
+    error: str | None = None
+    checked: bool = False
     work: float | None = None
 
 
@@ -471,8 +473,9 @@ class Searcher:
         with gc_paused():  # ~10^5 acyclic objects (configurations, keys, stage costs) whose allocations would
             # start full collections over the growing caches: ~12% of a 14370-configuration search, for a few
             # hundred cyclic objects left to collect afterwards
-            pending = self._prune(num_gpus, global_batch, space, where, counts)
             seed = [incumbent] if incumbent is not None and top_k == 1 and not best_per_schedule else []
+            pending = self._prune(num_gpus, global_batch, space, where, counts,
+                                  seed[0].step_time_s if seed else math.inf)
             top, best_by_family = self._branch_and_bound(pending, top_k, best_per_schedule, counts, seed) \
                 if pending else ([], {})
         if not top:
@@ -485,8 +488,11 @@ class Searcher:
 
     # -- steps ----------------------------------------------------------------------------------------------
     def _prune(self, num_gpus: int, global_batch: int, space: SearchSpace,
-               where: Callable[[ParallelConfig], bool] | None, counts: _Counts) -> list[_Pending]:
-        """Enumerate and check; drop (tp, pp, dp) groups whose model states alone overflow; bound the rest.
+               where: Callable[[ParallelConfig], bool] | None, counts: _Counts,
+               threshold: float = math.inf) -> list[_Pending]:
+        """Enumerate and check; drop (tp, pp, dp) groups whose model states alone overflow; bound the rest. With
+        an incumbent, what its work bound shows cannot beat ``threshold`` (its step time) is counted bounded at
+        once, unchecked.
 
         Model states (weights, gradients, optimizer) depend only on (tp, pp, dp), the stages' placement and
         layers and the optimizer's sharding, so one ``stage_memory`` call per group prunes every
@@ -498,12 +504,17 @@ class Searcher:
         for fields in _config_fields(self.model, self.hw, num_gpus=num_gpus, global_batch=global_batch,
                                      space=space):
             entry = checked.get(fields)
-            if entry is None:  # each configuration is built and checked once over the searcher's searches
-                entry = checked[fields] = self._check(_config_of(fields), num_gpus)
+            if entry is None:  # each configuration is built once over the searcher's searches, checked once asked
+                entry = checked[fields] = _Checked(_config_of(fields))
             cfg = entry.config
             if where is not None and not where(cfg):
                 continue
             counts.enumerated += 1
+            if threshold < math.inf and self._work(entry) > threshold:  # cannot beat the incumbent: the branch
+                counts.bounded += 1  # and bound would skip it first thing; no need to check it
+                continue
+            if not entry.checked:
+                entry.error, entry.checked = self._objection(cfg, num_gpus), True
             if entry.error is not None:
                 counts.invalid += 1
                 counts.last_error = entry.error
@@ -516,20 +527,27 @@ class Searcher:
                 continue
             exact = self._bounds.get(cfg)
             if exact is None:
-                if entry.work is None:
-                    entry.work = work_bound(self.source, cfg)
-                pending.append(_Pending(entry.work, len(pending), cfg))
+                pending.append(_Pending(self._work(entry), len(pending), cfg))
             else:
                 pending.append(_Pending(exact, len(pending), cfg, True))
         return pending
 
-    def _check(self, cfg: ParallelConfig, num_gpus: int) -> _Checked:
-        """``cfg`` with the first line of the source's objection to it (None when it may run)."""
+    def _objection(self, cfg: ParallelConfig, num_gpus: int) -> str | None:
+        """The first line of the source's objection to ``cfg`` (None when it may run)."""
         try:
             self.source.check(cfg, num_gpus)
         except EvenpipeError as e:
-            return _Checked(cfg, str(e).splitlines()[0])
-        return _Checked(cfg, None)
+            return str(e).splitlines()[0]
+        return None
+
+    def _work(self, entry: _Checked) -> float:
+        """The work bound of an enumerated configuration (0 where it cannot be had: its check will tell why)."""
+        if entry.work is None:
+            try:
+                entry.work = work_bound(self.source, entry.config)
+            except EvenpipeError:
+                entry.work = 0.0
+        return entry.work
 
     def _dominated(self, cfg: ParallelConfig, fitting: set[ParallelConfig]) -> bool:
         """Whether a fitting twin with lighter recomputation is at least as fast: it computes no more, and (for
