@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--case", choices=sorted(CASES), action="append")
     parser.add_argument("--new-args", default="", metavar="ARGS",
-                        help="options added to the new side's evenpipe command only, for a baseline that lacks them "
+                        help="options added to the new side's plan commands only, for a baseline that lacks them "
                              "(e.g. \"--runtime megatron\" to run the baseline's very search)")
     parser.add_argument("--bytecode", choices=("cached", "none"), default="cached",
                         help="cached: byte-compile both trees first and read the bytecode (default); none: compile "
@@ -110,7 +110,7 @@ def main() -> None:
         outputs: dict[str, str] = {}
         for i in range(args.repeat):
             for name, src in sides.items():
-                side_cmd = cmd + extra if name == "new" and cmd[0] != "-c" else cmd
+                side_cmd = cmd + extra if name == "new" and cmd[0] == "plan" else cmd
                 wall, cpu, load, out = _run(side_cmd, src, bytecode=bytecode)
                 walls[name].append(wall)
                 cpus[name].append(cpu)
