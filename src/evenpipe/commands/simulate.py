@@ -193,10 +193,10 @@ def _scaled_by_tokens(costs: SimCosts, lengths: list[list[int]]) -> SimCosts:
 
 def _cluster(args: argparse.Namespace, profiled: bool) -> "Cluster | None":
     """The ``--cluster`` file, checked (``None`` without one)."""
-    from evenpipe.cost.cluster import load_cluster  # the cost package loads only when asked for
     path = getattr(args, "cluster", None)
     if not path:
         return None
+    from evenpipe.cost.cluster import load_cluster  # the cost package loads only when a cluster is given
     if profiled:
         raise ConfigError("--cluster does not combine with --profile (a profile measured this machine's ranks "
                           "and link); allowed: --cluster with unit durations or --model costs")
