@@ -31,7 +31,7 @@ from evenpipe.schedule.semantics import SEMANTICS, MemoryEffect, kind_table
 
 from evenpipe.cost.activations import ActivationBytes, activation_bytes, layer_activation_bytes
 from evenpipe.cost.hardware import GIB, Hardware
-from evenpipe.cost.parallel import ParallelConfig, Recompute, ScheduleFamily, stage_layers
+from evenpipe.cost.parallel import ParallelConfig, Recompute, ScheduleFamily, layers_per_rank, stage_layers
 from evenpipe.cost.specs import ModelSpec
 from evenpipe.cost.states import (BYTES_GRAD, BYTES_OPTIMIZER, BYTES_WEIGHT, embedding_params_per_rank,
                                   layer_params_per_rank)
@@ -383,7 +383,7 @@ def stage_memory(source: CostSource, cfg: ParallelConfig) -> tuple[StageMemory, 
     counts = source.param_counts(cfg)
     last = schedule.num_stages - 1
     out: list[StageMemory] = []
-    rank_layers = _layers_per_rank(schedule, layers)
+    rank_layers = layers_per_rank(layers, schedule.stage_to_rank, schedule.num_ranks)
     for r, (peak, held) in enumerate(rank_activation_peaks(source, cfg)):
         per_param = source.state_bytes(cfg, r)
         n_params = counts.per_layer * rank_layers[r]
@@ -446,13 +446,5 @@ def layer_states_per_rank_gib(source: CostSource, cfg: ParallelConfig) -> tuple[
         return per_layer * (b.parameters + b.gradients + (b.master + b.optimizer)) / GIB
     alike = layer_gib(0) if source.uniform else None  # rank 0 stands for every rank of a uniform source
     return tuple((layer_gib(r) if alike is None else alike) * n
-                 for r, n in enumerate(_layers_per_rank(schedule, layers)))
+                 for r, n in enumerate(layers_per_rank(layers, schedule.stage_to_rank, schedule.num_ranks)))
 
-
-def _layers_per_rank(schedule: Schedule, layers: Sequence[int]) -> list[int]:
-    """Transformer layers each rank of ``schedule`` holds, given each stage's ``layers`` (one pass over the
-    stages)."""
-    out = [0] * schedule.num_ranks
-    for n, r in zip(layers, schedule.stage_to_rank):
-        out[r] += n
-    return out

@@ -9,6 +9,7 @@ shares a node since tp divides ``gpus_per_node``, and pipeline ranks r and r' sh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from evenpipe.errors import ConfigError, parse_choice
 from evenpipe.schedule.family import ScheduleFamily, Transform
@@ -19,7 +20,7 @@ from evenpipe.cost.shape import MicrobatchShape
 from evenpipe.cost.specs import ModelSpec
 
 __all__ = ["Recompute", "Attention", "ParallelConfig", "check_config", "check_pipeline", "check_tensor_parallel", "ScheduleFamily", "check_layout",
-           "end_lighter_layout", "balanced_layout", "stage_layers", "split_bpipe", "join_bpipe", "candidate_layouts", "describe_layout"]
+           "end_lighter_layout", "balanced_layout", "stage_layers", "layers_per_rank", "split_bpipe", "join_bpipe", "candidate_layouts", "describe_layout"]
 
 
 class Recompute(KeyEnum):
@@ -204,6 +205,14 @@ def balanced_layout(num_layers: int, num_stages: int) -> tuple[int, ...]:
     if num_stages > num_layers:
         raise ConfigError(f"{num_stages} stages need at least {num_stages} layers, the model has {num_layers}")
     return tuple(_spread(*divmod(num_layers, num_stages), num_stages))
+
+
+def layers_per_rank(stage_layers: Sequence[int], stage_to_rank: Sequence[int], num_ranks: int) -> list[int]:
+    """Layers each of ``num_ranks`` ranks holds, given each stage's layers and rank."""
+    out = [0] * num_ranks
+    for n, r in zip(stage_layers, stage_to_rank):
+        out[r] += n
+    return out
 
 
 def stage_layers(model: ModelSpec, cfg: "ParallelConfig") -> tuple[int, ...]:

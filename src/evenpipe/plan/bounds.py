@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from evenpipe.cost import Efficiency, Hardware, ModelSpec, ParallelConfig, Recompute, stage_layers
+from evenpipe.cost.parallel import layers_per_rank
 from evenpipe.cost.analytic_source import AnalyticSource
 from evenpipe.cost.microbatch_costs import config_sim_costs
 from evenpipe.cost.source import CostSource, Holding, shape_of
@@ -315,7 +316,4 @@ def _busiest_layers_of(model: ModelSpec, cfg: ParallelConfig) -> int:
 
 def _layers_on(model: ModelSpec, cfg: ParallelConfig) -> list[int]:
     """Transformer layers each rank of ``cfg`` holds, over all its stages."""
-    per_rank = [0] * cfg.pp
-    for n, r in zip(stage_layers(model, cfg), stage_layout(cfg.schedule, cfg.pp, cfg.chunks)):
-        per_rank[r] += n
-    return per_rank
+    return layers_per_rank(stage_layers(model, cfg), stage_layout(cfg.schedule, cfg.pp, cfg.chunks), cfg.pp)

@@ -35,6 +35,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from evenpipe.cost.parallel import layers_per_rank
 from evenpipe.errors import ConfigError
 
 __all__ = ["DetectorConfig", "SlowRankAlarm", "SlowRankDetector", "replan_layout", "rank_blocks", "balanced_blocks"]
@@ -160,10 +161,7 @@ class SlowRankDetector:
 
 def rank_blocks(layout: Sequence[int], rank_of_stage: Sequence[int], num_ranks: int) -> list[int]:
     """Blocks each rank holds under ``layout`` (blocks per stage)."""
-    held = [0] * num_ranks
-    for s, n in enumerate(layout):
-        held[rank_of_stage[s]] += n
-    return held
+    return layers_per_rank(layout, rank_of_stage, num_ranks)
 
 
 def replan_layout(layout: Sequence[int], rank_of_stage: Sequence[int], rank_compute_s: Sequence[float]) -> tuple[int, ...]:
