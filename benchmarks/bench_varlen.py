@@ -28,7 +28,8 @@ carries the host's load average (1 minute) before and after.
 Predicted tokens/s beside the measured (``--profile FILE``, an ``evenpipe profile`` of the same model at
 ``--seq-len`` on this host): each measured step's micro-batches as the runtime ran them (their computed tokens and
 squared lengths, padding runs included, in running order: ``DocumentBatches.step_shapes``), simulated by
-:func:`evenpipe.cost.estimate.estimate_with`, real tokens over the predicted seconds. Without a profile the JSON's
+:func:`evenpipe.cost.estimate.estimate_with` on the stages the pipelines built (:func:`runtime_layout`), real
+tokens over the predicted seconds. Without a profile the JSON's
 ``predicted_tokens_per_s`` is null. With a profile, ``--traced-steps`` more steps per policy run traced after the
 rounds (not timed) and ``prediction_parts`` splits the prediction's error (:func:`decompose`): the measured
 pipeline against its replay with the measured computes (what the message model misses) and the computes' predicted
@@ -89,10 +90,22 @@ def predicted_tokens_per_s(steps: list[dict[str, Any]], opts: dict[str, Any]) ->
     source = ProfiledSource(ProfileModel(load_profile(opts["profile"], model=opts["model"])))
     b, m = opts["microbatch_size"], opts["microbatches"]
     cfg = ParallelConfig(pp=opts["stages"], chunks=opts["chunks"] or 1, microbatch_size=b, global_batch=b * m,
-                         schedule=ScheduleFamily.parse(opts["schedule"]))
+                         schedule=ScheduleFamily.parse(opts["schedule"]), layout=runtime_layout(opts))
     seconds = sum(estimate_with(source, dataclasses.replace(cfg, microbatch_shapes=tuple(s["shapes"]))).step_time_s
                   for s in steps)
     return sum(s["real"] for s in steps) / seconds
+
+
+def runtime_layout(opts: dict[str, Any]) -> tuple[int, ...]:
+    """Blocks per stage as the benchmark's pipelines build them (the runtime's default split, balanced by
+    parameters: gpt-tiny at 1024 positions puts 1 and 3 blocks on two stages, its position table outweighing a
+    block), so that the prediction prices the stages that ran."""
+    from evenpipe.models import model_config
+    from evenpipe.runtime.stages import stage_block_counts
+    from evenpipe.schedule import build_schedule
+    schedule = build_schedule(opts["schedule"], num_ranks=opts["stages"], num_microbatches=opts["microbatches"],
+                              num_chunks=opts["chunks"])
+    return stage_block_counts(model_config(opts["model"], seq_len=opts["seq_len"]), schedule.num_stages, None)
 
 
 def decompose(traced: list[dict[str, Any]], opts: dict[str, Any]) -> dict[str, float] | None:
@@ -119,11 +132,22 @@ def decompose(traced: list[dict[str, Any]], opts: dict[str, Any]) -> dict[str, f
 
     def computes(trace: Any) -> float:
         return sum(r.end - r.start for acts in trace.actions for r in acts if not r.action.kind.is_transfer)
+
+    def by_rank_kind(trace: Any) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for rank, acts in enumerate(trace.actions):
+            for r in acts:
+                if not r.action.kind.is_transfer:
+                    key = f"rank{rank} {r.action.kind.name}"
+                    out[key] = out.get(key, 0.0) + (r.end - r.start) / len(traced)
+        return out
+    split: dict[str, list[float]] = {}
     parts = {"measured_pipeline_s": 0.0, "replay_pipeline_s": 0.0, "predicted_pipeline_s": 0.0,
              "measured_compute_s": 0.0, "predicted_compute_s": 0.0, "measured_concurrency": 0.0,
              "predicted_concurrency": 0.0}
     for step in traced:
-        costs = model.sim_costs(schedule, microbatch_size=opts["microbatch_size"], shapes=step["shapes"])
+        costs = model.sim_costs(schedule, microbatch_size=opts["microbatch_size"], shapes=step["shapes"],
+                                layout=runtime_layout(opts))
         measured = measured_trace(schedule, step["records"])
         predicted = simulate(schedule, costs)
         for key, value in (("measured_pipeline_s", measured.step_time),
@@ -133,7 +157,10 @@ def decompose(traced: list[dict[str, Any]], opts: dict[str, Any]) -> dict[str, f
                            ("measured_concurrency", concurrency(measured)),
                            ("predicted_concurrency", concurrency(predicted))):
             parts[key] += value / len(traced)
-    return {**parts, "replay/measured": parts["replay_pipeline_s"] / parts["measured_pipeline_s"],
+        for which, trace in ((0, measured), (1, predicted)):
+            for key, value in by_rank_kind(trace).items():
+                split.setdefault(key, [0.0, 0.0])[which] += value
+    return {**parts, "compute_s_by_rank_and_kind (measured, predicted)": split, "replay/measured": parts["replay_pipeline_s"] / parts["measured_pipeline_s"],
             "compute predicted/measured": parts["predicted_compute_s"] / parts["measured_compute_s"],
             "profile_processes": model.profile.machine.num_processes}
 

@@ -61,16 +61,28 @@ def test_prediction_prices_the_shapes_the_runtime_ran(tmp_path: pathlib.Path) ->
     path = tmp_path / "profile.json"
     path.write_text(make_profile().to_json())
     opts = {"profile": str(path), "model": "gpt-tiny", "stages": 2, "chunks": None, "microbatch_size": 1,
-            "microbatches": 2, "schedule": "1f1b"}
+            "microbatches": 2, "schedule": "1f1b", "seq_len": 1024}
     short = (MicrobatchShape(size=1, seq_len=16, tokens=4, squared_lengths=16),) * 2
     long = (MicrobatchShape(size=1, seq_len=16, tokens=16, squared_lengths=16 * 16),) * 2
-    cfg = ParallelConfig(pp=2, microbatch_size=1, global_batch=2, schedule=ScheduleFamily.ONE_F_ONE_B)
+    cfg = ParallelConfig(pp=2, microbatch_size=1, global_batch=2, schedule=ScheduleFamily.ONE_F_ONE_B,
+                         layout=(1, 3))  # the runtime's split of gpt-tiny at 1024 positions (see below)
     source = ProfiledSource(ProfileModel(make_profile()))
     step = {sh: estimate_with(source, dataclasses.replace(cfg, microbatch_shapes=sh)).step_time_s
             for sh in (short, long)}
     assert step[long] > step[short]
     got = bench_varlen.predicted_tokens_per_s([{"real": 16, "shapes": short}, {"real": 16, "shapes": long}], opts)
     assert got == 32 / (step[short] + step[long])
+
+
+def test_the_prediction_prices_the_stages_the_runtime_built() -> None:
+    # gpt-tiny at 1024 positions: its position table outweighs a block, so the runtime's split by parameters puts
+    # 1 and 3 blocks on two stages (not the even 2 and 2), and the prediction must price those stages
+    from evenpipe.models import model_config
+    from evenpipe.runtime.stages import stage_block_counts
+    opts = {"model": "gpt-tiny", "stages": 2, "chunks": None, "microbatches": 2, "schedule": "1f1b", "seq_len": 1024}
+    assert bench_varlen.runtime_layout(opts) == stage_block_counts(model_config("gpt-tiny", seq_len=1024), 2, None)
+    assert bench_varlen.runtime_layout(opts) == (1, 3)
+    assert bench_varlen.runtime_layout({**opts, "stages": 4}) == (1, 1, 1, 1)
 
 
 def test_a_step_that_ran_as_predicted_decomposes_to_ones(tmp_path: pathlib.Path, monkeypatch) -> None:
@@ -83,19 +95,20 @@ def test_a_step_that_ran_as_predicted_decomposes_to_ones(tmp_path: pathlib.Path,
     path = tmp_path / "profile.json"
     path.write_text(make_profile().to_json())
     opts = {"profile": str(path), "model": "gpt-tiny", "stages": 2, "chunks": None, "microbatch_size": 1,
-            "microbatches": 2, "schedule": "1f1b"}
+            "microbatches": 2, "schedule": "1f1b", "seq_len": 1024}
     shapes = (MicrobatchShape(size=1, seq_len=16, tokens=4, squared_lengths=16),
               MicrobatchShape(size=1, seq_len=16, tokens=16, squared_lengths=256))
     model = ProfileModel(make_profile())
+    layout = bench_varlen.runtime_layout(opts)
     monkeypatch.setattr(trace_module, "measured_trace", lambda sched, records: simulate(
-        sched, model.sim_costs(sched, microbatch_size=1, shapes=shapes)))
+        sched, model.sim_costs(sched, microbatch_size=1, shapes=shapes, layout=layout)))
     out = bench_varlen.decompose([{"shapes": shapes, "records": None}], opts)
     assert out is not None
     assert out["replay/measured"] == 1.0 and out["compute predicted/measured"] == 1.0
     assert out["predicted_pipeline_s"] == out["measured_pipeline_s"] > 0
     slow = make_profile(fixed=3.0)  # every compute slower than the profile the prediction reads
     monkeypatch.setattr(trace_module, "measured_trace", lambda sched, records: simulate(
-        sched, ProfileModel(slow).sim_costs(sched, microbatch_size=1, shapes=shapes)))
+        sched, ProfileModel(slow).sim_costs(sched, microbatch_size=1, shapes=shapes, layout=layout)))
     out = bench_varlen.decompose([{"shapes": shapes, "records": None}], opts)
     assert out is not None and out["compute predicted/measured"] < 1.0
     assert bench_varlen.decompose([], opts) is None
