@@ -9,7 +9,6 @@ test of writability that holds for every user (root included) and every file sys
 from __future__ import annotations
 
 import os
-import tempfile
 
 from evenpipe.errors import ConfigError
 
@@ -32,6 +31,8 @@ def _nearest_existing(path: str) -> str:
 
 def _probe(folder: str, flag: str, path: str) -> None:
     """ConfigError unless a file can be created in ``folder``."""
+    import tempfile  # here: only a run that writes files probes (tempfile imports random)
+
     try:
         fd, name = tempfile.mkstemp(prefix=".evenpipe-probe-", dir=folder)
     except OSError as e:

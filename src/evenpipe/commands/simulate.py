@@ -12,7 +12,7 @@ from evenpipe.commands.model_args import (add_gpus_per_node_argument, add_model_
                                           hardware_from_arg, model_from_args, parse_layout, with_gpus_per_node)
 from evenpipe.errors import ConfigError
 from evenpipe.report.tables import exposed_table, summary_table
-from evenpipe.schedule import LinkPlan, ScheduleFamily, build_schedule
+from evenpipe.schedule import ScheduleFamily, build_schedule
 from evenpipe.schedule.build import plan_durations_for
 from evenpipe.schedule.family import Ordering
 from evenpipe.sim import Link, SimCosts, Trace, simulate
@@ -21,6 +21,7 @@ from evenpipe.sim.costs import StageCosts
 if TYPE_CHECKING:
     from evenpipe.cost.cluster import Cluster
     from evenpipe.cost.shape import MicrobatchShape
+    from evenpipe.schedule import LinkPlan
 
 __all__ = ["add_arguments", "run", "trace_from_args", "summary_json", "UNIT_COSTS_NOTE"]
 
@@ -232,6 +233,7 @@ def link_plan_for(costs: SimCosts, stage_to_rank: tuple[int, ...], *, cap: float
     """What the latency-aware generator plans with under ``costs``: the fastest rank's forward, input- and
     weight-gradient times over its stages, every rank's slowdown against it, and every rank pair's time for the
     largest message."""
+    from evenpipe.schedule import LinkPlan  # the latency-aware family only
     P = max(stage_to_rank) + 1
     per_rank = [[0.0, 0.0, 0.0] for _ in range(P)]
     for st, r in zip(costs.stages, stage_to_rank):

@@ -9,11 +9,13 @@ with ``dataclasses.replace``; a measured profile can be loaded the same way.
 from __future__ import annotations
 
 import dataclasses
-import json
-import pathlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from evenpipe.errors import ConfigError, choice_error
+
+if TYPE_CHECKING:
+    import pathlib
 
 __all__ = ["Hardware", "HARDWARE_PRESETS", "hardware_preset", "load_hardware", "GIB"]
 
@@ -90,6 +92,9 @@ def hardware_preset(name: str) -> Hardware:
 def load_hardware(path: str | pathlib.Path) -> Hardware:
     """Read a measured profile: a JSON object with an optional ``"base"`` preset name and any Hardware fields
     to override, e.g. ``{"base": "h100-80gb", "name": "my-h100", "internode_gbps": 40.0}``."""
+    import json  # here: planning and simulating with presets never read files
+    import pathlib
+
     p = pathlib.Path(path)
     try:
         data = json.loads(p.read_text())

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import math
-import pathlib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from evenpipe.errors import ConfigError, choice_error, parse_choice
+
+if TYPE_CHECKING:
+    import pathlib
 
 __all__ = ["Arch", "ModelSpec", "MODEL_PRESETS", "model_preset", "from_hf_config", "hf_model_type", "read_hf_config",
            "swiglu_ffn_hidden", "HF_MODEL_TYPES", "replace_spec"]
@@ -267,6 +268,9 @@ HF_MODEL_TYPES: dict[str, Arch] = {"gpt2": Arch.GPT, "gpt_neox": Arch.GPT, "llam
 
 def read_hf_config(path: "str | pathlib.Path") -> tuple[pathlib.Path, dict[str, Any]]:
     """``(config.json path, its JSON object)`` for a ``config.json`` or a directory holding one; no download."""
+    import json  # here: presets need no file, and the planner and simulator import this module
+    import pathlib
+
     p = pathlib.Path(path)
     if p.is_dir():
         p = p / "config.json"

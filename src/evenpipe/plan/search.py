@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -64,7 +63,6 @@ __all__ = [
     "PLANNED_BPIPE_SCHEDULES",
 ]
 
-log = logging.getLogger(__name__)
 
 PLANNED_SCHEDULES: tuple[ScheduleFamily, ...] = (
     ScheduleFamily.ONE_F_ONE_B, ScheduleFamily.INTERLEAVED, ScheduleFamily.ZB_H1, ScheduleFamily.BPIPE)
@@ -208,6 +206,9 @@ class SearchStats:
 
 @dataclass(slots=True)
 class _Counts:
+    """What one search did with its configurations (the tallies :class:`SearchStats` reports), and the last
+    objection a source raised."""
+
     enumerated: int = 0
     invalid: int = 0
     over_memory: int = 0
@@ -365,6 +366,9 @@ class _Checked:
 
 @dataclass(order=True, slots=True)
 class _Pending:
+    """A configuration waiting in the branch-and-bound queue, ordered by its lower bound (then by enumeration
+    order)."""
+
     bound: float
     order: int
     config: ParallelConfig = field(compare=False)
@@ -483,7 +487,6 @@ class Searcher:
         stats = SearchStats(num_enumerated=counts.enumerated, num_invalid=counts.invalid,
                             num_over_memory=counts.over_memory, num_dominated=counts.dominated,
                             num_bounded=counts.bounded, num_estimated=counts.estimated)
-        log.debug("plan search: %s", stats)
         return PlanResult(candidates=tuple(top), best_by_schedule=best_by_family, stats=stats)
 
     # -- steps ----------------------------------------------------------------------------------------------

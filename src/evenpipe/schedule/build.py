@@ -6,21 +6,18 @@ import contextlib
 import functools
 import gc
 import warnings
-from typing import Callable, Collection, Iterator
+from typing import TYPE_CHECKING, Callable, Collection, Iterator
 
 from evenpipe.errors import ConfigError
-from evenpipe.schedule.bpipe import bpipe_transform
 from evenpipe.schedule.comm import derive_communication
 from evenpipe.schedule.family import ChunkRule, Ordering, ScheduleFamily, Transform
 from evenpipe.schedule.generate import gpipe, interleaved, looped_bfs, one_f_one_b, zb_h1
-from evenpipe.schedule.generate.capped import capped_zero_bubble
-from evenpipe.schedule.generate.building_block import building_block_v
-from evenpipe.schedule.generate.dualpipe_v import dualpipe_v
-from evenpipe.schedule.generate.latency_plan import LinkPlan
-from evenpipe.schedule.generate.zb_v import zb_v
 from evenpipe.schedule.columns import Columns
 from evenpipe.schedule.ir import Action, ActionKind, Schedule
 from evenpipe.schedule.validate import validate
+
+if TYPE_CHECKING:
+    from evenpipe.schedule.generate.latency_plan import LinkPlan
 
 __all__ = ["build_schedule", "add_offload", "offload_beside_bpipe", "add_recompute", "compute_order",
            "plan_durations_for"]
@@ -105,6 +102,7 @@ def _build(fam: ScheduleFamily, *, num_ranks: int, num_microbatches: int, num_ch
     meta: dict[str, object] = {**compute.meta, "family": fam.value, "chunks": num_chunks,
                                "recompute": _recompute_meta(recompute, compute.num_stages)}
     if bpipe:
+        from evenpipe.schedule.bpipe import bpipe_transform  # BPipe's schedules only: the rest never load it
         full = bpipe_transform(compute, budget=bpipe_budget, weights=bpipe_weights)
         meta.update(full.meta)
         meta["family"] = fam.value
@@ -162,6 +160,7 @@ def _compute_order(family: ScheduleFamily, P: int, M: int, V: int, plan_duration
         return latency_aware(num_ranks=P, num_microbatches=M, plan=_link_plan(link_plan, plan_durations),
                              stage_to_rank=traits.stage_to_rank(P, V))
     if family.traits.ordering is Ordering.BUILDING_BLOCK:
+        from evenpipe.schedule.generate.building_block import building_block_v  # the V families only
         durations = plan_durations or (1, 1, 1)
         return building_block_v(family.value, num_ranks=P, num_microbatches=M,
                                 stage_to_rank=traits.stage_to_rank(P, V),
@@ -173,12 +172,14 @@ def _link_plan(link_plan: LinkPlan | None, plan_durations: tuple[int, int, int] 
     """The latency-aware family's plan: the one given, else ``plan_durations`` (default 1, 1, 1) over free links."""
     if link_plan is not None:
         return link_plan
+    from evenpipe.schedule.generate.latency_plan import LinkPlan  # the latency-aware family only
     f, i, w = plan_durations or (1, 1, 1)
     return LinkPlan(forward=f, backward_input=i, backward_weight=w)
 
 
 def _capped(family: ScheduleFamily, P: int, M: int, V: int, durations: tuple[int, int, int]) -> Schedule:
     """A memory-capped family: its placement and its cap (see the family's traits)."""
+    from evenpipe.schedule.generate.capped import capped_zero_bubble  # the memory-capped families only
     traits = family.traits
     cap = traits.activation_cap
     assert cap is not None
@@ -187,15 +188,24 @@ def _capped(family: ScheduleFamily, P: int, M: int, V: int, durations: tuple[int
                               meta={"chunks": traits.chunks.chunks(V), "plan_durations": list(durations)})
 
 
+def _zb_v(P: int, M: int, V: int) -> Schedule:
+    from evenpipe.schedule.generate.zb_v import zb_v  # the V families' generators load when one is built
+    return zb_v(num_ranks=P, num_microbatches=M, stage_to_rank=ScheduleFamily.ZB_V.traits.stage_to_rank(P, 2))
+
+
+def _dualpipe_v(P: int, M: int, V: int) -> Schedule:
+    from evenpipe.schedule.generate.dualpipe_v import dualpipe_v
+    return dualpipe_v(num_ranks=P, num_microbatches=M)
+
+
 _GENERATORS: dict[ScheduleFamily, Callable[[int, int, int], Schedule]] = {
     ScheduleFamily.GPIPE: lambda P, M, V: gpipe(num_ranks=P, num_microbatches=M),
     ScheduleFamily.ONE_F_ONE_B: lambda P, M, V: one_f_one_b(num_ranks=P, num_microbatches=M),
     ScheduleFamily.INTERLEAVED: lambda P, M, V: interleaved(num_ranks=P, num_microbatches=M, num_chunks=V),
     ScheduleFamily.LOOPED_BFS: lambda P, M, V: looped_bfs(num_ranks=P, num_microbatches=M, num_chunks=V),
     ScheduleFamily.ZB_H1: lambda P, M, V: zb_h1(num_ranks=P, num_microbatches=M),
-    ScheduleFamily.ZB_V: lambda P, M, V: zb_v(num_ranks=P, num_microbatches=M,
-                                             stage_to_rank=ScheduleFamily.ZB_V.traits.stage_to_rank(P, 2)),
-    ScheduleFamily.DUALPIPE_V: lambda P, M, V: dualpipe_v(num_ranks=P, num_microbatches=M),
+    ScheduleFamily.ZB_V: _zb_v,
+    ScheduleFamily.DUALPIPE_V: _dualpipe_v,
     ScheduleFamily.BPIPE: lambda P, M, V: one_f_one_b(num_ranks=P, num_microbatches=M),  # transformed later
 }
 """Compute order of each family from (ranks, micro-batches, chunks): the named presets."""
