@@ -4,7 +4,7 @@
 :func:`plan_configs` (or a :class:`Searcher`, which caches across searches; ``Searcher.over(source)`` for any
 cost source, analytic or profiled) returns a :class:`PlanResult` of :class:`Candidate` records;
 :func:`explain_bpipe` returns a :class:`BPipeExplanation`; :func:`explain_memory` a :class:`MemoryAnswer`. Presentation lives in
-``evenpipe.commands.plan``.
+``evenpipe.commands.plan`` (and ``evenpipe.commands.plan_explain`` for ``--explain bpipe``).
 
 The explanations (``explain_bpipe``, ``explain_memory`` and their records) load on first use: a plain search never
 needs them.
