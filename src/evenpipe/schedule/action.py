@@ -9,6 +9,7 @@ vocabulary); the integer form of the lists is :mod:`evenpipe.schedule.columns`, 
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass
 from typing import Iterable
@@ -109,7 +110,13 @@ MATCHING_RECV: dict[ActionKind, ActionKind] = {
 }
 """Each send kind and the receive kind that completes it on the peer rank."""
 
-_TOKEN_RE = re.compile(r"^(\d+)([A-Z_]+?)(\d+)(?:@(\d+))?$")
+
+@functools.cache
+def _token_re() -> re.Pattern[str]:
+    """The pattern of one action token, compiled on the first parse (plans and simulations never parse text)."""
+    return re.compile(r"^(\d+)([A-Z_]+?)(\d+)(?:@(\d+))?$")
+
+
 _KIND_BY_TOKEN = {k.value: k for k in ActionKind}
 
 
@@ -141,7 +148,7 @@ class Action:
 
 def parse_action(token: str) -> Action:
     """Parse one text token such as ``0F3`` or ``1SEND_F2@2``."""
-    m = _TOKEN_RE.match(token.strip())
+    m = _token_re().match(token.strip())
     if not m or m.group(2) not in _KIND_BY_TOKEN:
         allowed = ", ".join(k.value for k in ActionKind)
         raise ScheduleFormatError(f"bad action token {token!r}: expected STAGE KIND MICROBATCH[@PEER] "
