@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Hashable
 
 from evenpipe.errors import ConfigError, ScheduleValidationError
@@ -67,37 +66,35 @@ _Dep = tuple[Hashable, float, int]
 """(signal, delay after it, transfer id or -1): a compute waits until ``signal`` time + delay."""
 
 
-@dataclass(slots=True)
 class _Xfer:
-    """Mutable state of one message during the run."""
+    """Mutable state of one message during the run (a plain slotted class, as the run's other state: a dataclass
+    costs every import of the simulator its generated methods)."""
 
-    src: int
-    dst: int
-    kind: ActionKind
-    stage: int
-    microbatch: int
-    num_bytes: float
-    duration: float
-    link: tuple[int, int]
-    send_pos: tuple[int, int] | None
-    recv_pos: tuple[int, int] | None
-    signal: Hashable
-    """Signal set when the message arrives."""
-    pending: int = 0
-    """Conditions still missing before the transfer may start (send reached, receive posted, data ready)."""
-    ready_data: float = 0.0
-    """When the data was ready on the sending side (send reached and, for RETURN/RELOAD, the data arrived)."""
-    start: float = -1.0
-    end: float = -1.0
-    exposed: float = 0.0
-    frees: bool = False
-    """Whether arrival frees the sender's copy (EVICT, RETURN, OFFLOAD)."""
-    allocs: bool = False
-    """Whether the start allocates on the receiver (ACCEPT, LOAD, RELOAD)."""
-    cpu: float = 0.0
-    """Seconds of compute each endpoint rank gives to this transfer (``Link.cpu_s_per_byte``)."""
-    late: float = 0.0
-    """Seconds added when the receive was posted after the send (``Link.late_receive_s``)."""
+    __slots__ = ("src", "dst", "kind", "stage", "microbatch", "num_bytes", "duration", "link", "send_pos", "recv_pos",
+                 "signal", "pending", "ready_data", "start", "end", "exposed", "frees", "allocs", "cpu", "late")
+
+    def __init__(self, src: int, dst: int, kind: ActionKind, stage: int, microbatch: int, num_bytes: float,
+                 duration: float, link: tuple[int, int], send_pos: tuple[int, int] | None,
+                 recv_pos: tuple[int, int] | None, signal: Hashable, pending: int = 0, ready_data: float = 0.0,
+                 start: float = -1.0, end: float = -1.0, exposed: float = 0.0, frees: bool = False,
+                 allocs: bool = False, cpu: float = 0.0, late: float = 0.0) -> None:
+        self.src, self.dst, self.kind, self.stage, self.microbatch = src, dst, kind, stage, microbatch
+        self.num_bytes, self.duration, self.link, self.send_pos, self.recv_pos = num_bytes, duration, link, send_pos, recv_pos
+        self.signal = signal
+        """Signal set when the message arrives."""
+        self.pending = pending
+        """Conditions still missing before the transfer may start (send reached, receive posted, data ready)."""
+        self.ready_data = ready_data
+        """When the data was ready on the sending side (send reached and, for RETURN/RELOAD, the data arrived)."""
+        self.start, self.end, self.exposed = start, end, exposed
+        self.frees = frees
+        """Whether arrival frees the sender's copy (EVICT, RETURN, OFFLOAD)."""
+        self.allocs = allocs
+        """Whether the start allocates on the receiver (ACCEPT, LOAD, RELOAD)."""
+        self.cpu = cpu
+        """Seconds of compute each endpoint rank gives to this transfer (``Link.cpu_s_per_byte``)."""
+        self.late = late
+        """Seconds added when the receive was posted after the send (``Link.late_receive_s``)."""
 
 
 def simulate_events(schedule: Schedule, costs: SimCosts, *,
@@ -171,54 +168,61 @@ class _RankMoves:
         """RETURNs posted since the last ACCEPT, and that ACCEPT: the next ACCEPT waits for them."""
 
 
-@dataclass(slots=True)
 class _Engine:
     """State of one run. Signals are transfer ids (message arrived), ``("F"|"G", stage, mb)`` (a forward or an
     input gradient finished, only when a consumer has no message to wait on) or ``("off", rank, stage, mb)``."""
 
-    schedule: Schedule
-    costs: SimCosts
-    xfers: list[_Xfer] = field(default_factory=list)
-    time_of: dict[tuple[tuple[int, int], float], tuple[float, float, float]] = field(default_factory=dict)
-    """Transfer time, endpoint CPU time and late-receive cost per (directed pair, bytes), computed once."""
-    duration: list[list[float]] = field(default_factory=list)
-    """Per compute code (F, B, I, W, R) and stage, the action's duration."""
-    codes: list[list[int]] = field(default_factory=list)
-    """Per rank and action index, the kind code."""
-    xfer_at: list[list[int]] = field(default_factory=list)
-    """Per rank and action index, the transfer id of a send/receive (-1 for computes)."""
-    deps: list[list[tuple[_Dep, ...]]] = field(default_factory=list)
-    """Per rank and action index, what a compute waits for."""
-    gates: list[list[tuple[int, ...]]] = field(default_factory=list)
-    """Per rank and action index, the EVICT transfers a ``F``/``R`` waits to land (issued since the previous one)."""
-    gated: dict[int, list[int]] = field(default_factory=dict)
-    """Transfer id -> ACCEPT/LOAD transfers of the same rank that may not start before it lands."""
-    needed: set[Hashable] = field(default_factory=set)
-    """Compute-completion signals somebody waits on."""
-    recomputed: set[tuple[int, int]] = field(default_factory=set)
-    avail: dict[Hashable, float] = field(default_factory=dict)
-    waiters: dict[Hashable, list[int]] = field(default_factory=dict)
-    """Signal -> ranks (>= 0) or transfers (``-(id + 1)``) waiting for it."""
-    links_free: dict[tuple[int, int], float] = field(default_factory=dict)
-    link_queue: dict[tuple[int, int], deque[int]] = field(default_factory=dict)
-    heap: list[tuple[float, int, int]] = field(default_factory=list)
-    soon: deque[int] = field(default_factory=deque)
-    """Events due at ``now``, in the order they were scheduled."""
-    now: float = 0.0
-    seq: int = 0
-    pc: list[int] = field(default_factory=list)
-    t_free: list[float] = field(default_factory=list)
-    cpu_free: list[float] = field(default_factory=list)
-    """Per rank, when the transfer work charged to it (``Link.cpu_s_per_byte``) is done."""
-    starts: list[list[float]] = field(default_factory=list)
-    ends: list[list[float]] = field(default_factory=list)
-    held: list[dict[tuple[int, int], float]] = field(default_factory=list)
-    mem: list[list[tuple[float, float]]] = field(default_factory=list)
-    """Per rank, (time, bytes delta) in the order they were decided."""
-    late: list[Hashable] = field(default_factory=list)
-    """Compute-completion signals to announce at their end time (event ids after the transfers')."""
-    per_action: dict[tuple[int, int], float] | None = None
-    """Per (rank, action index), a compute's own duration instead of its stage's (a replay of measured times)."""
+    __slots__ = ("schedule", "costs", "xfers", "time_of", "duration", "codes", "xfer_at", "deps", "gates", "gated",
+                 "needed", "recomputed", "avail", "waiters", "links_free", "link_queue", "heap", "soon", "now", "seq",
+                 "pc", "t_free", "cpu_free", "starts", "ends", "held", "mem", "late", "per_action")
+
+    def __init__(self, schedule: Schedule, costs: SimCosts,
+                 per_action: dict[tuple[int, int], float] | None = None) -> None:
+        self.schedule = schedule
+        self.costs = costs
+        self.per_action = per_action
+        """Per (rank, action index), a compute's own duration instead of its stage's (a replay of measured
+        times)."""
+        self.xfers: list[_Xfer] = []
+        self.time_of: dict[tuple[tuple[int, int], float], tuple[float, float, float]] = {}
+        """Transfer time, endpoint CPU time and late-receive cost per (directed pair, bytes), computed once."""
+        self.duration: list[list[float]] = []
+        """Per compute code (F, B, I, W, R) and stage, the action's duration."""
+        self.codes: list[list[int]] = []
+        """Per rank and action index, the kind code."""
+        self.xfer_at: list[list[int]] = []
+        """Per rank and action index, the transfer id of a send/receive (-1 for computes)."""
+        self.deps: list[list[tuple[_Dep, ...]]] = []
+        """Per rank and action index, what a compute waits for."""
+        self.gates: list[list[tuple[int, ...]]] = []
+        """Per rank and action index, the EVICT transfers a ``F``/``R`` waits to land (issued since the previous
+        one)."""
+        self.gated: dict[int, list[int]] = {}
+        """Transfer id -> ACCEPT/LOAD transfers of the same rank that may not start before it lands."""
+        self.needed: set[Hashable] = set()
+        """Compute-completion signals somebody waits on."""
+        self.recomputed: set[tuple[int, int]] = set()
+        self.avail: dict[Hashable, float] = {}
+        self.waiters: dict[Hashable, list[int]] = {}
+        """Signal -> ranks (>= 0) or transfers (``-(id + 1)``) waiting for it."""
+        self.links_free: dict[tuple[int, int], float] = {}
+        self.link_queue: dict[tuple[int, int], deque[int]] = {}
+        self.heap: list[tuple[float, int, int]] = []
+        self.soon: deque[int] = deque()
+        """Events due at ``now``, in the order they were scheduled."""
+        self.now = 0.0
+        self.seq = 0
+        self.pc: list[int] = []
+        self.t_free: list[float] = []
+        self.cpu_free: list[float] = []
+        """Per rank, when the transfer work charged to it (``Link.cpu_s_per_byte``) is done."""
+        self.starts: list[list[float]] = []
+        self.ends: list[list[float]] = []
+        self.held: list[dict[tuple[int, int], float]] = []
+        self.mem: list[list[tuple[float, float]]] = []
+        """Per rank, (time, bytes delta) in the order they were decided."""
+        self.late: list[Hashable] = []
+        """Compute-completion signals to announce at their end time (event ids after the transfers')."""
 
     # -- preparation --------------------------------------------------------------------------------------
     def _bytes_moved(self, stage: int, mb: int) -> float:

@@ -24,7 +24,6 @@ on the costs) is cached for the last few schedules simulated, so sweeps over cos
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 from itertools import repeat
 
@@ -48,47 +47,59 @@ _CACHE_ACTIONS = 1_000_000
 """Beyond ``_CACHE_SIZE`` shapes, more are kept while their schedules hold this many actions in all."""
 
 
-@dataclass(slots=True)
 class Shape:
     """What a schedule's simulation needs that does not depend on the costs. Signals are ints: transfer ids
-    ``0..T-1`` (the message arrived), then compute completions and delayed (implicit-transfer) completions."""
+    ``0..T-1`` (the message arrived), then compute completions and delayed (implicit-transfer) completions. A plain
+    slotted class, as the run's other state (a dataclass costs every import of the simulator its generated
+    methods)."""
 
-    codes: list[list[int]]
-    """Per rank and action, the event code."""
-    ops: list[list[tuple]]  # type: ignore[type-arg]
-    """Per rank and action: ``(code, transfer id)`` for a send or receive; for a compute ``(code, duration index
-    (code x stages + stage), stage, (stage, micro-batch), forward-bytes index (stage, + stages if recomputed),
-    signals it waits for (its inputs, then the EVICT transfers gating it), transfers it consumes, extra or
-    None)``, with extra ``(EVICT transfers it waits to land, signals it announces, (delayed signal, delay slot)
-    pairs it announces)``."""
-    delay_specs: list[tuple[int, int, int]]
-    """Per delay slot, (src rank, dst rank, stage whose ``output_bytes`` move)."""
-    recomputed: frozenset[tuple[int, int]]
-    num_signals: int
-    # transfers, as parallel lists
-    x_src: list[int]
-    x_dst: list[int]
-    x_kind: list[ActionKind]
-    x_stage: list[int]
-    x_mb: list[int]
-    x_send: list[tuple[int, int] | None]
-    x_recv: list[tuple[int, int] | None]
-    x_pending: list[int]
-    x_spec: list[int]
-    """Per transfer, index into ``specs``."""
-    specs: list[tuple[int, int, int, bool]]
-    """(link id, 0 = stage output / 1 = saved activations moved, stage, recomputed)."""
-    link_keys: list[tuple[int, int]]
-    x_link: list[int]
-    link_order: list[list[int]] | None
-    """Per link id, its transfers in the order the link serves them when busy (built when first needed)."""
-    x_linkpos: list[int] | None
-    gated: dict[int, list[int]]
-    """Transfer id -> transfers that may not start before it lands."""
-    data_waiters: dict[int, list[int]]
-    """Signal -> transfers whose data it makes ready."""
-    mixed: frozenset[int]
-    """Ranks whose memory changes also come from transfers."""
+    __slots__ = ("codes", "ops", "delay_specs", "recomputed", "num_signals", "x_src", "x_dst", "x_kind", "x_stage",
+                 "x_mb", "x_send", "x_recv", "x_pending", "x_spec", "specs", "link_keys", "x_link", "link_order",
+                 "x_linkpos", "gated", "data_waiters", "mixed")
+
+    def __init__(self, *, codes: list[list[int]], ops: list[list[tuple]],  # type: ignore[type-arg]
+                 delay_specs: list[tuple[int, int, int]], recomputed: frozenset[tuple[int, int]], num_signals: int,
+                 x_src: list[int], x_dst: list[int], x_kind: list[ActionKind], x_stage: list[int], x_mb: list[int],
+                 x_send: list[tuple[int, int] | None], x_recv: list[tuple[int, int] | None], x_pending: list[int],
+                 x_spec: list[int], specs: list[tuple[int, int, int, bool]], link_keys: list[tuple[int, int]],
+                 x_link: list[int], link_order: list[list[int]] | None, x_linkpos: list[int] | None,
+                 gated: dict[int, list[int]], data_waiters: dict[int, list[int]], mixed: frozenset[int]) -> None:
+        self.codes = codes
+        """Per rank and action, the event code."""
+        self.ops = ops
+        """Per rank and action: ``(code, transfer id)`` for a send or receive; for a compute ``(code, duration index
+        (code x stages + stage), stage, (stage, micro-batch), forward-bytes index (stage, + stages if recomputed),
+        signals it waits for (its inputs, then the EVICT transfers gating it), transfers it consumes, extra or
+        None)``, with extra ``(EVICT transfers it waits to land, signals it announces, (delayed signal, delay slot)
+        pairs it announces)``."""
+        self.delay_specs = delay_specs
+        """Per delay slot, (src rank, dst rank, stage whose ``output_bytes`` move)."""
+        self.recomputed = recomputed
+        self.num_signals = num_signals
+        # transfers, as parallel lists
+        self.x_src = x_src
+        self.x_dst = x_dst
+        self.x_kind = x_kind
+        self.x_stage = x_stage
+        self.x_mb = x_mb
+        self.x_send = x_send
+        self.x_recv = x_recv
+        self.x_pending = x_pending
+        self.x_spec = x_spec
+        """Per transfer, index into ``specs``."""
+        self.specs = specs
+        """(link id, 0 = stage output / 1 = saved activations moved, stage, recomputed)."""
+        self.link_keys = link_keys
+        self.x_link = x_link
+        self.link_order = link_order
+        """Per link id, its transfers in the order the link serves them when busy (built when first needed)."""
+        self.x_linkpos = x_linkpos
+        self.gated = gated
+        """Transfer id -> transfers that may not start before it lands."""
+        self.data_waiters = data_waiters
+        """Signal -> transfers whose data it makes ready."""
+        self.mixed = mixed
+        """Ranks whose memory changes also come from transfers."""
 
     def serving_order(self) -> tuple[list[list[int]], list[int]]:
         """Per link its transfers in the sending side's program order, and each transfer's place there."""
