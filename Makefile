@@ -25,8 +25,7 @@ demo: $(STAMP) bytecode
 
 typecheck: $(STAMP)
 	$(VPY) -m ruff check --select F src tests benchmarks
-	$(VPY) -m mypy src/evenpipe/schedule src/evenpipe/sim src/evenpipe/cost src/evenpipe/plan src/evenpipe/runtime \
-		src/evenpipe/training
+	$(VPY) -m mypy src/evenpipe
 
 test: $(STAMP) bytecode typecheck
 	# two workers: one runs the multi-process worlds in order (tests/conftest.py), the other every

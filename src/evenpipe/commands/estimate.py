@@ -16,6 +16,7 @@ from evenpipe.cost.estimate import TimeBreakdown, estimate_with
 from evenpipe.cost.categories import PEAK_BYTES_KEY
 from evenpipe.cost.category_memory import peak_bytes_by_category, with_conventions
 from evenpipe.cost.parallel import describe_layout
+from evenpipe.cost.source import CostSource
 from evenpipe.commands.model_args import (add_gpus_per_node_argument, add_model_arguments, add_profile_arguments,
                                          add_runtime_arguments, conventions_from_args, parse_layout,
                                          source_from_args)
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_dir(args.out, "--out")
     conventions = conventions_from_args(args)
     header = None
+    source: CostSource
     if args.cluster:
         from evenpipe.commands.cluster_plan import estimate_source
         cfg, source, header = estimate_source(args, _config_from_args, conventions)
