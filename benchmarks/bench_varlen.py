@@ -21,9 +21,9 @@ costs its documents' squared lengths, not the row's). Policies:
 The policies run in turn, ``--steps`` optimizer steps each, the order rotated every round, for ``--repeats``
 rounds, after one unmeasured step each. A step is timed from a barrier to the end of the optimizer step on every
 rank, the slowest rank's time kept. A policy's figure in a round is its real tokens (padding not counted) over its
-steps' time; the ratios balance/pad, balance/pack, balance+simulated/balance and pad/pad-fixed are taken round by
-round, and their median, min and max over rounds reported. Wall-clock figures mean something only on an otherwise idle host: the output
-carries the host's load average (1 minute) before and after.
+steps' time; the ratios balance/pad, balance/pack, balance+simulated/balance, pad/pad-fixed and balance/pad-fixed
+are taken round by round, and their median, min and max over rounds reported. Wall-clock figures mean something
+only on an otherwise idle host: the output carries the host's load average (1 minute) before and after.
 
 Predicted tokens/s beside the measured (``--profile FILE``, an ``evenpipe profile`` of the same model at
 ``--seq-len`` on this host): each measured step's micro-batches as the runtime ran them (their computed tokens and
@@ -59,7 +59,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipe_probe import answers_or_exit  # noqa: E402
 
 POLICIES = ("pad", "pack", "balance", "balance+simulated", "pad-fixed")
-RATIOS = (("balance", "pad"), ("balance", "pack"), ("balance+simulated", "balance"), ("pad", "pad-fixed"))
+RATIOS = (("balance", "pad"), ("balance", "pack"), ("balance+simulated", "balance"), ("pad", "pad-fixed"),
+          ("balance", "pad-fixed"))
 LENGTH_MULTIPLE = 8
 
 
