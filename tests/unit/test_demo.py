@@ -161,15 +161,15 @@ def test_timing_times_a_run_per_core_when_the_pipeline_shares_cores(tmp_path: pa
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """With fewer cores than ranks, the P=4 runs are not predicted; one 1F1B run at P=cores is, from a profile
     taken just before it."""
-    calls: list[tuple[str, int, object]] = []
+    calls: list[tuple[object, ...]] = []
 
-    def fake_profile(out: pathlib.Path, *, num_processes: int) -> pathlib.Path:
-        calls.append(("profile", num_processes, None))
+    def fake_profile(out: pathlib.Path, *, num_processes: int, microbatch_size: int) -> pathlib.Path:
+        calls.append(("profile", num_processes, microbatch_size))
         return out / "profile.json"
 
     def fake_train(schedule: str, out: pathlib.Path, *, steps: int, num_ranks: int,
-                   predict: pathlib.Path | None) -> demo.TrainRun:
-        calls.append((schedule, num_ranks, predict))
+                   predict: pathlib.Path | None, global_batch: int) -> demo.TrainRun:
+        calls.append((schedule, num_ranks, predict, global_batch))
         run = _fake_run(tmp_path, schedule, peaks=[1, 1])
         return dataclasses.replace(run, num_ranks=num_ranks, predicted_step_s=0.0304, measured_step_s=0.032)
 
@@ -177,7 +177,8 @@ def test_timing_times_a_run_per_core_when_the_pipeline_shares_cores(tmp_path: pa
     monkeypatch.setattr(demo, "train_run", fake_train)
     runs = {"1f1b": _fake_1f1b(tmp_path), "bpipe": _fake_run(tmp_path, "bpipe", peaks=[3 * UNITS[0]] * P)}
     timed = demo.run_timing(runs, tmp_path / "timed", steps=2, num_cores=2)
-    assert calls == [("profile", 2, None), ("1f1b", 2, tmp_path / "timed" / "profile.json")]
+    b = demo.TIMED_MICROBATCH_SIZE  # profiled and trained at one micro-batch size, a step of compute
+    assert calls == [("profile", 2, b), ("1f1b", 2, tmp_path / "timed" / "profile.json", b * demo.DEMO_MICROBATCHES)]
     assert [(t.schedule, t.num_ranks) for t in timed] == [("1f1b", 2)]
     out = capsys.readouterr().out
     assert "P=4 step times are not predicted" in out and "-5.0%" in out
