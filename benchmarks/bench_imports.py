@@ -21,9 +21,11 @@ import statistics
 import subprocess
 import sys
 
-HERE_SRC = str(pathlib.Path(__file__).resolve().parents[1] / "src")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cli import HERE_SRC, IMPORTS  # noqa: E402
+
 TARGETS = {
-    "cli+plan+simulate": "evenpipe.cli, evenpipe.commands.plan, evenpipe.commands.simulate",
+    "cli+plan+simulate": IMPORTS.removeprefix("import "),
     "cli+simulate": "evenpipe.cli, evenpipe.commands.simulate",
     "cli+plan": "evenpipe.cli, evenpipe.commands.plan",
     "sim": "evenpipe.sim",

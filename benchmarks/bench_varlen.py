@@ -136,19 +136,18 @@ def decompose(traced: list[dict[str, Any]], opts: dict[str, Any]) -> dict[str, f
 
     def by_rank_kind(trace: Any) -> dict[str, float]:
         out: dict[str, float] = {}
-        for rank, acts in enumerate(trace.actions):
-            for r in acts:
-                if not r.action.kind.is_transfer:
-                    key = f"rank{rank} {r.action.kind.name}"
-                    out[key] = out.get(key, 0.0) + (r.end - r.start) / len(traced)
+        for r in trace.compute_records():
+            key = f"rank{r.rank} {r.action.kind.name}"
+            out[key] = out.get(key, 0.0) + (r.end - r.start) / len(traced)
         return out
     split: dict[str, list[float]] = {}
+    layout = runtime_layout(opts)
     parts = {"measured_pipeline_s": 0.0, "replay_pipeline_s": 0.0, "predicted_pipeline_s": 0.0,
              "measured_compute_s": 0.0, "predicted_compute_s": 0.0, "measured_concurrency": 0.0,
              "predicted_concurrency": 0.0}
     for step in traced:
         costs = model.sim_costs(schedule, microbatch_size=opts["microbatch_size"], shapes=step["shapes"],
-                                layout=runtime_layout(opts))
+                                layout=layout)
         measured = measured_trace(schedule, step["records"])
         predicted = simulate(schedule, costs)
         for key, value in (("measured_pipeline_s", measured.step_time),
@@ -161,7 +160,8 @@ def decompose(traced: list[dict[str, Any]], opts: dict[str, Any]) -> dict[str, f
         for which, trace in ((0, measured), (1, predicted)):
             for key, value in by_rank_kind(trace).items():
                 split.setdefault(key, [0.0, 0.0])[which] += value
-    return {**parts, "compute_s_by_rank_and_kind (measured, predicted)": split, "replay/measured": parts["replay_pipeline_s"] / parts["measured_pipeline_s"],
+    return {**parts, "compute_s_by_rank_and_kind (measured, predicted)": split,
+            "replay/measured": parts["replay_pipeline_s"] / parts["measured_pipeline_s"],
             "compute predicted/measured": parts["predicted_compute_s"] / parts["measured_compute_s"],
             "profile_processes": model.profile.machine.num_processes}
 
