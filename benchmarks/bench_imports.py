@@ -7,8 +7,8 @@ Each run is a fresh interpreter that times, in-process, one import line (interpr
 the simulator and planner as a library. Both trees are byte-compiled first and read from their bytecode, as an
 installed package is (this environment sets ``PYTHONDONTWRITEBYTECODE``, which would time compiling instead).
 The baseline is another checkout's ``src`` (``git archive <commit> src | tar -x -C /tmp/base``). Prints each
-line's median milliseconds on both sides, their ratio and each side's best, with the 1-minute load before and
-after: on a busy host the figures mean little.
+line's median milliseconds on both sides, their ratio, the spread of the ratio over the alternating pairs and
+each side's best, with the 1-minute load before and after: on a busy host the figures mean little.
 """
 
 from __future__ import annotations
@@ -56,14 +56,17 @@ def main() -> None:
         compileall.compile_dir(src, quiet=1)
     print(f"baseline {args.baseline}, new {HERE_SRC}; {args.repeat} processes a side, alternating; "
           f"load {os.getloadavg()[0]:.2f}")
-    print(f"{'line':20s} {'baseline':>9s} {'new':>9s} {'new/base':>9s} {'best (base / new)':>20s}")
+    print(f"{'line':20s} {'baseline':>9s} {'new':>9s} {'new/base':>9s} {'pairs min-max':>14s} "
+          f"{'best (base / new)':>20s}")
     for name in args.only or list(TARGETS):
         base, new = [], []
         for _ in range(args.repeat):
             base.append(import_ms(args.baseline, TARGETS[name]))
             new.append(import_ms(HERE_SRC, TARGETS[name]))
         mb, mn = statistics.median(base), statistics.median(new)
-        print(f"{name:20s} {mb:6.1f} ms {mn:6.1f} ms {mn / mb:9.2f} {min(base):9.1f} / {min(new):.1f} ms")
+        pairs = [n / b for b, n in zip(base, new)]
+        print(f"{name:20s} {mb:6.1f} ms {mn:6.1f} ms {mn / mb:9.2f} {min(pairs):7.2f}-{max(pairs):.2f} "
+              f"{min(base):9.1f} / {min(new):.1f} ms")
     print(f"load {os.getloadavg()[0]:.2f}")
 
 
